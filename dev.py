@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Set up the project's virtual environment and run the demo or the tests.
+
+The README's quick start is these two commands, on a machine with nothing but Python:
+
+    python3 dev.py demo    # set everything up, then train a small fp16 model and log to ./runs
+    python3 dev.py test    # set everything up, then lint (ruff) and run the test suite (pytest)
+
+Both create ``.venv/`` inside the repository on first use and reuse it afterwards: the
+install is redone only when ``pyproject.toml`` or the pins below change. Extra arguments
+after ``test`` go to pytest (``python3 dev.py test -k policy``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".lossscale-installed"
+
+# What a CPU-only machine needs. torch 2.13.0 resolves to the CPU wheel in pip's
+# find-links; an unpinned torch would pull several GB of CUDA packages.
+PINS = ["torch==2.13.0", "tensorflow-cpu==2.21.0"]
+EXTRAS = "dev"
+
+QUIET_ENV = {
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "WANDB_DISABLE_GIT": "true",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def _python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _stamp() -> str:
+    digest = hashlib.sha256()
+    digest.update((ROOT / "pyproject.toml").read_bytes())
+    digest.update(" ".join([*PINS, EXTRAS, sys.version]).encode())
+    return digest.hexdigest()
+
+
+def setup() -> Path:
+    """Create ``.venv`` and install the project with its extras; a no-op when up to date."""
+    if not _python().exists():
+        print(f"[dev] creating virtual environment in {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    wanted = _stamp()
+    if STAMP.exists() and STAMP.read_text() == wanted:
+        print("[dev] environment is up to date", flush=True)
+        return _python()
+    print("[dev] installing lossscale-callbacks with its extras (about a minute)", flush=True)
+    cmd = [str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+           *PINS, "-e", f"{ROOT}[{EXTRAS}]"]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    STAMP.write_text(wanted)
+    return _python()
+
+
+def _run(args: list[str]) -> int:
+    env = {**os.environ, **QUIET_ENV}
+    return subprocess.run(args, cwd=ROOT, env=env).returncode
+
+
+def demo(python: Path, extra: list[str]) -> int:
+    return _run([str(python), "examples/quickstart.py", *extra])
+
+
+def test(python: Path, extra: list[str]) -> int:
+    print("[dev] ruff check", flush=True)
+    rc = _run([str(python), "-m", "ruff", "check", "."])
+    if rc != 0:
+        return rc
+    print("[dev] pytest", flush=True)
+    return _run([str(python), "-m", "pytest", *extra])
+
+
+def main(argv: list[str]) -> int:
+    commands = {"demo": demo, "test": test}
+    if not argv or argv[0] not in commands:
+        print(f"usage: python3 dev.py {{{'|'.join(commands)}}} [args...]", file=sys.stderr)
+        return 2
+    python = setup()
+    return commands[argv[0]](python, argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

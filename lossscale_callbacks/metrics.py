@@ -1,0 +1,130 @@
+"""One metric schema for every framework and sink, and the host-side tracker that fills it.
+
+Step axis: every metric is logged against the number of optimizer steps *attempted*,
+skipped ones included (``LossScaleState.steps``). Keras 3's own optimizer does not count
+skipped steps in ``iterations``; this axis does, so the dashboards of a Keras run and a
+Lightning run line up.
+
+The tracker runs only when the integration reads the device state, at the log interval:
+one host read per interval, never one per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+SCALE = "loss_scale/scale"
+GROWTH_COUNTER = "loss_scale/growth_counter"
+SKIPPED_STEPS = "loss_scale/skipped_steps"
+SKIPPED_IN_INTERVAL = "loss_scale/skipped_in_interval"
+SKIP_RATE = "loss_scale/skip_rate"
+
+METRIC_NAMES: tuple[str, ...] = (SCALE, GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, SKIP_RATE)
+STEP_AXIS = "optimizer steps attempted (skipped steps included)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What one read of the device state tells, plus what the tracker derived from the last reads.
+
+    ``consecutive_skipped`` and ``steps_at_min_scale`` are measured at log-interval
+    resolution: an interval counts as all-skipped when every step in it was skipped, and as
+    spent at ``min_scale`` when the scale was at its minimum at both of its ends.
+    """
+
+    step: int
+    scale: float
+    growth_counter: int
+    hysteresis_left: int
+    skipped_steps: int
+    interval_steps: int
+    skipped_in_interval: int
+    skip_rate: float
+    at_min_scale: bool
+    consecutive_skipped: int
+    steps_at_min_scale: int
+    total_steps_at_min_scale: int
+
+    def metrics(self) -> dict[str, float]:
+        """The metric schema as plain numbers, ready for any logger."""
+        return {
+            SCALE: self.scale,
+            GROWTH_COUNTER: float(self.growth_counter),
+            SKIPPED_STEPS: float(self.skipped_steps),
+            SKIPPED_IN_INTERVAL: float(self.skipped_in_interval),
+            SKIP_RATE: self.skip_rate,
+        }
+
+
+def _host_value(state: Any, name: str) -> Any:
+    if isinstance(state, Mapping):
+        return state[name]
+    return getattr(state, name)
+
+
+class MetricsTracker:
+    """Turns successive host reads of the state into :class:`Snapshot` s.
+
+    Args:
+        min_scale: the policy's ``min_scale``; a scale at or below it counts as "at the minimum".
+
+    Example:
+        >>> from lossscale_callbacks import DynamicPolicy, initial_state, next_state
+        >>> policy = DynamicPolicy(initial_scale=4.0, min_scale=1.0)
+        >>> tracker = MetricsTracker(min_scale=policy.min_scale)
+        >>> state = initial_state(policy)
+        >>> for finite in [False, True, False, True]:
+        ...     state = next_state(policy, state, finite)
+        >>> snap = tracker.observe(state)  # the one host read of this interval
+        >>> snap.metrics()["loss_scale/skip_rate"], snap.scale
+        (0.5, 1.0)
+    """
+
+    def __init__(self, min_scale: float) -> None:
+        self.min_scale = float(min_scale)
+        self.reset()
+
+    def reset(self) -> None:
+        self._last: Snapshot | None = None
+
+    @property
+    def last(self) -> Snapshot | None:
+        return self._last
+
+    def observe(self, state: Any) -> Snapshot:
+        """Record one host read. ``state`` is a :class:`LossScaleState` or a mapping of host numbers."""
+        step = int(_host_value(state, "steps"))
+        skipped = int(_host_value(state, "skipped_steps"))
+        scale = float(_host_value(state, "scale"))
+        prev = self._last
+        prev_step = prev.step if prev is not None else 0
+        prev_skipped = prev.skipped_steps if prev is not None else 0
+        # A restored checkpoint or a new run can move the counters backwards; start afresh.
+        if step < prev_step or skipped < prev_skipped:
+            prev, prev_step, prev_skipped = None, 0, 0
+        interval = step - prev_step
+        skipped_now = skipped - prev_skipped
+        at_min = scale <= self.min_scale
+        all_skipped = interval > 0 and skipped_now == interval
+        consecutive = (prev.consecutive_skipped if prev else 0) + interval if all_skipped else 0
+        stayed_at_min = at_min and (prev.at_min_scale if prev else False)
+        at_min_run = (prev.steps_at_min_scale if prev else 0) + interval if stayed_at_min else 0
+        snapshot = Snapshot(
+            step=step,
+            scale=scale,
+            growth_counter=int(_host_value(state, "growth_counter")),
+            hysteresis_left=int(_host_value(state, "hysteresis_left")),
+            skipped_steps=skipped,
+            interval_steps=interval,
+            skipped_in_interval=skipped_now,
+            skip_rate=skipped_now / interval if interval > 0 else 0.0,
+            at_min_scale=at_min,
+            consecutive_skipped=consecutive,
+            steps_at_min_scale=at_min_run,
+            total_steps_at_min_scale=(prev.total_steps_at_min_scale if prev else 0)
+            + (interval if stayed_at_min else 0),
+        )
+        self._last = snapshot
+        return snapshot

@@ -1,0 +1,144 @@
+"""Where metrics go: the ``Sink`` protocol, an in-memory sink, and the guard every sink runs behind.
+
+A sink receives the metric schema of :mod:`lossscale_callbacks.metrics` at the log interval.
+Training must never die because a dashboard is down, so integrations wrap each sink in
+:class:`GuardedSink`: the first failure is warned once and the sink is disabled, while the
+other sinks and the training run go on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """A destination for loss-scale metrics (TensorBoard, W&B, memory, ...).
+
+    ``step`` is the number of optimizer steps attempted, skipped ones included.
+    """
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def write_text(self, tag: str, markdown: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InMemorySink:
+    """Keeps everything written to it: for tests, notebooks and custom reporting.
+
+    Example:
+        >>> sink = InMemorySink()
+        >>> sink.write(100, {"loss_scale/scale": 1024.0})
+        >>> sink.series("loss_scale/scale")
+        [(100, 1024.0)]
+    """
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict[str, float]]] = []
+        self.texts: list[tuple[str, str]] = []
+        self.flushes = 0
+        self.closed = False
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.records.append((int(step), {k: float(v) for k, v in metrics.items()}))
+
+    def write_text(self, tag: str, markdown: str) -> None:
+        self.texts.append((tag, markdown))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    def series(self, name: str) -> list[tuple[int, float]]:
+        """``(step, value)`` pairs of one metric, in the order written."""
+        return [(step, metrics[name]) for step, metrics in self.records if name in metrics]
+
+
+class SinkFailureWarning(UserWarning):
+    """A sink failed and was disabled; training goes on."""
+
+
+class GuardedSink:
+    """Runs a sink so that its failure costs one warning, never the training run.
+
+    Args:
+        sink: any object with the :class:`Sink` methods.
+        name: how the warning names the sink (defaults to its class name).
+    """
+
+    def __init__(self, sink: Sink, name: str | None = None) -> None:
+        for method in ("write", "write_text", "flush", "close"):
+            if not callable(getattr(sink, method, None)):
+                raise ValueError(f"sink {sink!r} has no callable {method}(); a sink needs "
+                                 "write, write_text, flush and close")
+        self.sink = sink
+        self.name = name or type(sink).__name__
+        self.disabled = False
+
+    def _call(self, method: str, *args: object) -> None:
+        if self.disabled:
+            return
+        try:
+            getattr(self.sink, method)(*args)
+        except Exception as exc:  # any failure of a dashboard must not reach the training loop
+            self.disabled = True
+            warnings.warn(
+                f"[lossscale-callbacks] the {self.name} sink failed in {method}() and is disabled for "
+                f"the rest of this run; training and the other sinks go on. Cause: "
+                f"{type(exc).__name__}: {exc}",
+                SinkFailureWarning, stacklevel=3,
+            )
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._call("write", step, metrics)
+
+    def write_text(self, tag: str, markdown: str) -> None:
+        self._call("write_text", tag, markdown)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def close(self) -> None:
+        self._call("close")
+
+
+class SinkGroup:
+    """Several guarded sinks written together.
+
+    Example:
+        >>> memory = InMemorySink()
+        >>> group = SinkGroup([memory])
+        >>> group.write(10, {"loss_scale/scale": 2.0})
+        >>> memory.series("loss_scale/scale")
+        [(10, 2.0)]
+    """
+
+    def __init__(self, sinks: Iterable[Sink] = ()) -> None:
+        self.sinks = [s if isinstance(s, GuardedSink) else GuardedSink(s) for s in sinks]
+
+    def __len__(self) -> int:
+        return len(self.sinks)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        for sink in self.sinks:
+            sink.write(step, metrics)
+
+    def write_text(self, tag: str, markdown: str) -> None:
+        for sink in self.sinks:
+            sink.write_text(tag, markdown)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
