@@ -1,0 +1,1 @@
+"""lossscale_callbacks.keras (integration under construction)."""

@@ -1,0 +1,1 @@
+"""lossscale_callbacks.lightning (integration under construction)."""

@@ -1,0 +1,1 @@
+"""lossscale_callbacks.tensorboard (integration under construction)."""
