@@ -72,7 +72,7 @@ def _run(args: list[str]) -> int:
 
 
 def demo(python: Path, extra: list[str]) -> int:
-    return _run([str(python), "examples/quickstart.py", *extra])
+    return _run([str(python), "examples/core_simulation.py", *extra])
 
 
 def test(python: Path, extra: list[str]) -> int:

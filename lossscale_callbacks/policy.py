@@ -207,7 +207,8 @@ class RuleConstants:
     """The numbers the update rule needs, in one shape for every policy.
 
     A :class:`FixedPolicy` is a dynamic rule whose factors are 1 and whose bounds are the
-    scale itself, so one branch-free rule serves both.
+    scale itself, so one branch-free rule serves both; its ``growth_counter`` and
+    ``hysteresis_left`` stay 0.
     """
 
     growth_interval: int
@@ -223,5 +224,7 @@ def rule_constants(policy: Policy) -> RuleConstants:
         return RuleConstants(policy.growth_interval, policy.growth_factor, policy.backoff_factor,
                              policy.hysteresis, policy.min_scale, policy.max_scale)
     if isinstance(policy, FixedPolicy):
-        return RuleConstants(1, 1.0, 1.0, 1, policy.scale, policy.scale)
+        # Growing or backing off by 1 within [scale, scale] keeps the scale; hysteresis 0 keeps
+        # hysteresis_left at 0 and growth_interval 1 keeps growth_counter at 0.
+        return RuleConstants(1, 1.0, 1.0, 0, policy.scale, policy.scale)
     raise ValueError(f"policy must be a DynamicPolicy or FixedPolicy, got {type(policy).__name__}")

@@ -56,7 +56,8 @@ def next_state(policy: Policy, state: LossScaleState, finite: Any, ops: Ops = NU
     After the h-th overflow without growth in between, every further overflow backs off
     too (Megatron-LM's hysteresis). A :class:`~lossscale_callbacks.FixedPolicy` runs the
     same rule with factors of 1 and bounds equal to its scale, so its scale never moves,
-    its ``growth_counter`` stays 0, and non-finite steps are still skipped and counted.
+    its ``growth_counter`` and ``hysteresis_left`` stay 0, and non-finite steps are still
+    skipped and counted.
 
     All arithmetic on the scale is float32 (constants are rounded to float32 first), so
     every backend produces the same bits. ``max_scale * growth_factor < 2**127`` (checked

@@ -1,0 +1,16 @@
+import importlib.util
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "core_simulation.py"
+
+
+def test_core_simulation_example_prints_the_trajectory(capsys):
+    spec = importlib.util.spec_from_file_location("core_simulation", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sink = module.main(steps=1000, log_every=100)
+    out = capsys.readouterr().out
+    scales = [value for _, value in sink.series("loss_scale/scale")]
+    assert len(scales) == 10 and scales[0] < 2.0**15  # settled down from the initial scale
+    assert "Loss scaling: 1000 optimizer steps" in out
+    assert out.count("\n") >= 12

@@ -1,0 +1,148 @@
+import warnings
+
+import pytest
+
+from lossscale_callbacks import (
+    METRIC_NAMES,
+    ConsecutiveSkips,
+    DynamicPolicy,
+    HealthMonitor,
+    LossScaleHealthError,
+    LossScaleHealthWarning,
+    MetricsTracker,
+    SkipRate,
+    StuckAtMinScale,
+    initial_state,
+    next_state,
+    summarize,
+)
+from lossscale_callbacks.health import evaluate
+
+
+def run(policy, flags, tracker, every):
+    """Step the core, observing the state every `every` steps; returns the snapshots."""
+    state, snaps = initial_state(policy), []
+    for t, finite in enumerate(flags, start=1):
+        state = next_state(policy, state, finite)
+        if t % every == 0:
+            snaps.append(tracker.observe(state))
+    return snaps
+
+
+def test_metric_schema_names():
+    assert METRIC_NAMES == ("loss_scale/scale", "loss_scale/growth_counter", "loss_scale/skipped_steps",
+                            "loss_scale/skipped_in_interval", "loss_scale/skip_rate")
+
+
+def test_tracker_intervals_and_rates():
+    policy = DynamicPolicy(initial_scale=1024.0, growth_interval=1000)
+    tracker = MetricsTracker(policy.min_scale)
+    flags = [False, False] + [True] * 8 + [True, False, True, False, True, True, True, True, True, True]
+    first, second = run(policy, flags, tracker, every=10)
+    assert (first.step, first.skipped_in_interval, first.skip_rate) == (10, 2, 0.2)
+    assert (second.step, second.skipped_steps, second.skipped_in_interval, second.skip_rate) == (20, 4, 2, 0.2)
+    assert second.metrics() == {
+        "loss_scale/scale": 1024.0 / 16, "loss_scale/growth_counter": 6.0, "loss_scale/skipped_steps": 4.0,
+        "loss_scale/skipped_in_interval": 2.0, "loss_scale/skip_rate": 0.2,
+    }
+
+
+def test_tracker_restarts_when_counters_go_back():
+    tracker = MetricsTracker(min_scale=1.0)
+    host = {"scale": 8.0, "growth_counter": 0, "hysteresis_left": 1}
+    tracker.observe({**host, "steps": 100, "skipped_steps": 10})
+    snap = tracker.observe({**host, "steps": 20, "skipped_steps": 1})  # e.g. restored from a checkpoint
+    assert (snap.interval_steps, snap.skipped_in_interval) == (20, 1)
+
+
+def test_consecutive_skips_and_time_at_minimum_are_measured_per_interval():
+    policy = DynamicPolicy(initial_scale=4.0, min_scale=1.0)
+    tracker = MetricsTracker(policy.min_scale)
+    snaps = run(policy, [False] * 30 + [True, False] * 5, tracker, every=10)
+    assert [s.consecutive_skipped for s in snaps] == [10, 20, 30, 0]
+    # at the minimum from step 3 on: intervals 2, 3 and 4 had it at both ends
+    assert [s.steps_at_min_scale for s in snaps] == [0, 10, 20, 30]
+    assert snaps[-1].total_steps_at_min_scale == 30
+
+
+def test_rules_fire_on_problems_and_not_on_settling():
+    policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=2000)
+    settling = [False] * 12 + [True] * 2000
+    snaps = run(policy, settling, MetricsTracker(policy.min_scale), every=100)
+    assert evaluate([ConsecutiveSkips(), SkipRate(), StuckAtMinScale()], snaps) == []
+
+    collapsing = [False] * 1200
+    snaps = run(policy, collapsing, MetricsTracker(policy.min_scale), every=100)
+    verdicts = {v.rule: v for v in evaluate([ConsecutiveSkips(), SkipRate(), StuckAtMinScale()], snaps)}
+    assert set(verdicts) == {"consecutive_skips", "skip_rate", "stuck_at_min_scale"}
+    assert "expected while the scale settles" in verdicts["consecutive_skips"].message
+    assert all("bf16" in v.message for v in verdicts.values())
+
+
+def test_skip_rate_window_ignores_warmup_and_threshold():
+    policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=10_000)
+    # 4% skipped after warm-up: under the 5% default, over a 3% limit
+    flags = [False] * 50 + [True] * 50 + ([False] + [True] * 24) * 40
+    snaps = run(policy, flags, MetricsTracker(policy.min_scale), every=50)
+    assert SkipRate()(snaps) is None
+    verdict = SkipRate(max_rate=0.03)(snaps)
+    assert verdict is not None and "4.0% of the last 1000" in verdict.message
+    assert SkipRate(max_rate=0.03, window=5000)(snaps) is None  # not enough steps yet
+
+
+def test_monitor_reports_each_problem_once_and_acts():
+    policy = DynamicPolicy(initial_scale=4.0)
+    tracker, monitor = MetricsTracker(policy.min_scale), HealthMonitor([ConsecutiveSkips(limit=20)])
+    state, fired = initial_state(policy), []
+    for t in range(1, 101):
+        state = next_state(policy, state, t > 60)
+        if t % 10 == 0:
+            fired.append(len(monitor.observe(tracker.observe(state))))
+    assert fired == [0, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+
+    with pytest.warns(LossScaleHealthWarning, match="stopping training"):
+        stops = []
+        assert monitor.apply([monitor.verdicts[0].__class__("r", "stop", 1, "m")], stop=lambda: stops.append(1))
+    assert stops == [1]
+    with pytest.raises(LossScaleHealthError, match="boom"):
+        monitor.apply([monitor.verdicts[0].__class__("r", "raise", 1, "boom")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert monitor.apply([]) is False
+
+
+@pytest.mark.parametrize("spec", ["warn", "raise", "stop", True])
+def test_health_spec_shorthands(spec):
+    monitor = HealthMonitor.from_spec(spec)
+    assert len(monitor.rules) == 3
+    assert {r.action for r in monitor.rules} == {"warn" if spec is True else spec}
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: HealthMonitor.from_spec("shout"), "health"),
+        (lambda: HealthMonitor.from_spec(42), "health"),
+        (lambda: ConsecutiveSkips(limit=0), "limit"),
+        (lambda: ConsecutiveSkips(action="explode"), "action"),
+        (lambda: SkipRate(max_rate=0.0), "max_rate"),
+        (lambda: SkipRate(max_rate=True), "max_rate"),
+        (lambda: SkipRate(window=0), "window"),
+        (lambda: SkipRate(warmup_steps=-1), "warmup_steps"),
+        (lambda: StuckAtMinScale(limit=1.5), "limit"),
+        (lambda: MetricsTracker(1.0) and HealthMonitor([object()]), "health rules"),
+    ],
+)
+def test_invalid_health_arguments(make, name):
+    with pytest.raises(ValueError, match=name):
+        make()
+    assert HealthMonitor.from_spec(None) is None and HealthMonitor.from_spec(False) is None
+
+
+def test_summary_in_plain_words():
+    policy = DynamicPolicy(initial_scale=4.0)
+    snaps = run(policy, [False] * 30 + [True] * 10, MetricsTracker(policy.min_scale), every=10)
+    text = summarize(snaps[-1], policy.min_scale)
+    assert "40 optimizer steps, 30 skipped (75.00%)" in text
+    assert "final loss scale 1" in text and "at the minimum scale (1)" in text
+    assert summarize(None) == "Loss scaling: no optimizer step was taken."

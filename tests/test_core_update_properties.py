@@ -1,0 +1,154 @@
+"""Property tests: the core's update rule against the plain-Python oracle in tests/oracle.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lossscale_callbacks import DynamicPolicy, FixedPolicy, initial_state, next_state
+from oracle import Oracle
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@st.composite
+def dynamic_policies(draw):
+    min_exp = draw(st.integers(-100, 10))
+    max_exp = draw(st.integers(max(min_exp, 0), 120))
+    min_scale = 2.0**min_exp * draw(st.sampled_from([1.0, 1.3, 0.7]))
+    max_scale = 2.0**max_exp * draw(st.sampled_from([1.0, 1.7, 0.9]))
+    min_scale, max_scale = min(min_scale, max_scale), max(min_scale, max_scale)
+    growth = draw(st.sampled_from([2.0, 1.5, 1.0001, 3.0, 4.0, 7.3]))
+    initial = draw(st.floats(min_scale, max_scale, allow_nan=False, allow_infinity=False))
+    return DynamicPolicy(
+        initial_scale=initial,
+        growth_interval=draw(st.integers(1, 60)),
+        growth_factor=growth,
+        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.9, 0.999, 0.1, 1e-3])),
+        hysteresis=draw(st.integers(1, 6)),
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+
+
+def oracle_for(policy) -> Oracle:
+    if isinstance(policy, FixedPolicy):
+        return Oracle(scale=policy.scale, interval=1, growth=1.0, backoff=1.0, hysteresis=0,
+                      min_scale=policy.scale, max_scale=policy.scale, dynamic=False)
+    return Oracle(scale=policy.initial_scale, interval=policy.growth_interval, growth=policy.growth_factor,
+                  backoff=policy.backoff_factor, hysteresis=policy.hysteresis,
+                  min_scale=policy.min_scale, max_scale=policy.max_scale)
+
+
+# Runs of equal outcomes let hypothesis reach sequences of up to 10,000 steps cheaply.
+runs = st.lists(st.tuples(st.booleans(), st.integers(1, 400)), max_size=60)
+
+
+def expand(run_list, limit=10_000):
+    flags = [flag for flag, length in run_list for _ in range(length)]
+    return flags[:limit]
+
+
+def host(state):
+    return (float(state.scale), int(state.growth_counter), int(state.hysteresis_left),
+            int(state.skipped_steps), int(state.steps))
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=dynamic_policies(), run_list=runs)
+def test_rule_matches_oracle_at_every_step(policy, run_list):
+    state, oracle = initial_state(policy), oracle_for(policy)
+    assert host(state) == oracle.values()
+    for t, finite in enumerate(expand(run_list)):
+        state = next_state(policy, state, finite)
+        oracle.step(finite)
+        assert host(state) == oracle.values(), f"step {t}"
+        assert np.asarray(state.scale).dtype == np.float32
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=dynamic_policies(), run_list=runs)
+def test_invariants(policy, run_list):
+    state = initial_state(policy)
+    min_scale, max_scale = np.float32(policy.min_scale), np.float32(policy.max_scale)
+    clean_run = 0
+    for finite in expand(run_list):
+        before = host(state)
+        state = next_state(policy, state, finite)
+        scale, counter, hysteresis_left, skipped, steps = host(state)
+        assert math.isfinite(scale) and min_scale <= scale <= max_scale
+        assert 0 <= counter < policy.growth_interval
+        assert 0 <= hysteresis_left <= policy.hysteresis
+        assert steps == before[4] + 1
+        assert skipped == before[3] + (0 if finite else 1)
+        assert skipped <= steps
+        clean_run = clean_run + 1 if finite else 0
+        if finite and clean_run % policy.growth_interval == 0:
+            # growth exactly after growth_interval clean steps (capped at max_scale)
+            assert counter == 0 and scale == min(np.float32(before[0] * np.float32(policy.growth_factor)),
+                                                 max_scale)
+            assert hysteresis_left == policy.hysteresis
+        elif finite:
+            assert scale == before[0] and counter == before[1] + 1
+        else:
+            assert counter == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=dynamic_policies(), clean=st.integers(0, 30), overflows=st.integers(1, 12))
+def test_backoff_happens_on_the_hysteresis_th_overflow_since_growth(policy, clean, overflows):
+    state = initial_state(policy)
+    for _ in range(clean):
+        state = next_state(policy, state, True)
+    for k in range(1, overflows + 1):
+        before = float(state.scale)
+        state = next_state(policy, state, False)
+        # hysteresis_left counts down from the last refill (initial state or growth)
+        expected_backoff = int(state.hysteresis_left) == 0
+        backed = max(np.float32(before * np.float32(policy.backoff_factor)), np.float32(policy.min_scale))
+        assert float(state.scale) == (backed if expected_backoff else before)
+    # after `hysteresis` overflows in a row, the scale has backed off at least once
+    if overflows >= policy.hysteresis:
+        assert int(state.hysteresis_left) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(scale=st.sampled_from([1.0, 0.5, 128.0, 3.0e4, 1.0e30]), run_list=runs)
+def test_fixed_policy_keeps_scale_and_still_counts_skips(scale, run_list):
+    policy = FixedPolicy(scale)
+    state, oracle = initial_state(policy), oracle_for(policy)
+    for finite in expand(run_list, limit=3000):
+        state = next_state(policy, state, finite)
+        oracle.step(finite)
+    assert host(state) == oracle.values()
+    assert float(state.scale) == np.float32(scale)
+
+
+def test_rule_is_elementwise_over_batches_of_states():
+    policy = DynamicPolicy(initial_scale=8.0, growth_interval=2)
+    state = initial_state(policy)
+    flags = np.array([[True, False], [True, True], [False, True]])
+    for row in flags:
+        state = next_state(policy, state, row)
+    singles = []
+    for column in flags.T:
+        s = initial_state(policy)
+        for flag in column:
+            s = next_state(policy, s, flag)
+        singles.append(host(s))
+    batched = [tuple(float(np.broadcast_to(f, (2,))[i]) for f in state) for i in range(2)]
+    assert batched == [tuple(float(v) for v in single) for single in singles]
+
+
+def test_concrete_trajectory():
+    policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=3, hysteresis=2)
+    state = initial_state(policy)
+    trajectory = []
+    for finite in [False, False, False, True, True, True, False, True]:
+        state = next_state(policy, state, finite)
+        trajectory.append(float(state.scale))
+    assert trajectory == [2.0**15, 2.0**14, 2.0**13, 2.0**13, 2.0**13, 2.0**14, 2.0**14, 2.0**14]
+    assert int(state.skipped_steps) == 4 and int(state.steps) == 8 and int(state.growth_counter) == 1
