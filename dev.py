@@ -59,7 +59,7 @@ def setup() -> Path:
         print("[dev] environment is up to date", flush=True)
         return _python()
     print("[dev] installing lossscale-callbacks with its extras (about a minute)", flush=True)
-    cmd = [str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+    cmd = [str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-qq",
            *PINS, "-e", f"{ROOT}[{EXTRAS}]"]
     subprocess.run(cmd, check=True, cwd=ROOT)
     STAMP.write_text(wanted)
