@@ -1,0 +1,488 @@
+"""Tensor Core alignment check for PyTorch modules (and LightningModules): torch shape capture.
+
+:func:`check_alignment` runs one forward and backward pass of a sample batch under a
+``TorchDispatchMode`` and records every aten op that can run on Tensor Cores (``mm``, ``addmm``,
+``bmm``, ``baddbmm``, ``convolution`` and its backward, the fused attention ops, ``lstm``/``gru``/``rnn``)
+with its shapes and dtype. Because it sees the *executed* ops, a weight used through a raw ``x @ w`` in a
+custom module is found like an ``nn.Linear``.
+
+Attribution: forward ops go to the innermost module whose forward is running (forward pre/post hooks).
+Each module's post-hook also labels the autograd nodes its forward created (``Node.metadata``, bounded
+by the autograd sequence number at the pre-hook), so backward ops, which run outside every forward,
+are attributed through ``torch._C._current_autograd_node()``.
+
+Precision: on a CUDA device a ``dtype`` of float16/bfloat16 runs the pass under ``torch.autocast``. On
+the CPU or the meta device the pass runs in float32 and the ops autocast would run in 16 bits are
+recorded with that dtype ("simulated autocast"): CPU kernels for float16 are slow or missing, and only
+shapes matter here. Host syncs: none beyond the pass itself; the check is meant for train start.
+
+The model's state is left as found: gradients are taken with ``torch.autograd.grad`` (``.grad`` is never
+touched) and buffers (BatchNorm statistics) are restored.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(50, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    >>> report = check_alignment(model, torch.zeros(32, 50), dtype="float16")
+    >>> [(f.layer, f.dimension, f.value, f.severity, f.suggested) for f in report.findings]
+    [('0', 'features_in', 50, 'high', 56)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lossscale_callbacks.alignment import (
+    BACKWARD,
+    EMBEDDING_DIM,
+    FEATURES,
+    FEATURES_IN,
+    FEATURES_OUT,
+    FORWARD,
+    HEAD_DIM,
+    INPUT_GRADIENT,
+    RNN_HIDDEN,
+    RNN_INPUT,
+    TOKENS,
+    VOCAB,
+    WEIGHT_GRADIENT,
+    Capture,
+    LayerInfo,
+    LayerPrecision,
+    ModelDim,
+    OpPrecision,
+    OpRecord,
+    PrecisionInfo,
+    Report,
+    analyze,
+)
+from lossscale_callbacks.alignment.targets import get_target
+
+__all__ = ["capture", "check_alignment"]
+
+_LABEL = "lossscale_callbacks.module"
+_DTYPE_ALIASES = {
+    "auto": "auto",
+    "float16": "float16", "fp16": "float16", "half": "float16", "16": "float16", "16-mixed": "float16",
+    "16-true": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "bf16-mixed": "bfloat16", "bf16-true": "bfloat16",
+    "float32": "float32", "fp32": "float32", "32": "float32", "32-true": "float32",
+}
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_GEMM_OPS = {"mm": (0, 1), "addmm": (1, 2), "_addmm_activation": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
+_ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "_flash_attention_forward", "_efficient_attention_forward"}
+_RNN_OPS = {"lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer", "_cudnn_rnn"}
+_NORM_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return str(dtype).replace("torch.", "")
+    if dtype in (torch.int8, torch.uint8):
+        return "int8"
+    if "float8" in str(dtype):
+        return "float8"
+    return str(dtype).replace("torch.", "")
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+# ---- model dimensions ------------------------------------------------------------------------------
+
+
+def _generic_dims(module: torch.nn.Module) -> tuple[ModelDim, ...]:
+    """Every axis of the module's own 2-D+ parameters, orientation unknown."""
+    dims = []
+    for pname, param in module.named_parameters(recurse=False):
+        shape = tuple(param.shape)
+        if len(shape) < 2:
+            continue
+        for axis, size in enumerate(shape):
+            others = math.prod(shape) // max(size, 1)
+            dims.append(ModelDim(FEATURES, size, lin_params=others, label=f"{pname}.shape[{axis}]"))
+    return tuple(dims)
+
+
+def _typed_dims(module: torch.nn.Module) -> tuple[ModelDim, ...] | None:
+    """Model dimensions of the layer types whose GEMM mapping is known; ``None`` for other modules."""
+    if isinstance(module, torch.nn.Linear):
+        bias = 1 if module.bias is not None else 0
+        return (ModelDim(FEATURES_IN, module.in_features, lin_params=module.out_features,
+                         label="in_features"),
+                ModelDim(FEATURES_OUT, module.out_features, lin_params=module.in_features + bias,
+                         label="out_features"))
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return (ModelDim(VOCAB, module.num_embeddings, lin_params=module.embedding_dim,
+                         label="num_embeddings"),
+                ModelDim(EMBEDDING_DIM, module.embedding_dim, lin_params=module.num_embeddings,
+                         label="embedding_dim"))
+    if isinstance(module, torch.nn.MultiheadAttention):
+        e, h, d = module.embed_dim, module.num_heads, module.head_dim
+        bias = 1 if module.in_proj_bias is not None else 0
+        return (ModelDim(FEATURES_IN, e, quad_params=4, lin_params=4 * bias, label="embed_dim"),
+                ModelDim(FEATURES_OUT, e, gemm_values=(e, 3 * e), quad_params=4, lin_params=4 * bias,
+                         label="embed_dim"),
+                ModelDim(HEAD_DIM, d, lin_params=4 * e * h + 3 * h * bias, label="head_dim"))
+    if isinstance(module, torch.nn.RNNBase):
+        gates = {"LSTM": 4, "GRU": 3}.get(module.mode, 1)
+        hidden, inp, layers = module.hidden_size, module.input_size, module.num_layers
+        dirs = 2 if module.bidirectional else 1
+        nb = 2 if module.bias else 0
+        quad = gates * dirs * (1 + (layers - 1) * (dirs + 1))
+        lin = gates * dirs * (inp + nb) + (layers - 1) * gates * dirs * nb
+        # Upper layers of a bidirectional RNN read both directions: K = 2 * hidden.
+        return (ModelDim(RNN_HIDDEN, hidden, gemm_values=(hidden, gates * hidden, dirs * hidden),
+                         quad_params=quad,
+                         lin_params=lin, label="hidden_size"),
+                ModelDim(RNN_INPUT, inp, lin_params=gates * hidden * dirs, label="input_size"))
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return ()  # convolutions carry their channels in the op itself
+    return None
+
+
+def _layer_infos(model: torch.nn.Module) -> tuple[dict[str, LayerInfo], tuple[ModelDim, ...]]:
+    own: dict[int, tuple[ModelDim, ...]] = {}  # by module identity: a shared module has one name only
+    global_dims: list[ModelDim] = []
+    for _, module in model.named_modules():
+        typed = _typed_dims(module)
+        own[id(module)] = typed if typed is not None else _generic_dims(module)
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            global_dims.extend(own[id(module)])
+    infos = {}
+    for name, module in model.named_modules():
+        fallback = tuple(d for sub in module.modules() if sub is not module for d in own.get(id(sub), ()))
+        infos[name] = LayerInfo(name, type(module).__name__, own[id(module)], fallback)
+    return infos, tuple(global_dims)
+
+
+# ---- the recorder ----------------------------------------------------------------------------------
+
+
+class _Recorder(TorchDispatchMode):
+    """Records Tensor Core candidates and every op's dtype/category while the pass runs."""
+
+    def __init__(self, simulate: str | None, tf32_matmul: bool, tf32_conv: bool) -> None:
+        super().__init__()
+        self.simulate = simulate
+        self.tf32 = {"gemm": tf32_matmul, "conv": tf32_conv}
+        self.records: list[OpRecord] = []
+        self.ops: list[OpPrecision] = []
+        self.softmax_outputs: list[tuple[int, torch.Tensor]] = []
+        self.stack: list[tuple[str, int]] = []
+        self.phase = FORWARD
+
+    # attribution
+    def _where(self) -> tuple[str, str]:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return node.metadata.get(_LABEL, ""), BACKWARD
+        return (self.stack[-1][0] if self.stack else ""), FORWARD
+
+    def _eff(self, dtype: torch.dtype, kind: str) -> str:
+        name = _dtype_name(dtype)
+        if name == "float32":
+            if self.simulate:
+                return self.simulate
+            return "tfloat32" if self.tf32[kind] else "float32"
+        return name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        layer, pass_ = self._where()
+        try:
+            self._record(name, args, layer, pass_)
+        except (IndexError, AttributeError, TypeError, ValueError):
+            pass  # an overload this parser does not know: it is simply not checked
+        if self.phase == "quiet":
+            return out  # our own default loss: not part of the user's model
+        first = next(_tensors(out), None) if isinstance(out, (torch.Tensor, list, tuple)) else None
+        if first is not None and first.is_floating_point():
+            dtype = _dtype_name(first.dtype)
+            tensor_core_op = (name in _GEMM_OPS or name in _ATTENTION_OPS or name in _RNN_OPS
+                              or name.startswith("convolution"))
+            if self.simulate and dtype == "float32" and tensor_core_op:
+                dtype = self.simulate
+            self.ops.append(OpPrecision(name, dtype, layer, pass_ if self.phase != "loss" else FORWARD,
+                                        in_loss=self.phase == "loss"))
+            if name in ("_softmax", "_log_softmax") and pass_ == FORWARD:
+                self.softmax_outputs.append((len(self.ops) - 1, first))
+        return out
+
+    def _record(self, name: str, args: tuple, layer: str, pass_: str) -> None:
+        if name in _GEMM_OPS:
+            ia, ib = _GEMM_OPS[name]
+            a, b = args[ia], args[ib]
+            dtype = self._eff(a.dtype, "gemm")
+            self.records.append(OpRecord.gemm(name, layer, pass_, dtype, m=a.shape[-2], n=b.shape[-1],
+                                              k=a.shape[-1]))
+        elif name == "convolution":
+            self._conv(name, args[0], args[1], args[6], args[8], layer, (pass_,))
+        elif name == "convolution_backward":
+            mask = args[10]
+            passes = tuple(p for p, on in zip((INPUT_GRADIENT, WEIGHT_GRADIENT), mask[:2], strict=True) if on)
+            self._conv(name, args[1], args[2], args[7], args[9], layer, passes)
+        elif name in _ATTENTION_OPS or (name.endswith("_backward") and name[:-9] in _ATTENTION_OPS):
+            q, k, v = (args[1], args[2], args[3]) if name.endswith("_backward") else args[:3]
+            self._attention(name, q, k, v, layer, pass_)
+        elif name in _RNN_OPS:
+            self._rnn(name, args, layer, pass_)
+
+    def _conv(self, name, inp, weight, transposed, groups, layer, passes) -> None:
+        if inp.dim() < 3:
+            return
+        if transposed:
+            in_ch, out_ch = weight.shape[0], weight.shape[1] * groups
+        else:
+            in_ch, out_ch = inp.shape[1], weight.shape[0]
+        fmt = torch.channels_last if inp.dim() == 4 else torch.channels_last_3d if inp.dim() == 5 else None
+        nhwc = fmt is not None and inp.is_contiguous(memory_format=fmt)
+        layout = "NHWC" if nhwc or inp.shape[1] == 1 else "NCHW"
+        dtype = self._eff(inp.dtype, "conv")
+        for p in passes:
+            self.records.append(OpRecord.conv(name, layer, p, dtype, in_channels=in_ch, out_channels=out_ch,
+                                              groups=groups, kernel_elems=math.prod(weight.shape[2:]),
+                                              layout=layout))
+
+    def _attention(self, name, q, k, v, layer, pass_) -> None:
+        dtype = self._eff(q.dtype, "gemm")
+        length, src, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+        self.records.append(OpRecord.gemm(name + ":qk", layer, pass_, dtype, m=length, n=src, k=d, roles={
+            "M": (TOKENS, None), "N": (TOKENS, None), "K": (HEAD_DIM, None)}))
+        self.records.append(OpRecord.gemm(name + ":pv", layer, pass_, dtype, m=length, n=dv, k=src, roles={
+            "M": (TOKENS, None), "N": (HEAD_DIM, None), "K": (TOKENS, None)}))
+
+    def _rnn(self, name, args, layer, pass_) -> None:
+        inp = args[0]
+        if name == "mkldnn_rnn_layer":  # CPU: one call per layer and direction, time-major input
+            pairs, tokens, batch = [(args[1], args[2])], inp.shape[0] * inp.shape[1], args[5].shape[-2]
+        elif name == "_cudnn_rnn":
+            weights, stride = args[1], args[2]
+            pairs = [(weights[i], weights[i + 1]) for i in range(0, len(weights), stride)]
+            tokens, batch = inp.shape[0] * inp.shape[1], inp.shape[0 if args[10] else 1]
+        else:  # lstm/gru/rnn_* .input overloads, as dispatched on other backends
+            params, num_layers, bidirectional = args[2], args[4], args[7]
+            stride = 4 if len(params) % (4 * num_layers * (2 if bidirectional else 1)) == 0 else 2
+            pairs = [(params[i], params[i + 1]) for i in range(0, len(params), stride)]
+            tokens, batch = inp.shape[0] * inp.shape[1], inp.shape[0 if args[8] else 1]
+        dtype = self._eff(pairs[0][0].dtype, "gemm")
+        for w_ih, w_hh in pairs:
+            hidden, size_in, gated = w_hh.shape[1], w_ih.shape[1], w_ih.shape[0]
+            # The input GEMM's K is the input size in the first layer and the hidden size above it:
+            # leave it to value matching against the module's rnn_input/rnn_hidden.
+            self.records.append(OpRecord.gemm(f"{name}:input", layer, pass_, dtype, m=tokens, n=gated,
+                                              k=size_in,
+                                              roles={"M": (TOKENS, None), "N": (RNN_HIDDEN, hidden)}))
+            self.records.append(OpRecord.gemm(f"{name}:recurrent", layer, pass_, dtype, m=batch, n=gated,
+                                              k=hidden, roles={
+                "M": (TOKENS, None), "N": (RNN_HIDDEN, hidden), "K": (RNN_HIDDEN, hidden)}))
+
+
+# ---- running one pass ------------------------------------------------------------------------------
+
+
+def _normalize_dtype(dtype: Any) -> str:
+    if isinstance(dtype, torch.dtype):
+        dtype = _dtype_name(dtype)
+    key = str(dtype).lower()
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_ALIASES)} or a torch dtype, got {dtype!r}")
+    return _DTYPE_ALIASES[key]
+
+
+def _default_forward(model: torch.nn.Module, sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return model(**sample)
+    if isinstance(sample, (list, tuple)):
+        return model(*sample)
+    return model(sample)
+
+
+def _default_loss(output: Any) -> torch.Tensor | None:
+    parts = [t.float().sum() for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    return torch.stack(parts).sum() if parts else None
+
+
+def _device_of(model: torch.nn.Module, sample: Any) -> torch.device:
+    for t in _tensors(sample):
+        return t.device
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _autocast_on(device: torch.device) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device.type))
+    except (RuntimeError, TypeError):  # device types without autocast (meta)
+        return False
+
+
+def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto", tf32: bool | None = None,
+            forward: Callable[[torch.nn.Module, Any], Any] | None = None,
+            loss_fn: Callable[[Any], torch.Tensor] | None = None, backward: bool = True) -> Capture:
+    """Run one forward and backward pass and return what it executed (see :func:`check_alignment`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if sample is None:
+        sample = getattr(model, "example_input_array", None)
+        if sample is None:
+            raise ValueError("sample is required: pass a batch of model inputs (or set "
+                             "model.example_input_array)")
+    want = _normalize_dtype(dtype)
+    device = _device_of(model, sample)
+    params = list(model.parameters())
+    param_dtype = params[0].dtype if params else torch.float32
+    autocast_dtype, simulate = None, None
+    if want == "auto":
+        if _autocast_on(device):
+            want = _dtype_name(torch.get_autocast_dtype(device.type))
+        else:
+            want = _dtype_name(param_dtype) if param_dtype in (torch.float16, torch.bfloat16) else "float32"
+    if want in ("float16", "bfloat16") and param_dtype == torch.float32:
+        if device.type == "cuda" and not _autocast_on(device):
+            autocast_dtype = _TORCH_DTYPES[want]
+        elif device.type != "cuda":
+            simulate = want
+    tf32_matmul = torch.backends.cuda.matmul.allow_tf32 if tf32 is None else bool(tf32)
+    tf32_conv = torch.backends.cudnn.allow_tf32 if tf32 is None else bool(tf32)
+
+    layers, global_dims = _layer_infos(model)
+    recorder = _Recorder(simulate, tf32_matmul, tf32_conv)
+    names = {id(m): n for n, m in model.named_modules()}
+    outputs_by_layer: dict[str, str] = {}
+
+    def pre_hook(module, _args):
+        recorder.stack.append((names[id(module)], torch._C._autograd._get_sequence_nr()))
+
+    def post_hook(module, _args, output):
+        name, start = recorder.stack.pop()
+        for t in _tensors(output):
+            if t.is_floating_point():
+                outputs_by_layer[name] = _dtype_name(t.dtype)
+                break
+        _label(output, name, start)
+
+    handles = []
+    saved_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try:
+        for module in model.modules():
+            handles.append(module.register_forward_pre_hook(pre_hook))
+            handles.append(module.register_forward_hook(post_hook))
+        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else _null()
+        with recorder:
+            with ctx:
+                output = (forward or _default_forward)(model, sample)
+            recorder.phase = "loss" if loss_fn is not None else "quiet"
+            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            recorder.phase = BACKWARD
+            trainable = [p for p in params if p.requires_grad]
+            if backward and loss is not None and loss.requires_grad and trainable:
+                # autograd.grad, not backward(): nothing lands in .grad, and no gradient-accumulation
+                # hook (DDP's reducer, post-accumulate hooks) fires for this one-off pass.
+                torch.autograd.grad(loss, trainable, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in saved_buffers:
+                    b.copy_(saved_buffers[n])
+
+    out_ids = {id(t) for t in _tensors(output)}
+    ops = list(recorder.ops)
+    for index, tensor in recorder.softmax_outputs:
+        if id(tensor) in out_ids:
+            op = ops[index]
+            ops[index] = OpPrecision(op.op, op.dtype, op.layer, op.pass_, op.in_loss, is_output=True)
+    precision = PrecisionInfo("torch", None, _layer_precisions(model, outputs_by_layer), ops)
+    return Capture("torch", recorder.records, layers, global_dims, precision)
+
+
+def _label(output: Any, name: str, start: int) -> None:
+    """Label the autograd nodes this module's forward created (sequence number >= start) with its name."""
+    stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        # Nodes point to older nodes only; anything older than the module's start is outside it.
+        # Leaves (AccumulateGrad) run no GEMM and belong to no single module.
+        if node._sequence_nr() < start or type(node).__name__ == "AccumulateGrad":
+            continue
+        node.metadata.setdefault(_LABEL, name)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _layer_precisions(model: torch.nn.Module, outputs: dict[str, str]) -> list[LayerPrecision]:
+    result = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        result.append(LayerPrecision(
+            name, type(module).__name__, outputs.get(name, _dtype_name(own[0].dtype)),
+            tuple(sorted({_dtype_name(p.dtype) for p in own})),
+            kind="normalization" if isinstance(module, _NORM_TYPES) else None))
+    return result
+
+
+def check_alignment(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto",
+                    target: str | None = None, tf32: bool | None = None,
+                    forward: Callable[[torch.nn.Module, Any], Any] | None = None,
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None, backward: bool = True) -> Report:
+    """Check a module's executed GEMMs/convolutions against the Tensor Core rules, and audit its precision.
+
+    Args:
+        model: any ``torch.nn.Module`` (a LightningModule too).
+        sample: one batch of model *inputs* (a tensor, a tuple of positional inputs or a dict of keyword
+            inputs); ``None`` uses ``model.example_input_array``.
+        dtype: the math dtype of training: ``"auto"`` (the active autocast dtype, else the parameters'
+            dtype), ``"float16"``/``"16-mixed"``, ``"bfloat16"``/``"bf16-mixed"``, ``"float32"``/``"32-true"``
+            or a torch dtype.
+        target: ``None`` or a GPU name (``"a100"``, ``"h100"``, ``"v100"``...) for its recommendations.
+        tf32: whether float32 matmuls/convolutions run as TF32; ``None`` reads
+            ``torch.backends.cuda.matmul.allow_tf32`` and ``torch.backends.cudnn.allow_tf32``.
+        forward: ``forward(model, sample) -> output``; defaults to calling the model on the sample.
+        loss_fn: ``loss_fn(output) -> scalar``; defaults to the sum of the floating outputs.
+        backward: also run the backward pass (its GEMMs add the weight-gradient view of the token
+            dimension; the findings on model dimensions are the same from the forward pass alone).
+
+    Returns:
+        A :class:`~lossscale_callbacks.alignment.Report`.
+
+    Example:
+        >>> import torch
+        >>> report = check_alignment(torch.nn.Linear(64, 128), torch.zeros(32, 64), dtype="float16")
+        >>> report.findings, report.has("high")
+        ([], False)
+    """
+    get_target(target)  # validate before running anything
+    cap = capture(model, sample, dtype=dtype, tf32=tf32, forward=forward, loss_fn=loss_fn, backward=backward)
+    return analyze(cap, target=target)

@@ -1,0 +1,64 @@
+"""Find the framework capture for a model object or a model file, without importing any framework.
+
+The core never depends on an integration: the capture is looked up at call time, first through the
+``lossscale_callbacks.checkers`` entry points (name = framework), then through the integration module
+of the installed package (``lossscale_callbacks.keras.alignment``,
+``lossscale_callbacks.lightning.alignment``).
+A model's framework is read from its class hierarchy, so nothing is imported to find it.
+
+Example:
+    >>> class Fake:  # neither a keras.Model nor a torch.nn.Module
+    ...     pass
+    >>> framework_of(Fake())
+    Traceback (most recent call last):
+    ...
+    ValueError: model must be a keras.Model or a torch.nn.Module, got Fake
+    >>> framework_of_file("model.keras")
+    'keras'
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ENTRY_POINT_GROUP = "lossscale_callbacks.checkers"
+_MODULES = {"keras": "lossscale_callbacks.keras.alignment",
+            "torch": "lossscale_callbacks.lightning.alignment"}
+_FILE_SUFFIXES = {".keras": "keras", ".h5": "keras"}
+
+
+def framework_of(model: Any) -> str:
+    """``"keras"`` or ``"torch"`` from the model's class hierarchy."""
+    roots = {cls.__module__.split(".")[0] for cls in type(model).__mro__}
+    if "keras" in roots:
+        return "keras"
+    if "torch" in roots:
+        return "torch"
+    raise ValueError(f"model must be a keras.Model or a torch.nn.Module, got {type(model).__name__}")
+
+
+def framework_of_file(path: str | Path) -> str:
+    """The framework that reads a model file, from its suffix."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in _FILE_SUFFIXES:
+        raise ValueError(f"model file must end in one of {sorted(_FILE_SUFFIXES)}, got {str(path)!r}")
+    return _FILE_SUFFIXES[suffix]
+
+
+def load_checker(framework: str) -> ModuleType:
+    """The capture module of ``framework`` (it has ``check_alignment``; Keras' also ``check_model_file``)."""
+    if framework not in _MODULES:
+        raise ValueError(f"framework must be one of {sorted(_MODULES)}, got {framework!r}")
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == framework:
+            return ep.load()
+    return importlib.import_module(_MODULES[framework])
+
+
+def check_any(model: Any, sample: Any = None, **kwargs: Any):
+    """``check_alignment`` of the model's own framework."""
+    return load_checker(framework_of(model)).check_alignment(model, sample, **kwargs)

@@ -1,0 +1,79 @@
+"""``lossscale-callbacks check MODEL.keras --batch-size N [--json] [--target GPU]``: the alignment check.
+
+Loads the model file (without compiling it), traces one training step at the given batch size and
+prints the findings table (or the whole report as JSON). Exit status: 0 when nothing is at least as
+severe as ``--fail-on`` (default ``high``), 1 when something is, 2 when the file cannot be checked.
+
+Example:
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(prog="lossscale-callbacks")
+    >>> _ = add_check_parser(parser.add_subparsers(dest="command"))
+    >>> args = parser.parse_args(["check", "model.keras", "--batch-size", "64", "--target", "a100"])
+    >>> args.model, args.batch_size, args.target, args.json, args.fail_on
+    ('model.keras', 64, 'a100', False, 'high')
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from lossscale_callbacks.alignment.checkers import framework_of_file, load_checker
+from lossscale_callbacks.alignment.targets import TARGETS
+
+_TF32 = {"auto": None, "on": True, "off": False}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--batch-size must be a positive integer, got {text}")
+    return value
+
+
+def add_check_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``check`` command to an ``argparse`` subparsers object; ``args.func`` runs it."""
+    parser = subparsers.add_parser(
+        "check", help="check a saved model's shapes against the Tensor Core rules",
+        description="Trace one training step of a saved Keras model and report the layer dimensions that "
+                    "keep Tensor Cores from running at full speed, and mixed-precision problems.")
+    parser.add_argument("model", help="a saved Keras model (.keras)")
+    parser.add_argument("--batch-size", type=_positive_int, default=8,
+                        help="training batch size (a GEMM dimension too); default 8")
+    parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    parser.add_argument("--target", choices=sorted(TARGETS), default=None,
+                        help="GPU whose recommendations (128-byte alignment, SM count) apply")
+    parser.add_argument("--tf32", choices=sorted(_TF32), default="auto",
+                        help="whether float32 runs as TF32 (default: TensorFlow's own setting)")
+    parser.add_argument("--fail-on", choices=("high", "medium", "low", "never"), default="high",
+                        help="lowest severity that makes the exit status 1 (default high)")
+    parser.set_defaults(func=run_check)
+    return parser
+
+
+def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None,
+              check_file: Callable[..., object] | None = None) -> int:
+    """Run the ``check`` command; returns the exit status.
+
+    ``check_file(path, batch_size=, target=, tf32=) -> Report`` replaces the framework's loader (tests).
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    path = Path(args.model)
+    if not path.exists():
+        print(f"lossscale-callbacks check: {path}: no such file", file=err)
+        return 2
+    try:
+        if check_file is None:
+            check_file = load_checker(framework_of_file(path)).check_model_file
+    except (ValueError, ImportError) as exc:
+        print(f"lossscale-callbacks check: {exc}", file=err)
+        return 2
+    report = check_file(str(path), batch_size=args.batch_size, target=args.target, tf32=_TF32[args.tf32])
+    print(report.to_json() if args.json else str(report), file=out)
+    if args.fail_on == "never":
+        return 0
+    return 1 if report.at_least(args.fail_on) else 0

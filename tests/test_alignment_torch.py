@@ -1,0 +1,148 @@
+"""torch shape capture: the zoo, attribution of backward ops, layout, meta device, state, audit."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from alignment_models.expected import CASES, finding_keys, note_keys  # noqa: E402
+from alignment_models.reports import torch_report  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lossscale_callbacks.alignment import BACKWARD, FORWARD  # noqa: E402
+from lossscale_callbacks.lightning.alignment import capture, check_alignment  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_zoo_model_gets_exactly_its_findings(name):
+    report = torch_report(name)
+    assert finding_keys(report) == CASES[name].findings, str(report)
+    assert note_keys(report) == CASES[name].notes, str(report)
+
+
+def test_every_pass_is_attributed_to_its_module():
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(50, 64))
+    model.add_module("act", nn.ReLU())
+    model.add_module("fc2", nn.Linear(64, 16))
+    cap = capture(model, torch.randn(32, 50), dtype="float16")
+    seen = {(r.layer, r.pass_, tuple(d.value for d in r.dims)) for r in cap.records}
+    assert seen == {("fc1", FORWARD, (32, 64, 50)), ("fc1", BACKWARD, (64, 50, 32)),  # no input grad of x
+                    ("fc2", FORWARD, (32, 16, 64)), ("fc2", BACKWARD, (32, 64, 16)),
+                    ("fc2", BACKWARD, (16, 64, 32))}
+    assert {r.dtype for r in cap.records} == {"float16"}
+    report = check_alignment(model, torch.randn(32, 50), dtype="float16")
+    passes = {f.dimension: f.passes for f in report.findings}
+    assert passes == {"features_in": ("forward", "weight-gradient")}
+
+
+def test_nchw_float16_convolutions_get_one_layout_finding():
+    model = nn.Sequential(nn.Conv2d(3, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                          nn.Conv2d(64, 64, 3))
+    report = check_alignment(model, torch.randn(8, 3, 16, 16), dtype="float16")
+    assert [(f.layer, f.dimension, f.severity) for f in report.findings] == [("*", "layout", "medium")]
+    assert report.findings[0].layers == ("0", "2", "4")
+    fp32 = check_alignment(model, torch.randn(8, 3, 16, 16), dtype="float32", tf32=True)
+    assert fp32.findings == []  # the transpose only matters for 16-bit Tensor Core kernels
+
+
+def test_meta_device_needs_no_memory():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(50, 4096), nn.ReLU(), nn.Linear(4096, 50257))
+        sample = torch.empty(32, 50)
+    report = check_alignment(model, sample, dtype="float16")
+    assert {(f.layer, f.dimension, f.value) for f in report.findings} == {
+        ("0", "features_in", 50), ("2", "features_out", 50257)}
+
+
+def test_model_state_is_left_as_found():
+    model = nn.Sequential(nn.Linear(16, 24), nn.BatchNorm1d(24), nn.Linear(24, 8))
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    check_alignment(model, torch.randn(32, 16) * 5 + 3, dtype="float16")
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert model[2].weight.grad is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_dtype_auto_follows_active_autocast_or_parameters():
+    model = nn.Linear(50, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {f.dtype for f in check_alignment(model, torch.randn(32, 50)).findings} == {"bfloat16"}
+    assert check_alignment(model, torch.randn(32, 50), tf32=False).findings == []  # plain float32
+    half = check_alignment(nn.Linear(50, 64).half(), torch.randn(32, 50).half())
+    assert {f.dtype for f in half.findings} == {"float16"}
+
+
+def test_lightning_module_example_input_array_is_the_default_sample():
+    lightning = pytest.importorskip("lightning")
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(50, 64)
+            self.example_input_array = torch.zeros(32, 50)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    report = check_alignment(Module(), dtype="16-mixed")
+    assert [(f.layer, f.dimension, f.value) for f in report.findings] == [("fc", "features_in", 50)]
+
+
+def test_arguments_are_validated():
+    with pytest.raises(ValueError, match="sample is required"):
+        check_alignment(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        check_alignment(nn.Linear(8, 8), torch.zeros(8, 8), dtype="float12")
+    with pytest.raises(ValueError, match="target must be one of"):
+        check_alignment(nn.Linear(8, 8), torch.zeros(8, 8), target="k80")
+    with pytest.raises(ValueError, match=r"torch\.nn\.Module"):
+        check_alignment(object(), torch.zeros(8, 8))
+
+
+class SoftmaxNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+        self.out = nn.Linear(128, 16)
+
+    def forward(self, x):
+        return torch.softmax(self.out(self.norm(torch.relu(self.fc(x)))), dim=-1)
+
+
+def test_audit_flags_a_half_model_with_float16_output_softmax():
+    report = check_alignment(SoftmaxNet().half(), torch.randn(32, 64).half())
+    checks = {(a.check, a.layer, a.severity) for a in report.audit}
+    assert checks == {("variable_dtype", "fc", "high"), ("variable_dtype", "norm", "high"),
+                      ("variable_dtype", "out", "high"), ("float16_normalization", "norm", "high"),
+                      ("float16_softmax", "", "high")}
+
+
+def test_audit_is_silent_under_autocast_and_flags_a_float16_loss():
+    assert check_alignment(SoftmaxNet(), torch.randn(32, 64), dtype="float16").audit == []
+    model = nn.Linear(64, 16).half()
+    report = check_alignment(model, torch.randn(32, 64).half(),
+                             loss_fn=lambda y: torch.log_softmax(y, -1).mean())
+    assert ("float16_loss", "", "high") in {(a.check, a.layer, a.severity) for a in report.audit}
+    assert report.op_categories["allow"] == {"float16": 2}
+
+
+def test_bidirectional_stacked_rnn_and_forward_only():
+    model = nn.LSTM(20, 30, num_layers=2, bidirectional=True, batch_first=True)
+    for backward in (True, False):
+        report = check_alignment(model, torch.randn(8, 16, 20), dtype="float16", backward=backward)
+        assert {(f.layer, f.dimension, f.value, f.severity) for f in report.findings} == {
+            ("", "rnn_hidden", 30, "high"), ("", "rnn_input", 20, "high")}, str(report)
+
+
+def test_no_gradient_accumulation_hook_fires():
+    # DDP's reducer and optimizers in backward hook gradient accumulation; the check must not trigger them.
+    model = nn.Linear(16, 24)
+    fired = []
+    model.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    check_alignment(model, torch.randn(8, 16), dtype="float16")
+    assert fired == [] and model.weight.grad is None
