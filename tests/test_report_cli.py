@@ -1,0 +1,311 @@
+"""``lossscale-callbacks report``: plain-words summary, PNG, JSON equal to the written values, exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import wandb
+
+from lossscale_callbacks import DynamicPolicy
+from lossscale_callbacks import metrics as m
+from lossscale_callbacks.cli import main
+from lossscale_callbacks.report import available_readers, build_report
+from lossscale_callbacks.tensorboard import TensorBoardSink
+from lossscale_callbacks.wandb import WandbSink, wait_until_finished
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = Path(sys.executable).with_name("lossscale-callbacks")
+
+
+def train(sinks, steps=2000, log_every=100, policy=None):
+    path = ROOT / "examples" / "plain_loop_sinks.py"
+    spec = importlib.util.spec_from_file_location("plain_loop_sinks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.train(sinks, steps=steps, log_every=log_every, policy=policy)
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind():
+    yield
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
+def expected_numbers(written):
+    step, last = written[-1]
+    scales = [metrics[m.SCALE] for _, metrics in written]
+    return {
+        "steps": step,
+        "skipped_steps": int(last[m.SKIPPED_STEPS]),
+        "skip_rate": last[m.SKIPPED_STEPS] / step,
+        "final_scale": last[m.SCALE],
+        "min_scale_seen": min(scales),
+        "max_scale_seen": max(scales),
+        "log_points": len(written),
+    }
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def tensorboard_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tb") / "run"
+    policy = DynamicPolicy(initial_scale=2.0**16, growth_interval=200)
+    written = train([TensorBoardSink(folder, min_scale=policy.min_scale, max_scale=policy.max_scale)],
+                    policy=policy)
+    return folder, written
+
+
+def test_readers_are_found_through_entry_points():
+    assert {"tensorboard", "wandb"} <= set(available_readers())
+
+
+def test_report_on_a_tensorboard_run_prints_the_summary_and_writes_a_png(tensorboard_run, tmp_path, capsys):
+    folder, written = tensorboard_run
+    expected = expected_numbers(written)
+    png = tmp_path / "scale.png"
+    assert main(["report", str(folder), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert f"Optimizer steps attempted: {expected['steps']}" in out
+    skipped = f"{expected['skipped_steps']} ({expected['skip_rate']:.2%})"
+    assert f"Skipped steps (Inf/NaN gradients): {skipped}" in out
+    assert f"final {expected['final_scale']:g}" in out
+    assert f"ranged from {expected['min_scale_seen']:g} to {expected['max_scale_seen']:g}" in out
+    assert "Steps at the minimum scale (1)" in out and "Health: OK" in out
+    assert png_size(png) == (900, 600)
+
+
+def test_json_numbers_equal_the_written_ones(tensorboard_run, capsys):
+    folder, written = tensorboard_run
+    assert main(["report", str(folder), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    for key, value in expected_numbers(written).items():
+        assert payload[key] == value, key
+    assert payload["reader"] == "tensorboard" and payload["healthy"] is True and payload["verdicts"] == []
+    assert payload["min_scale"] == 1.0 and payload["png"] is None
+
+
+def test_report_on_a_wandb_offline_run(tmp_path, capsys):
+    written = train([WandbSink(project="t", dir=str(tmp_path), mode="offline")])
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    wait_until_finished(str(run_dir))
+    (run_file,) = run_dir.glob("*.wandb")
+    for path in (tmp_path, tmp_path / "wandb", run_dir, run_file):
+        assert main(["report", str(path), "--json"]) == 0
+        payload = json.loads(capsys.readouterr().out)
+        assert payload["reader"] == "wandb"
+        for key, value in expected_numbers(written).items():
+            assert payload[key] == value, (path, key)
+
+
+def test_health_problems_are_reported_in_plain_words(tmp_path, capsys):
+    # A collapsed run: the scale sits at its minimum and every step is skipped.
+    sink = TensorBoardSink(tmp_path, min_scale=1.0, max_scale=2.0**24)
+    for step in range(100, 2100, 100):
+        sink.write(step, {m.SCALE: 1.0, m.GROWTH_COUNTER: 0.0, m.SKIPPED_STEPS: float(step),
+                          m.SKIPPED_IN_INTERVAL: 100.0, m.SKIP_RATE: 1.0})
+    sink.close()
+    assert main(["report", str(tmp_path), "--png", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "Health: 3 problem(s) found." in out
+    assert "consecutive_skips" in out and "skip_rate" in out and "stuck_at_min_scale" in out
+    assert "Steps at the minimum scale (1): about 1900" in out
+    png_size(tmp_path / "p.png")
+
+
+def test_min_scale_comes_from_the_run_or_the_option():
+    series = {m.SCALE: [(100, 4.0), (200, 4.0)], "loss_scale/min_scale": [(100, 4.0), (200, 4.0)]}
+    assert build_report("r", series).steps_at_min_scale == 100
+    assert build_report("r", series, min_scale=1.0).steps_at_min_scale == 0
+
+
+def _one_line_error(code, err, out=""):
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("lossscale-callbacks report: error: ") and "Traceback" not in err
+    return lines[0]
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    corrupt_tb = tmp_path / "corrupt_tb"
+    corrupt_tb.mkdir()
+    (corrupt_tb / "events.out.tfevents.1.host").write_bytes(os.urandom(300))
+    corrupt_wandb = tmp_path / "offline-run-20250101_000000-abc"
+    corrupt_wandb.mkdir()
+    (corrupt_wandb / "run-abc.wandb").write_bytes(b":W&B\xe1\xbe\x00" + os.urandom(300))
+    not_a_run = tmp_path / "notes.txt"
+    not_a_run.write_text("hello")
+    no_scale = tmp_path / "no_scale"
+    TensorBoardSink(no_scale).write(1, {"epoch_loss": 0.5})
+    cases = {
+        tmp_path / "missing": "no such file",
+        empty: "no TensorBoard or W&B run here",
+        corrupt_tb: "corrupt TensorBoard event file",
+        corrupt_wandb: "corrupt W&B run file",
+        not_a_run: "not a TensorBoard event file",
+        no_scale: "no loss_scale/scale series",
+    }
+    for path, message in cases.items():
+        code = main(["report", str(path)])
+        captured = capsys.readouterr()
+        assert message in _one_line_error(code, captured.err, captured.out), path
+
+
+def test_unwritable_png_exits_2(tensorboard_run, tmp_path, capsys):
+    folder, _ = tensorboard_run
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code = main(["report", str(folder), "--png", str(blocker / "p.png")])
+    captured = capsys.readouterr()
+    assert "cannot write" in _one_line_error(code, captured.err)
+
+
+def test_the_console_script_gives_no_traceback(tensorboard_run, tmp_path):
+    folder, written = tensorboard_run
+    bad = subprocess.run([str(CLI), "report", str(tmp_path / "nothing-here")], capture_output=True, text=True,
+                         timeout=60)
+    _one_line_error(bad.returncode, bad.stderr, bad.stdout)
+    good = subprocess.run([str(CLI), "report", str(folder), "--json"], capture_output=True, text=True,
+                          timeout=60)
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["steps"] == written[-1][0]
+
+
+def test_keras_tensorboard_callback_tags_are_understood(tmp_path, capsys):
+    # Keras' TensorBoard callback writes logs as train/batch_<name> (per batch) and train/epoch_<name>.
+    train_dir, validation_dir = tmp_path / "logs" / "train", tmp_path / "logs" / "validation"
+    keras_like = TensorBoardSink(train_dir)
+    for step in (10, 20, 30):
+        keras_like.write(step, {"batch_" + m.SCALE: 2.0**step, "batch_" + m.SKIPPED_STEPS: 1.0,
+                                "batch_loss": 0.1})
+    keras_like.write(1, {"epoch_" + m.SCALE: 2.0**30, "epoch_loss": 0.1})
+    keras_like.close()
+    TensorBoardSink(validation_dir).write(1, {"epoch_loss": 0.2})
+    assert main(["report", str(tmp_path / "logs"), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert (payload["steps"], payload["skipped_steps"], payload["final_scale"]) == (30, 1, 2.0**30)
+
+    only_epochs = TensorBoardSink(tmp_path / "epochs")
+    only_epochs.write(1, {"epoch_" + m.SCALE: 4.0})
+    only_epochs.close()
+    code = main(["report", str(tmp_path / "epochs")])
+    assert "per-epoch" in _one_line_error(code, capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs written by the framework integrations
+
+
+@pytest.mark.slow
+def test_report_on_a_keras_run(tmp_path, capsys):
+    keras = pytest.importorskip("keras")
+    pytest.importorskip("tensorflow")
+    import numpy as np
+
+    from lossscale_callbacks.keras import LossScaleCallback
+    from lossscale_callbacks.sinks import InMemorySink
+    from lossscale_callbacks.tensorboard import read_run
+
+    log_dir = tmp_path / "logs"
+    memory = InMemorySink()
+    # A first scale of 2**24 overflows float16 gradients: the run skips steps until it settles.
+    policy = DynamicPolicy(initial_scale=2.0**24, growth_interval=6)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer="sgd", loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(160, 4)).astype("float32")
+        y = (x @ np.array([[50.0], [-20.0], [10.0], [40.0]], dtype="float32"))
+        callbacks = [
+            # ours first: Keras hands one logs dict down the list
+            LossScaleCallback(log_every=2, policy=policy, sinks=[memory], health=None,
+                              tensorboard=str(log_dir / "train")),
+            keras.callbacks.TensorBoard(str(log_dir), update_freq=1, write_graph=False),
+        ]
+        model.fit(x, y, batch_size=8, epochs=2, callbacks=callbacks, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+    capsys.readouterr()  # the callback's own end-of-run paragraph
+    step, last = memory.records[-1]
+    assert step == 40 and last[m.SKIPPED_STEPS] > 0
+    # Our sink and Keras' TensorBoard callback share the train/ run folder.
+    series = read_run(str(log_dir / "train"))
+    ours = dict(series[m.SCALE])
+    assert ours == {s: metrics[m.SCALE] for s, metrics in memory.records}
+    assert dict(series["batch_" + m.SCALE]).items() <= ours.items()
+    for path in (log_dir, log_dir / "train"):
+        png = tmp_path / "keras.png"
+        assert main(["report", str(path), "--json", "--png", str(png)]) == 0
+        payload = json.loads(capsys.readouterr().out)
+        assert payload["steps"] == step and payload["skipped_steps"] == int(last[m.SKIPPED_STEPS])
+        assert payload["final_scale"] == last[m.SCALE] and payload["log_points"] == len(ours)
+        png_size(png)
+    assert main(["report", str(log_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"Optimizer steps attempted: {step}" in out and "Skipped steps" in out and "Health:" in out
+
+
+@pytest.mark.slow
+def test_report_on_a_lightning_run(tmp_path, capsys):
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    torch.manual_seed(0)
+    x = torch.randn(160, 4)
+    y = x @ torch.tensor([[50.0], [-20.0], [10.0], [40.0]])
+    logger = pl.loggers.TensorBoardLogger(str(tmp_path / "tb"), name="run", version=0)
+    plugin = LossScalePlugin("16-mixed", device="cpu", policy=DynamicPolicy(initial_scale=2.0**24,
+                                                                             growth_interval=6))
+    trainer = pl.Trainer(max_steps=20, plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=2,
+                                                                                     health=None)],
+                         logger=logger, accelerator="cpu", devices=1, log_every_n_steps=2,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), DataLoader(TensorDataset(x, y), batch_size=8))
+    capsys.readouterr()  # the monitor's own end-of-run paragraph
+    state = plugin.scaler.get_state()
+    assert state.steps == 20 and state.skipped_steps > 0
+
+    png = tmp_path / "lightning.png"
+    for path in (tmp_path / "tb", logger.log_dir):
+        assert main(["report", str(path), "--json", "--png", str(png)]) == 0
+        payload = json.loads(capsys.readouterr().out)
+        assert payload["steps"] == state.steps and payload["skipped_steps"] == state.skipped_steps
+        assert payload["final_scale"] == state.scale and payload["log_points"] == 10
+        png_size(png)
+    assert main(["report", logger.log_dir]) == 0
+    assert f"Skipped steps (Inf/NaN gradients): {state.skipped_steps}" in capsys.readouterr().out

@@ -1,0 +1,88 @@
+"""Fault isolation: a broken dashboard costs one warning; training and the other dashboard get everything."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+
+import pytest
+import wandb
+
+from lossscale_callbacks import metrics as m
+from lossscale_callbacks.sinks import InMemorySink, SinkFailureWarning
+from lossscale_callbacks.tensorboard import TensorBoardSink
+from lossscale_callbacks.tensorboard import read_run as read_tensorboard
+from lossscale_callbacks.wandb import WandbSink, wait_until_finished
+from lossscale_callbacks.wandb import read_run as read_wandb
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, LOG_EVERY = 1000, 50
+
+
+def train(sinks):
+    path = ROOT / "examples" / "plain_loop_sinks.py"
+    spec = importlib.util.spec_from_file_location("plain_loop_sinks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        written = module.train(sinks, steps=STEPS, log_every=LOG_EVERY)
+    failures = [w for w in caught if issubclass(w.category, SinkFailureWarning)]
+    return written, failures
+
+
+def assert_every_value(series, written):
+    for name in m.METRIC_NAMES:
+        assert series[name] == [(step, metrics[name]) for step, metrics in written], name
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind():
+    yield
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
+def test_unwritable_log_folder_leaves_wandb_with_every_value(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a regular file: nothing can be created under it, even by root")
+    memory = InMemorySink()
+    written, failures = train([
+        TensorBoardSink(blocker / "logs"),
+        WandbSink(project="t", dir=str(tmp_path), mode="offline"),
+        memory,
+    ])
+    assert len(written) == STEPS // LOG_EVERY  # training ran to the end
+    assert len(failures) == 1 and "TensorBoard" in str(failures[0].message)
+    wait_until_finished(str(tmp_path))
+    assert_every_value(read_wandb(str(tmp_path)), written)
+    assert len(memory.records) == len(written)
+
+
+def test_failing_wandb_init_leaves_tensorboard_with_every_value(tmp_path, monkeypatch):
+    def broken_init(**kwargs):
+        raise wandb.errors.UsageError("wandb.init failed on purpose")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    written, failures = train([
+        WandbSink(project="t", dir=str(tmp_path), mode="offline"),
+        TensorBoardSink(tmp_path / "logs"),
+    ])
+    assert len(written) == STEPS // LOG_EVERY
+    assert len(failures) == 1
+    assert "W&B" in str(failures[0].message) and "on purpose" in str(failures[0].message)
+    assert_every_value(read_tensorboard(str(tmp_path / "logs")), written)
+
+
+def test_a_bare_sink_in_a_plain_loop_is_guarded_too(tmp_path):
+    # No SinkGroup around it: the sink itself warns once and goes quiet.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    sink = TensorBoardSink(blocker / "logs")
+    with pytest.warns(SinkFailureWarning) as caught:
+        for step in range(1, 101):
+            sink.write(step, {m.SCALE: 2.0})
+        sink.write_text("loss_scale/summary", "done")
+        sink.close()
+    assert len([w for w in caught if issubclass(w.category, SinkFailureWarning)]) == 1

@@ -1,0 +1,298 @@
+"""TensorBoardSink: exact round trip through TensorBoard's reader, layout, rank 0, failures, a real server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lossscale_callbacks import metrics as m
+from lossscale_callbacks.report import MAX_SCALE, MIN_SCALE
+from lossscale_callbacks.sinks import SinkFailureWarning
+from lossscale_callbacks.tensorboard import (
+    LAYOUT_CATEGORY,
+    RunReadError,
+    TensorBoardSink,
+    read_run,
+    read_texts,
+)
+from lossscale_callbacks.tensorboard.reader import iter_events
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def load_example():
+    path = ROOT / "examples" / "plain_loop_sinks.py"
+    spec = importlib.util.spec_from_file_location("plain_loop_sinks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def series_of(written, name):
+    return [(step, metrics[name]) for step, metrics in written if name in metrics]
+
+
+def test_round_trip_every_value_step_by_step(tmp_path):
+    example = load_example()
+    sink = TensorBoardSink(tmp_path / "run", min_scale=1.0, max_scale=2.0**24)
+    written = example.train([sink], steps=1500, log_every=50)
+    assert len(written) == 30
+    series = read_run(str(tmp_path / "run"))
+    for name in m.METRIC_NAMES:
+        assert series[name] == series_of(written, name), name  # exact: stored as float64
+    assert series["loss_scale/min_scale"] == [(step, 1.0) for step, _ in written]
+    assert series["loss_scale/max_scale"] == [(step, 2.0**24) for step, _ in written]
+    # a skip rate like 1/50 does not survive float32; it must survive this sink
+    assert any(v not in (0.0, 1.0) for _, v in series[m.SKIP_RATE])
+    texts = read_texts(str(tmp_path / "run"))
+    assert [(tag, step) for tag, step, _ in texts] == [("loss_scale/summary", 1500)]
+    assert texts[0][2].startswith("Loss scaling: 1500 optimizer steps")
+
+
+def test_custom_scalars_layout_has_one_loss_scale_section(tmp_path):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.util import tensor_util
+
+    sink = TensorBoardSink(tmp_path, min_scale=1.0, max_scale=65536.0)
+    sink.write(10, {m.SCALE: 4.0})
+    sink.close()
+    layouts = []
+    for event in iter_events(sink.path):
+        for value in event.summary.value:
+            if value.tag == "custom_scalars__config__":
+                assert value.metadata.plugin_data.plugin_name == "custom_scalars"
+                layouts.append(layout_pb2.Layout.FromString(tensor_util.make_ndarray(value.tensor).item()))
+    assert len(layouts) == 1
+    (category,) = layouts[0].category
+    assert category.title == LAYOUT_CATEGORY
+    margin = category.chart[0].margin.series[0]
+    assert (margin.value, margin.lower, margin.upper) == (m.SCALE, MIN_SCALE, MAX_SCALE)
+    tags = {tag for chart in category.chart[1:] for tag in chart.multiline.tag}
+    others = (m.SKIPPED_IN_INTERVAL, m.SKIP_RATE, m.GROWTH_COUNTER, m.SKIPPED_STEPS)
+    assert tags == {f"^{name}$" for name in others}
+
+
+def test_without_bounds_the_scale_is_a_plain_chart(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    sink.write(1, {m.SCALE: 2.0})
+    sink.close()
+    assert set(read_run(str(tmp_path))) == {m.SCALE}
+
+
+def test_shares_a_run_folder_with_another_writer(tmp_path):
+    # Keras' TensorBoard callback writes its own event file into the same folder; both are read.
+    other = TensorBoardSink(tmp_path, filename_suffix=".keras")
+    other.write(5, {"epoch_loss": 0.5})
+    sink = TensorBoardSink(tmp_path)
+    sink.write(5, {m.SCALE: 8.0})
+    other.close()
+    sink.close()
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    assert read_run(str(tmp_path)) == {"epoch_loss": [(5, 0.5)], m.SCALE: [(5, 8.0)]}
+
+
+def test_nothing_is_created_before_the_first_write_and_write_after_close_reopens(tmp_path):
+    sink = TensorBoardSink(tmp_path / "lazy")
+    assert not (tmp_path / "lazy").exists() and sink.path is None
+    sink.write(1, {m.SCALE: 2.0})
+    sink.close()
+    sink.write(2, {m.SCALE: 4.0})
+    sink.close()
+    assert len(list((tmp_path / "lazy").iterdir())) == 2
+    assert read_run(str(tmp_path / "lazy"))[m.SCALE] == [(1, 2.0), (2, 4.0)]
+
+
+def test_flush_makes_values_visible_while_the_file_is_open(tmp_path):
+    sink = TensorBoardSink(tmp_path, flush_secs=3600)
+    sink.write(1, {m.SCALE: 2.0})
+    sink.write(2, {m.SCALE: 4.0})
+    sink.flush()
+    assert read_run(str(tmp_path))[m.SCALE] == [(1, 2.0), (2, 4.0)]
+    sink.close()
+
+
+def test_only_rank_zero_writes(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    sink = TensorBoardSink(tmp_path / "rank1")
+    sink.write(1, {m.SCALE: 2.0})
+    sink.write_text("t", "x")
+    sink.close()
+    assert not (tmp_path / "rank1").exists()
+    monkeypatch.setenv("RANK", "0")
+    sink = TensorBoardSink(tmp_path / "rank0")
+    sink.write(1, {m.SCALE: 2.0})
+    sink.close()
+    assert read_run(str(tmp_path / "rank0")) == {m.SCALE: [(1, 2.0)]}
+
+
+def test_unwritable_folder_warns_once_and_disables(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, so no folder can be made under it (also when running as root)")
+    sink = TensorBoardSink(blocker / "sub")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 6):
+            sink.write(step, {m.SCALE: 2.0})
+        sink.write_text("t", "x")
+        sink.flush()
+        sink.close()
+    failures = [w for w in caught if issubclass(w.category, SinkFailureWarning)]
+    assert len(failures) == 1
+    assert "TensorBoard" in str(failures[0].message) and sink.disabled
+
+
+def test_full_disk_mid_run_warns_once(tmp_path, monkeypatch):
+    sink = TensorBoardSink(tmp_path)
+    sink.write(1, {m.SCALE: 2.0})
+    handle = sink._writer._file
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sink._writer._records, "_writer", type("Full", (), {"write": full, "flush": full,
+                                                                            "close": handle.close})())
+    with pytest.warns(SinkFailureWarning, match="No space left") as caught:
+        for step in range(2, 10):
+            sink.write(step, {m.SCALE: 2.0})
+        sink.close()
+    assert len([w for w in caught if issubclass(w.category, SinkFailureWarning)]) == 1
+    handle.close()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"log_dir": ""}, {"log_dir": 3}, {"log_dir": "x", "min_scale": 1.0},
+    {"log_dir": "x", "min_scale": 4.0, "max_scale": 2.0},
+    {"log_dir": "x", "min_scale": -1.0, "max_scale": 2.0},
+    {"log_dir": "x", "flush_secs": -1},
+])
+def test_bad_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        TensorBoardSink(**kwargs)
+
+
+def test_importing_the_sink_imports_neither_tensorflow_nor_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from lossscale_callbacks.tensorboard import TensorBoardSink, read_run\n"
+        f"s = TensorBoardSink({str(tmp_path)!r}, min_scale=1.0, max_scale=2.0)\n"
+        "s.write(1, {'loss_scale/scale': 2.0}); s.write_text('t', 'x'); s.close()\n"
+        f"assert read_run({str(tmp_path)!r})['loss_scale/scale'] == [(1, 2.0)]\n"
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('tensorflow', 'torch', 'keras'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_closed_at_interpreter_exit_without_close(tmp_path):
+    code = (
+        "from lossscale_callbacks.tensorboard import TensorBoardSink\n"
+        f"s = TensorBoardSink({str(tmp_path)!r}, flush_secs=3600)\n"
+        "for i in range(1, 101): s.write(i, {'loss_scale/scale': float(i)})\n"
+    )
+    subprocess.run([PYTHON, "-c", code], timeout=60, check=True)
+    assert read_run(str(tmp_path))[m.SCALE] == [(i, float(i)) for i in range(1, 101)]
+
+
+def test_the_sink_is_not_kept_alive_by_the_exit_hook(tmp_path):
+    import gc
+    import weakref
+
+    sink = TensorBoardSink(tmp_path)
+    sink.write(1, {m.SCALE: 2.0})
+    ref = weakref.ref(sink)
+    del sink
+    gc.collect()
+    assert ref() is None
+
+
+def test_reader_errors(tmp_path):
+    with pytest.raises(RunReadError, match="no such file"):
+        read_run(str(tmp_path / "missing"))
+    with pytest.raises(RunReadError, match="no TensorBoard run"):
+        read_run(str(tmp_path))
+    bad = tmp_path / "events.out.tfevents.1.host"
+    bad.write_bytes(os.urandom(200))
+    with pytest.raises(RunReadError, match="corrupt"):
+        read_run(str(tmp_path))
+
+
+def test_reader_reads_simple_value_scalars_and_several_runs(tmp_path):
+    # torch's SummaryWriter (Lightning's TensorBoardLogger) writes simple_value; tensors with metadata
+    # on the first value only (tf.summary, Keras) are what TensorBoardSink itself writes.
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "torch"))
+    for step in range(3):
+        writer.add_scalar(m.SCALE, 2.0 ** (10 + step), step * 10)
+    writer.close()
+    assert read_run(str(tmp_path / "torch"))[m.SCALE] == [(0, 1024.0), (10, 2048.0), (20, 4096.0)]
+    # several runs below a folder (Keras' train/ and validation/) are told apart by prefix
+    TensorBoardSink(tmp_path / "tb").write(1, {m.SCALE: 2.0})
+    both = read_run(str(tmp_path))
+    assert both["torch/" + m.SCALE][0] == (0, 1024.0) and both["tb/" + m.SCALE] == [(1, 2.0)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read().decode())
+
+
+@pytest.mark.slow
+def test_a_real_tensorboard_server_serves_the_series(tmp_path):
+    logdir = tmp_path / "logs"
+    sink = TensorBoardSink(logdir / "fp16", min_scale=1.0, max_scale=2.0**24)
+    written = [(step, {m.SCALE: 2.0 ** (step // 100), m.SKIP_RATE: 0.01 * (step % 3)})
+               for step in range(100, 1100, 100)]
+    for step, metrics in written:
+        sink.write(step, metrics)
+    sink.close()
+
+    port = _free_port()
+    tensorboard = Path(PYTHON).with_name("tensorboard")
+    command = [str(tensorboard), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port),
+               "--load_fast=false", "--reload_interval", "1"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        query = urllib.parse.urlencode({"run": "fp16", "tag": m.SCALE})
+        deadline = time.monotonic() + 60
+        points = None
+        while time.monotonic() < deadline:
+            assert server.poll() is None, "tensorboard exited"
+            try:
+                runs = _get(f"{base}/data/runs")
+                if "fp16" in runs:
+                    points = _get(f"{base}/data/plugin/scalars/scalars?{query}")
+                    if len(points) == len(written):
+                        break
+            except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
+                pass
+            time.sleep(0.5)
+        assert points is not None, "tensorboard never listed the run"
+        # each point is [wall_time, step, value]
+        assert [(p[1], p[2]) for p in points] == [(s, mt[m.SCALE]) for s, mt in written]
+        layout = _get(f"{base}/data/plugin/custom_scalars/layout")
+        assert [c["title"] for c in layout["category"]] == [LAYOUT_CATEGORY]
+    finally:
+        server.kill()
+        server.wait(timeout=30)
