@@ -22,20 +22,30 @@ from pathlib import Path
 from typing import TextIO
 
 from lossscale_callbacks.alignment.checkers import framework_of_file, load_checker
+from lossscale_callbacks.alignment.report import Report
 from lossscale_callbacks.alignment.targets import TARGETS
 
 _TF32 = {"auto": None, "on": True, "off": False}
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"--batch-size must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"--batch-size must be an integer >= 1, got {text!r}")
     return value
 
 
+def _fail(err: TextIO, message: str) -> int:
+    # One line, like the report command: these messages end up in CI logs and shell scripts.
+    print(f"lossscale-callbacks check: error: {' '.join(str(message).split())}", file=err)
+    return 2
+
+
 def add_check_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``check`` command to an ``argparse`` subparsers object; ``args.func`` runs it."""
+    """Add the ``check`` command to an ``argparse`` subparsers object; ``args.handler(args)`` runs it."""
     parser = subparsers.add_parser(
         "check", help="check a saved model's shapes against the Tensor Core rules",
         description="Trace one training step of a saved Keras model and report the layer dimensions that "
@@ -50,12 +60,12 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
                         help="whether float32 runs as TF32 (default: TensorFlow's own setting)")
     parser.add_argument("--fail-on", choices=("high", "medium", "low", "never"), default="high",
                         help="lowest severity that makes the exit status 1 (default high)")
-    parser.set_defaults(func=run_check)
+    parser.set_defaults(handler=run_check)
     return parser
 
 
 def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None,
-              check_file: Callable[..., object] | None = None) -> int:
+              check_file: Callable[..., Report] | None = None) -> int:
     """Run the ``check`` command; returns the exit status.
 
     ``check_file(path, batch_size=, target=, tf32=) -> Report`` replaces the framework's loader (tests).
@@ -63,16 +73,17 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
     out = out or sys.stdout
     err = err or sys.stderr
     path = Path(args.model)
-    if not path.exists():
-        print(f"lossscale-callbacks check: {path}: no such file", file=err)
-        return 2
+    if not path.is_file():
+        return _fail(err, f"{path}: no such file")
     try:
         if check_file is None:
             check_file = load_checker(framework_of_file(path)).check_model_file
     except (ValueError, ImportError) as exc:
-        print(f"lossscale-callbacks check: {exc}", file=err)
-        return 2
-    report = check_file(str(path), batch_size=args.batch_size, target=args.target, tf32=_TF32[args.tf32])
+        return _fail(err, str(exc))
+    try:
+        report = check_file(str(path), batch_size=args.batch_size, target=args.target, tf32=_TF32[args.tf32])
+    except Exception as exc:  # a corrupt or unloadable model file is bad input, not a crash
+        return _fail(err, f"{path}: cannot be checked ({type(exc).__name__}: {exc})")
     print(report.to_json() if args.json else str(report), file=out)
     if args.fail_on == "never":
         return 0

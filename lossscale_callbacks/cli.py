@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 
@@ -35,9 +36,9 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
@@ -94,9 +95,9 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_check(subparsers: argparse._SubParsersAction) -> None:
-    from lossscale_callbacks.alignment_cli import add_check_parser, run_check
+    from lossscale_callbacks.alignment_cli import add_check_parser
 
-    add_check_parser(subparsers).set_defaults(handler=run_check)
+    add_check_parser(subparsers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -258,9 +258,11 @@ class HealthMonitor:
         Returns True when a verdict asked to stop training.
         """
         stopped = False
+        verdicts = list(verdicts)
+        raising = [v for v in verdicts if v.action == "raise"]
         for verdict in verdicts:
             if verdict.action == "raise":
-                raise LossScaleHealthError(verdict.message)
+                continue
             prefix = "stopping training: " if verdict.action == "stop" else ""
             warnings.warn(f"[lossscale-callbacks] {prefix}{verdict.message}", LossScaleHealthWarning,
                           stacklevel=3)
@@ -268,4 +270,7 @@ class HealthMonitor:
                 stopped = True
                 if stop is not None:
                     stop()
+        if raising:
+            # the other verdicts of this read were warned above, so none is lost
+            raise LossScaleHealthError("\n\n".join(v.message for v in raising))
         return stopped

@@ -69,6 +69,8 @@ class MetricsTracker:
 
     Args:
         min_scale: the policy's ``min_scale``; a scale at or below it counts as "at the minimum".
+            ``None`` means the scale has no minimum to get stuck at (a fixed scale); use
+            :meth:`for_policy` to get this right for any policy.
 
     Example:
         >>> from lossscale_callbacks import DynamicPolicy, initial_state, next_state
@@ -82,9 +84,14 @@ class MetricsTracker:
         (0.5, 1.0)
     """
 
-    def __init__(self, min_scale: float) -> None:
-        self.min_scale = float(min_scale)
+    def __init__(self, min_scale: float | None) -> None:
+        self.min_scale = None if min_scale is None else float(min_scale)
         self.reset()
+
+    @classmethod
+    def for_policy(cls, policy: Any) -> MetricsTracker:
+        """A tracker for ``policy``: a fixed scale is never "stuck at the minimum"."""
+        return cls(policy.min_scale if policy.dynamic else None)
 
     def reset(self) -> None:
         self._last: Snapshot | None = None
@@ -106,11 +113,15 @@ class MetricsTracker:
             prev, prev_step, prev_skipped = None, 0, 0
         interval = step - prev_step
         skipped_now = skipped - prev_skipped
-        at_min = scale <= self.min_scale
-        all_skipped = interval > 0 and skipped_now == interval
-        consecutive = (prev.consecutive_skipped if prev else 0) + interval if all_skipped else 0
+        at_min = self.min_scale is not None and scale <= self.min_scale
         stayed_at_min = at_min and (prev.at_min_scale if prev else False)
-        at_min_run = (prev.steps_at_min_scale if prev else 0) + interval if stayed_at_min else 0
+        if interval == 0 and prev is not None:
+            # A second read at the same step (e.g. at train end) adds nothing to the runs.
+            consecutive, at_min_run = prev.consecutive_skipped, prev.steps_at_min_scale
+        else:
+            all_skipped = interval > 0 and skipped_now == interval
+            consecutive = (prev.consecutive_skipped if prev else 0) + interval if all_skipped else 0
+            at_min_run = (prev.steps_at_min_scale if prev else 0) + interval if stayed_at_min else 0
         snapshot = Snapshot(
             step=step,
             scale=scale,

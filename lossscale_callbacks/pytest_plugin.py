@@ -1,7 +1,8 @@
 """pytest plugin: assert in your own tests that a model has no Tensor Core alignment problem.
 
-Load it with ``-p lossscale_callbacks.pytest_plugin`` (or the ``pytest11`` entry point when installed) and
-use the ``assert_tensor_core_aligned`` fixture; it works for Keras models and torch modules alike::
+An installed package loads it by itself (``pytest11`` entry point); from a source tree that is not
+installed, load it with ``-p lossscale_callbacks.pytest_plugin``. Use the ``assert_tensor_core_aligned``
+fixture; it works for Keras models and torch modules alike::
 
     def test_my_model_is_tensor_core_friendly(assert_tensor_core_aligned):
         model = build_model()

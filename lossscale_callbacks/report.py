@@ -164,6 +164,11 @@ def snapshots_from_series(series: Mapping[str, Sequence[tuple[int, float]]],
     """
     prefix = _find_prefix(series)
     scale = _by_step(series[prefix + m.SCALE])
+    bad = next(((step, value) for step, value in sorted(scale.items())
+                if not math.isfinite(value) or value <= 0), None)
+    if bad is not None:
+        raise RunReadError(f"the {prefix}{m.SCALE} series holds {bad[1]!r} at step {bad[0]}: "
+                           "not a loss scale (a finite number > 0)")
     growth = _by_step(series.get(prefix + m.GROWTH_COUNTER, ()))
     skipped = _by_step(series.get(prefix + m.SKIPPED_STEPS, ()))
     if min_scale is None:
@@ -184,13 +189,17 @@ def snapshots_from_series(series: Mapping[str, Sequence[tuple[int, float]]],
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What ``lossscale-callbacks report`` says about one run."""
+    """What ``lossscale-callbacks report`` says about one run.
+
+    ``skipped_steps`` and ``skip_rate`` are ``None`` when the run did not log
+    ``loss_scale/skipped_steps``: then nothing is known about skips, and the skip rules are not judged.
+    """
 
     path: str
     reader: str
     steps: int
-    skipped_steps: int
-    skip_rate: float
+    skipped_steps: int | None
+    skip_rate: float | None
     final_scale: float
     min_scale_seen: float
     max_scale_seen: float
@@ -199,6 +208,7 @@ class Report:
     log_points: int
     verdicts: tuple[Verdict, ...]
     series: Mapping[str, Sequence[tuple[int, float]]] = dataclasses.field(repr=False, compare=False)
+    snapshots: tuple[Snapshot, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def healthy(self) -> bool:
@@ -229,7 +239,9 @@ class Report:
         lines = [
             f"Run: {self.path} (read as {self.reader}, {self.log_points} log points)",
             f"Optimizer steps attempted: {self.steps}",
-            f"Skipped steps (Inf/NaN gradients): {self.skipped_steps} ({self.skip_rate:.2%})",
+            f"Skipped steps (Inf/NaN gradients): {self.skipped_steps} ({self.skip_rate:.2%})"
+            if self.skipped_steps is not None and self.skip_rate is not None else
+            f"Skipped steps (Inf/NaN gradients): not logged by this run (no {m.SKIPPED_STEPS} series)",
             f"Loss scale: final {self.final_scale:g} (2^{math.log2(self.final_scale):.1f}); "
             f"ranged from {self.min_scale_seen:g} to {self.max_scale_seen:g}",
         ]
@@ -237,7 +249,10 @@ class Report:
             lines.append(f"Steps at the minimum scale ({self.min_scale:g}): about {self.steps_at_min_scale}")
         else:
             lines.append(f"Steps at the minimum scale ({self.min_scale:g}): none seen")
-        if self.healthy:
+        if self.healthy and self.skipped_steps is None:
+            lines.append("Health: no problem seen, but only the scale was logged: skipped steps and the "
+                         "skip rate could not be judged.")
+        elif self.healthy:
             lines.append("Health: OK. The loss scale behaved like a healthy dynamic scale "
                          "(no long runs of skipped steps, a low skip rate, not stuck at the minimum).")
         else:
@@ -260,6 +275,7 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
     snapshots, min_scale = snapshots_from_series(series, min_scale)
     if not snapshots:
         raise RunReadError(f"{path}: the {m.SCALE} series is empty")
+    skips_logged = bool(series.get(_find_prefix(series) + m.SKIPPED_STEPS))
     monitor = HealthMonitor(default_rules("warn") if rules is None else rules)
     verdicts: list[Verdict] = []
     for snap in snapshots:
@@ -270,8 +286,8 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
         path=path,
         reader=reader,
         steps=last.step,
-        skipped_steps=last.skipped_steps,
-        skip_rate=last.skipped_steps / last.step if last.step else 0.0,
+        skipped_steps=last.skipped_steps if skips_logged else None,
+        skip_rate=(last.skipped_steps / last.step if last.step else 0.0) if skips_logged else None,
         final_scale=last.scale,
         min_scale_seen=min(scales),
         max_scale_seen=max(scales),
@@ -280,6 +296,7 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
         log_points=len(snapshots),
         verdicts=tuple(verdicts),
         series=dict(series),
+        snapshots=tuple(snapshots),
     )
 
 
@@ -287,7 +304,7 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
 # The picture
 
 
-def write_png(report: Report, path: str, min_scale: float | None = None) -> str:
+def write_png(report: Report, path: str) -> str:
     """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
 
     matplotlib is imported here only. The figure is drawn with matplotlib's object API and saved
@@ -301,8 +318,9 @@ def write_png(report: Report, path: str, min_scale: float | None = None) -> str:
         from matplotlib.figure import Figure
     except ImportError:
         raise RunReadError("--png needs matplotlib (pip install matplotlib)") from None
-    bound = report.min_scale if min_scale is None else min_scale
-    snapshots, used_min = snapshots_from_series(report.series, bound)
+    snapshots, used_min = report.snapshots, report.min_scale
+    if not snapshots:  # a Report built by hand, not by build_report
+        snapshots, used_min = snapshots_from_series(report.series, report.min_scale)
     steps = [s.step for s in snapshots]
     scales = [s.scale for s in snapshots]
     skipped = [s for s in snapshots if s.skipped_in_interval > 0]
@@ -316,7 +334,9 @@ def write_png(report: Report, path: str, min_scale: float | None = None) -> str:
                     zorder=3, label="interval with skipped steps")
     top.axhline(used_min, color="grey", linestyle=":", linewidth=1, label=f"min_scale {used_min:g}")
     top.set_ylabel("loss scale (log2)")
-    top.set_title(f"Loss scale: {report.steps} steps, {report.skipped_steps} skipped ({report.skip_rate:.2%})"
+    skips = ("skipped steps not logged" if report.skipped_steps is None or report.skip_rate is None
+             else f"{report.skipped_steps} skipped ({report.skip_rate:.2%})")
+    top.set_title(f"Loss scale: {report.steps} steps, {skips}"
                   + ("" if report.healthy else f", {len(report.verdicts)} health problem(s)"))
     top.legend(loc="best", fontsize="small")
     top.grid(True, which="major", alpha=0.3)

@@ -107,7 +107,14 @@ class GuardedSink:
         self._call("flush")
 
     def close(self) -> None:
-        self._call("close")
+        if not self.disabled:
+            self._call("close")
+            return
+        # A disabled sink still holds files or a run: release them, without a second warning.
+        try:
+            self.sink.close()
+        except Exception:  # already reported once when the sink was disabled
+            pass
 
 
 class SinkGroup:

@@ -152,3 +152,12 @@ def test_check_command_on_a_saved_model(tmp_path, policy):
     other.write_bytes(b"")
     err = io.StringIO()
     assert run_check(_cli(["check", str(other)]), err=err) == 2 and "must end in" in err.getvalue()
+    corrupt = tmp_path / "corrupt.keras"
+    corrupt.write_bytes(b"not a zip archive")
+    err = io.StringIO()
+    assert run_check(_cli(["check", str(corrupt)]), err=err) == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lossscale-callbacks check: error: ")
+    assert "cannot be checked" in lines[0] and "Traceback" not in err.getvalue()
+    with pytest.raises(SystemExit):
+        _cli(["check", str(path), "--batch-size", "eight"])

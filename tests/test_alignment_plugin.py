@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 import textwrap
@@ -36,11 +37,18 @@ USER_TESTS = textwrap.dedent('''
 ''')
 
 
+def _load_plugin_args() -> list[str]:
+    """What a user passes: nothing when the package is installed (pytest11 entry point), else ``-p``."""
+    installed = any(ep.value == "lossscale_callbacks.pytest_plugin"
+                    for ep in importlib.metadata.entry_points(group="pytest11"))
+    return [] if installed else ["-p", "lossscale_callbacks.pytest_plugin"]
+
+
 @pytest.mark.slow
 def test_fixture_fails_exactly_the_misaligned_models(tmp_path):
     (tmp_path / "test_user_model.py").write_text(USER_TESTS)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "lossscale_callbacks.pytest_plugin",
+        [sys.executable, "-m", "pytest", "-q", *_load_plugin_args(),
          "-p", "no:cacheprovider", "--alignment-target", "h100", "-o", "addopts=", "test_user_model.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr

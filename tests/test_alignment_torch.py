@@ -67,6 +67,16 @@ def test_model_state_is_left_as_found():
         assert torch.equal(v, before[k]), k
 
 
+def test_the_random_stream_of_training_is_not_shifted():
+    # dropout in the checked pass draws random numbers; the training that follows must not notice
+    model = nn.Sequential(nn.Linear(16, 24), nn.Dropout(0.5), nn.Linear(24, 8))
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    check_alignment(model, torch.ones(32, 16), dtype="float16")
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_dtype_auto_follows_active_autocast_or_parameters():
     model = nn.Linear(50, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -137,6 +147,25 @@ def test_bidirectional_stacked_rnn_and_forward_only():
         report = check_alignment(model, torch.randn(8, 16, 20), dtype="float16", backward=backward)
         assert {(f.layer, f.dimension, f.value, f.severity) for f in report.findings} == {
             ("", "rnn_hidden", 30, "high"), ("", "rnn_input", 20, "high")}, str(report)
+
+
+def test_lstm_projections_are_the_recurrent_gemm_k():
+    # With proj_size, W_hh is [4*hidden, proj]: the recurrent GEMM reads the projected state.
+    model = nn.LSTM(12, 30, proj_size=20, num_layers=2, batch_first=True)
+    report = check_alignment(model, torch.randn(8, 16, 12), dtype="float16")
+    found = {(f.layer, f.dimension, f.value, f.severity) for f in report.findings}
+    assert found == {("", "rnn_hidden", 30, "high"), ("", "rnn_input", 12, "high"),
+                     ("", "rnn_hidden", 20, "high")}, str(report)
+
+    def params(**sizes):
+        config = {"hidden_size": 30, "proj_size": 20, **sizes}
+        return sum(p.numel() for p in nn.LSTM(12, num_layers=2, **config).parameters())
+
+    by_value = {f.value: f for f in report.findings}
+    assert by_value[20].suggested == 24 and by_value[30].suggested == 32
+    # the prices are the real parameter growth of the module
+    assert by_value[20].param_cost == params(proj_size=24) - params()
+    assert by_value[30].param_cost == params(hidden_size=32) - params()
 
 
 def test_no_gradient_accumulation_hook_fires():

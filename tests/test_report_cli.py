@@ -16,7 +16,7 @@ import wandb
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.cli import main
-from lossscale_callbacks.report import available_readers, build_report
+from lossscale_callbacks.report import available_readers, build_report, write_png
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.wandb import WandbSink, wait_until_finished
 
@@ -131,6 +131,20 @@ def test_min_scale_comes_from_the_run_or_the_option():
     assert build_report("r", series, min_scale=1.0).steps_at_min_scale == 0
 
 
+def test_a_run_without_skipped_steps_does_not_claim_zero_skips(tmp_path):
+    series = {m.SCALE: [(100, 1024.0), (200, 2048.0)]}
+    report = build_report("r", series)
+    assert report.skipped_steps is None and report.skip_rate is None
+    assert report.to_json()["skipped_steps"] is None
+    text = report.text()
+    assert "not logged by this run" in text and "could not be judged" in text and "Health: OK" not in text
+    png = tmp_path / "p.png"
+    write_png(report, str(png))
+    png_size(png)
+    logged = build_report("r", {**series, m.SKIPPED_STEPS: [(100, 0.0), (200, 0.0)]})
+    assert (logged.skipped_steps, logged.skip_rate) == (0, 0.0) and "Health: OK" in logged.text()
+
+
 def _one_line_error(code, err, out=""):
     assert code == 2
     assert out == ""
@@ -152,7 +166,14 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     not_a_run = tmp_path / "notes.txt"
     not_a_run.write_text("hello")
     no_scale = tmp_path / "no_scale"
-    TensorBoardSink(no_scale).write(1, {"epoch_loss": 0.5})
+    sink = TensorBoardSink(no_scale)
+    sink.write(1, {"epoch_loss": 0.5})
+    sink.close()
+    zero_scale = tmp_path / "zero_scale"
+    sink = TensorBoardSink(zero_scale)
+    sink.write(1, {m.SCALE: 1.0, m.SKIPPED_STEPS: 0.0})
+    sink.write(2, {m.SCALE: 0.0, m.SKIPPED_STEPS: 0.0})
+    sink.close()
     cases = {
         tmp_path / "missing": "no such file",
         empty: "no TensorBoard or W&B run here",
@@ -160,11 +181,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
         corrupt_wandb: "corrupt W&B run file",
         not_a_run: "not a TensorBoard event file",
         no_scale: "no loss_scale/scale series",
+        zero_scale: "holds 0.0 at step 2: not a loss scale",
     }
     for path, message in cases.items():
         code = main(["report", str(path)])
         captured = capsys.readouterr()
         assert message in _one_line_error(code, captured.err, captured.out), path
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "big"])
+def test_bad_min_scale_option_exits_2_naming_it(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["report", str(tmp_path), "--min-scale", value])
+    assert exc.value.code == 2
+    assert "--min-scale" in capsys.readouterr().err
 
 
 def test_unwritable_png_exits_2(tensorboard_run, tmp_path, capsys):
@@ -196,7 +226,9 @@ def test_keras_tensorboard_callback_tags_are_understood(tmp_path, capsys):
                                 "batch_loss": 0.1})
     keras_like.write(1, {"epoch_" + m.SCALE: 2.0**30, "epoch_loss": 0.1})
     keras_like.close()
-    TensorBoardSink(validation_dir).write(1, {"epoch_loss": 0.2})
+    validation = TensorBoardSink(validation_dir)
+    validation.write(1, {"epoch_loss": 0.2})
+    validation.close()
     assert main(["report", str(tmp_path / "logs"), "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert (payload["steps"], payload["skipped_steps"], payload["final_scale"]) == (30, 1, 2.0**30)

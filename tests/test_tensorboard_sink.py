@@ -62,19 +62,24 @@ def test_round_trip_every_value_step_by_step(tmp_path):
     assert texts[0][2].startswith("Loss scaling: 1500 optimizer steps")
 
 
-def test_custom_scalars_layout_has_one_loss_scale_section(tmp_path):
+def layouts_of(path):
     from tensorboard.plugins.custom_scalar import layout_pb2
     from tensorboard.util import tensor_util
 
-    sink = TensorBoardSink(tmp_path, min_scale=1.0, max_scale=65536.0)
-    sink.write(10, {m.SCALE: 4.0})
-    sink.close()
     layouts = []
-    for event in iter_events(sink.path):
+    for event in iter_events(path):
         for value in event.summary.value:
             if value.tag == "custom_scalars__config__":
                 assert value.metadata.plugin_data.plugin_name == "custom_scalars"
                 layouts.append(layout_pb2.Layout.FromString(tensor_util.make_ndarray(value.tensor).item()))
+    return layouts
+
+
+def test_custom_scalars_layout_has_one_loss_scale_section(tmp_path):
+    sink = TensorBoardSink(tmp_path, min_scale=1.0, max_scale=65536.0)
+    sink.write(10, {m.SCALE: 4.0})
+    sink.close()
+    layouts = layouts_of(sink.path)
     assert len(layouts) == 1
     (category,) = layouts[0].category
     assert category.title == LAYOUT_CATEGORY
@@ -89,7 +94,10 @@ def test_without_bounds_the_scale_is_a_plain_chart(tmp_path):
     sink = TensorBoardSink(tmp_path)
     sink.write(1, {m.SCALE: 2.0})
     sink.close()
-    assert set(read_run(str(tmp_path))) == {m.SCALE}
+    assert set(read_run(str(tmp_path))) == {m.SCALE}  # no bound series either
+    ((category,),) = [layout.category for layout in layouts_of(sink.path)]
+    first = category.chart[0]
+    assert first.WhichOneof("content") == "multiline" and list(first.multiline.tag) == [f"^{m.SCALE}$"]
 
 
 def test_shares_a_run_folder_with_another_writer(tmp_path):
@@ -169,17 +177,20 @@ def test_full_disk_mid_run_warns_once(tmp_path, monkeypatch):
             sink.write(step, {m.SCALE: 2.0})
         sink.close()
     assert len([w for w in caught if issubclass(w.category, SinkFailureWarning)]) == 1
-    handle.close()
+    # the disabled sink still released its file on close()
+    assert handle.closed and sink._writer._file is None
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"log_dir": ""}, {"log_dir": 3}, {"log_dir": "x", "min_scale": 1.0},
-    {"log_dir": "x", "min_scale": 4.0, "max_scale": 2.0},
-    {"log_dir": "x", "min_scale": -1.0, "max_scale": 2.0},
-    {"log_dir": "x", "flush_secs": -1},
+@pytest.mark.parametrize("kwargs, message", [
+    ({"log_dir": ""}, "log_dir must be a non-empty path"),
+    ({"log_dir": 3}, "log_dir must be a non-empty path"),
+    ({"log_dir": "x", "min_scale": 1.0}, "min_scale and max_scale must be given together"),
+    ({"log_dir": "x", "min_scale": 4.0, "max_scale": 2.0}, "min_scale must be <= max_scale"),
+    ({"log_dir": "x", "min_scale": -1.0, "max_scale": 2.0}, "min_scale must be None or a finite number > 0"),
+    ({"log_dir": "x", "flush_secs": -1}, "flush_secs must be a number >= 0"),
 ])
-def test_bad_arguments_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_arguments_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         TensorBoardSink(**kwargs)
 
 
@@ -241,7 +252,9 @@ def test_reader_reads_simple_value_scalars_and_several_runs(tmp_path):
     writer.close()
     assert read_run(str(tmp_path / "torch"))[m.SCALE] == [(0, 1024.0), (10, 2048.0), (20, 4096.0)]
     # several runs below a folder (Keras' train/ and validation/) are told apart by prefix
-    TensorBoardSink(tmp_path / "tb").write(1, {m.SCALE: 2.0})
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write(1, {m.SCALE: 2.0})
+    sink.close()
     both = read_run(str(tmp_path))
     assert both["torch/" + m.SCALE][0] == (0, 1024.0) and both["tb/" + m.SCALE] == [(1, 2.0)]
 

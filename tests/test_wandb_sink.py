@@ -227,17 +227,33 @@ def test_only_rank_zero_starts_a_run(tmp_path, monkeypatch):
     assert sink.run is None and not sink.disabled
 
 
-@pytest.mark.parametrize("args, kwargs", [
-    ((object(),), {}),
-    ((), {"not_an_init_argument": 1}),
-    ((), {"min_scale": 1.0}),
-    ((), {"min_scale": 8.0, "max_scale": 2.0}),
-    ((), {"alerts": "loudly"}),
-    ((), {"summary_secs": -1}),
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((object(),), {}, "run must be a wandb Run"),
+    ((), {"not_an_init_argument": 1}, "init_kwargs must be arguments of wandb.init"),
+    ((), {"min_scale": 1.0}, "min_scale and max_scale must be given together"),
+    ((), {"min_scale": 8.0, "max_scale": 2.0}, "min_scale must be <= max_scale"),
+    ((), {"alerts": "loudly"}, "alerts: health must be"),
+    ((), {"summary_secs": -1}, "summary_secs must be a number >= 0"),
 ])
-def test_bad_arguments_raise_value_error(args, kwargs):
-    with pytest.raises(ValueError):
+def test_bad_arguments_raise_value_error(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
         WandbSink(*args, **kwargs)
+
+
+def test_a_failing_summary_update_still_finishes_the_run(tmp_path):
+    sink = WandbSink(project="t", dir=str(tmp_path), mode="offline")
+    sink.write(1, {m.SCALE: 2.0})
+    run = sink.run
+
+    class BrokenSummary:
+        def update(self, values):
+            raise RuntimeError("summary refused")
+
+    sink._backend.run = type("Run", (), {"summary": BrokenSummary(), "finish": run.finish})()
+    with pytest.warns(UserWarning, match="summary refused"):
+        sink.close()
+    assert sink.disabled and sink.run is None and wandb.run is None  # finished all the same
+    assert read_finished(tmp_path)[m.SCALE] == [(1, 2.0)]
 
 
 def test_bad_alert_level_raises_value_error():

@@ -29,10 +29,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-import keras
 from lossscale_callbacks.alignment import (
     BACKWARD,
     EMBEDDING_DIM,
@@ -68,6 +68,7 @@ _CONVS = {"Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Co
           "Conv3DBackpropFilterV2"}
 _DEPTHWISE = {"DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
               "DepthwiseConv2dNativeBackpropFilter"}
+_TRANSPOSED_CONVS = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose)
 _FUNC_ATTRS = ("body", "cond", "then_branch", "else_branch", "f", "branches")
 _NORM_TYPES = (keras.layers.BatchNormalization, keras.layers.LayerNormalization,
                keras.layers.GroupNormalization)
@@ -146,17 +147,29 @@ def _typed_dims(layer) -> tuple[ModelDim, ...] | None:
             dims[0] = ModelDim(HEAD_DIM, key_dim, lin_params=4 * heads * embed + 3 * heads, label="key_dim")
         return tuple(dims)
     if isinstance(layer, keras.layers.RNN):
-        cell = layer.cell
-        units = int(cell.units)
-        n_in, gated = (int(s) for s in cell.kernel.shape)
-        gates = gated // units
-        bias = int(np.prod(cell.bias.shape)) // units if getattr(cell, "bias", None) is not None else 0
-        return (ModelDim(RNN_HIDDEN, units, gemm_values=(units, gated), quad_params=gates,
-                         lin_params=gates * n_in + bias, label="units"),
-                ModelDim(RNN_INPUT, n_in, lin_params=gated, label="input size"))
+        # StackedRNNCells holds one cell per layer; a cell without units/kernel (a custom cell) is
+        # described by its weight axes. The input of an upper cell is the hidden size of the one
+        # below (as in a torch RNN with num_layers > 1): only the first cell has an rnn_input.
+        dims: list[ModelDim] = []
+        for index, cell in enumerate(getattr(layer.cell, "cells", None) or [layer.cell]):
+            dims.extend(d for d in _rnn_cell_dims(cell) if index == 0 or d.role != RNN_INPUT)
+        return tuple(dims)
     if isinstance(layer, keras.layers.Layer) and "conv" in type(layer).__name__.lower():
         return ()  # convolutions carry their channels in the op itself
     return None
+
+
+def _rnn_cell_dims(cell) -> tuple[ModelDim, ...]:
+    kernel = getattr(cell, "kernel", None)
+    units = getattr(cell, "units", None)
+    if kernel is None or not isinstance(units, int) or len(kernel.shape) != 2:
+        return _generic_dims(cell)
+    n_in, gated = (int(s) for s in kernel.shape)
+    gates = gated // units
+    bias = int(np.prod(cell.bias.shape)) // units if getattr(cell, "bias", None) is not None else 0
+    return (ModelDim(RNN_HIDDEN, units, gemm_values=(units, gated), quad_params=gates,
+                     lin_params=gates * n_in + bias, label="units"),
+            ModelDim(RNN_INPUT, n_in, lin_params=gated, label="input size"))
 
 
 def _layer_infos(model) -> tuple[dict[str, LayerInfo], tuple[ModelDim, ...]]:
@@ -234,7 +247,13 @@ def _shape(tensor) -> tuple | None:
     return tuple(shape.as_list())
 
 
-def _record(op, layer: str, pass_: str, tf32: bool) -> list[OpRecord]:
+def _record(op, layer: str, pass_: str, tf32: bool, transposed: bool = False) -> list[OpRecord]:
+    """The Tensor Core candidates of one graph op (none for other ops).
+
+    ``transposed``: the op belongs to a transposed convolution layer, whose forward pass is a
+    ``Conv2DBackpropInput`` and whose input gradient is a ``Conv2D``: every one of its ops sees the
+    layer's channels the other way round, so they are swapped back to the layer's (and torch's) view.
+    """
     kind = op.type
     if kind in _MATMULS or kind == "Einsum":
         dtype = _dtype_name(op.get_attr("T"), tf32)
@@ -273,7 +292,10 @@ def _record(op, layer: str, pass_: str, tf32: bool) -> list[OpRecord]:
                                   out_channels=channels * filt[-1], groups=channels, kernel_elems=spatial,
                                   layout=layout)]
         groups = max(channels // filt[-2], 1) if channels else 1
-        return [OpRecord.conv(kind, layer, pass_, dtype, in_channels=channels, out_channels=filt[-1],
+        in_channels, out_channels = channels, filt[-1]
+        if transposed:
+            in_channels, out_channels = out_channels * groups, in_channels // groups
+        return [OpRecord.conv(kind, layer, pass_, dtype, in_channels=in_channels, out_channels=out_channels,
                               groups=groups, kernel_elems=spatial, layout=layout)]
     return []
 
@@ -352,6 +374,7 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
     traced = tf.function(step, autograph=False)
     graph = traced.get_concrete_function(specs).graph
     layers, global_dims = _layer_infos(model)
+    transposed = {path for path, layer in _walk_layers(model) if isinstance(layer, _TRANSPOSED_CONVS)}
     records: list[OpRecord] = []
     ops: list[OpPrecision] = []
     outputs = set(output_names)
@@ -369,7 +392,7 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
             in_loss = in_loss or outer_loss
         if in_loss and loss is None:
             continue  # our own stand-in loss is not part of the model
-        records.extend(_record(op, layer, pass_, tf32))
+        records.extend(_record(op, layer, pass_, tf32, transposed=layer in transposed))
         dtype = _op_dtype(op)
         if dtype is not None and op.type not in ("Placeholder", "Const", "ReadVariableOp", "NoOp"):
             is_output = any(out.name in outputs for out in op.outputs)

@@ -17,7 +17,8 @@ recorded with that dtype ("simulated autocast"): CPU kernels for float16 are slo
 shapes matter here. Host syncs: none beyond the pass itself; the check is meant for train start.
 
 The model's state is left as found: gradients are taken with ``torch.autograd.grad`` (``.grad`` is never
-touched) and buffers (BatchNorm statistics) are restored.
+touched), buffers (BatchNorm statistics) are restored, and the pass runs on a fork of the random number
+generators (dropout in the pass does not shift the random stream of the training that follows).
 
 Example:
     >>> import torch
@@ -29,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +80,7 @@ _ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_fl
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                   "_flash_attention_forward", "_efficient_attention_forward"}
 _RNN_OPS = {"lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer", "_cudnn_rnn"}
+_RNN_GATES = {"lstm": 4, "gru": 3}
 _NORM_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
 
 
@@ -145,11 +148,25 @@ def _typed_dims(module: torch.nn.Module) -> tuple[ModelDim, ...] | None:
         nb = 2 if module.bias else 0
         quad = gates * dirs * (1 + (layers - 1) * (dirs + 1))
         lin = gates * dirs * (inp + nb) + (layers - 1) * gates * dirs * nb
+        proj = getattr(module, "proj_size", 0)
+        input_dim = ModelDim(RNN_INPUT, inp, lin_params=gates * hidden * dirs, label="input_size")
+        if proj:
+            # With projections the state the recurrent GEMM reads (and upper layers take in) is
+            # proj_size: W_hh is [gates*hidden, proj], W_hr is [proj, hidden].
+            per_layer = gates * proj + nb * gates + proj  # W_hh, biases, W_hr per unit of hidden
+            upper = (layers - 1) * dirs
+            hidden_lin = dirs * (gates * inp + per_layer) + upper * (gates * dirs * proj + per_layer)
+            proj_lin = dirs * layers * (gates * hidden + hidden) + upper * gates * hidden * dirs
+            return (ModelDim(RNN_HIDDEN, hidden, gemm_values=(hidden, gates * hidden), lin_params=hidden_lin,
+                             label="hidden_size"),
+                    ModelDim(RNN_HIDDEN, proj, gemm_values=(proj, dirs * proj), lin_params=proj_lin,
+                             label="proj_size"),
+                    input_dim)
         # Upper layers of a bidirectional RNN read both directions: K = 2 * hidden.
         return (ModelDim(RNN_HIDDEN, hidden, gemm_values=(hidden, gates * hidden, dirs * hidden),
                          quad_params=quad,
                          lin_params=lin, label="hidden_size"),
-                ModelDim(RNN_INPUT, inp, lin_params=gates * hidden * dirs, label="input_size"))
+                input_dim)
     if isinstance(module, torch.nn.modules.conv._ConvNd):
         return ()  # convolutions carry their channels in the op itself
     return None
@@ -272,26 +289,31 @@ class _Recorder(TorchDispatchMode):
         inp = args[0]
         if name == "mkldnn_rnn_layer":  # CPU: one call per layer and direction, time-major input
             pairs, tokens, batch = [(args[1], args[2])], inp.shape[0] * inp.shape[1], args[5].shape[-2]
+            hidden = int(args[10])
         elif name == "_cudnn_rnn":
             weights, stride = args[1], args[2]
             pairs = [(weights[i], weights[i + 1]) for i in range(0, len(weights), stride)]
             tokens, batch = inp.shape[0] * inp.shape[1], inp.shape[0 if args[10] else 1]
+            hidden = int(args[7])
         else:  # lstm/gru/rnn_* .input overloads, as dispatched on other backends
             params, num_layers, bidirectional = args[2], args[4], args[7]
-            stride = 4 if len(params) % (4 * num_layers * (2 if bidirectional else 1)) == 0 else 2
+            # (w_ih, w_hh[, b_ih, b_hh][, w_hr]) per layer and direction, in that order.
+            stride = len(params) // (num_layers * (2 if bidirectional else 1))
             pairs = [(params[i], params[i + 1]) for i in range(0, len(params), stride)]
             tokens, batch = inp.shape[0] * inp.shape[1], inp.shape[0 if args[8] else 1]
+            hidden = int(pairs[0][0].shape[0]) // _RNN_GATES.get(name, 1)
         dtype = self._eff(pairs[0][0].dtype, "gemm")
         for w_ih, w_hh in pairs:
-            hidden, size_in, gated = w_hh.shape[1], w_ih.shape[1], w_ih.shape[0]
+            # The recurrent GEMM's K is the hidden state's size: hidden_size, or proj_size with projections.
+            state, size_in, gated = w_hh.shape[1], w_ih.shape[1], w_ih.shape[0]
             # The input GEMM's K is the input size in the first layer and the hidden size above it:
             # leave it to value matching against the module's rnn_input/rnn_hidden.
             self.records.append(OpRecord.gemm(f"{name}:input", layer, pass_, dtype, m=tokens, n=gated,
                                               k=size_in,
                                               roles={"M": (TOKENS, None), "N": (RNN_HIDDEN, hidden)}))
             self.records.append(OpRecord.gemm(f"{name}:recurrent", layer, pass_, dtype, m=batch, n=gated,
-                                              k=hidden, roles={
-                "M": (TOKENS, None), "N": (RNN_HIDDEN, hidden), "K": (RNN_HIDDEN, hidden)}))
+                                              k=state, roles={
+                "M": (TOKENS, None), "N": (RNN_HIDDEN, hidden), "K": (RNN_HIDDEN, state)}))
 
 
 # ---- running one pass ------------------------------------------------------------------------------
@@ -385,8 +407,11 @@ def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto", 
         for module in model.modules():
             handles.append(module.register_forward_pre_hook(pre_hook))
             handles.append(module.register_forward_hook(post_hook))
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else _null()
-        with recorder:
+        ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+               else contextlib.nullcontext())
+        cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda_devices), recorder:
             with ctx:
                 output = (forward or _default_forward)(model, sample)
             recorder.phase = "loss" if loss_fn is not None else "quiet"
@@ -430,14 +455,6 @@ def _label(output: Any, name: str, start: int) -> None:
             continue
         node.metadata.setdefault(_LABEL, name)
         stack.extend(n for n, _ in node.next_functions if n is not None)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _layer_precisions(model: torch.nn.Module, outputs: dict[str, str]) -> list[LayerPrecision]:

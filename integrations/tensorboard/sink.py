@@ -8,7 +8,6 @@ import and works in a plain NumPy loop, a Keras run and a Lightning run alike.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import socket
 import time
@@ -22,7 +21,7 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from lossscale_callbacks import metrics as m
-from lossscale_callbacks.process import ManagedSink
+from lossscale_callbacks.process import ManagedSink, check_scale_bounds
 from lossscale_callbacks.report import MAX_SCALE, MIN_SCALE
 
 __all__ = ["LAYOUT_CATEGORY", "TensorBoardSink", "loss_scale_layout"]
@@ -66,8 +65,9 @@ class _EventFileWriter:
 
     Writes go through a buffered file on the calling thread: one event per ``write`` (all
     metrics of a step in one summary) costs tens of microseconds, paid once per log interval.
-    The buffer reaches the disk on :meth:`flush`, on :meth:`close`, and at most
-    ``flush_secs`` after a write, so a running TensorBoard sees the run progress.
+    The buffer reaches the disk on :meth:`flush`, on :meth:`close`, and with the first write
+    that comes ``flush_secs`` or more after the last flush (there is no background thread),
+    so a running TensorBoard sees the run progress one log interval late at most.
     """
 
     def __init__(self, log_dir: str, flush_secs: float, filename_suffix: str,
@@ -162,15 +162,6 @@ class _EventFileWriter:
             handle.close()  # flushes first; the next write opens a new file
 
 
-def _check_bound(name: str, value: float | None) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
-    return float(value)
-
-
 class TensorBoardSink(ManagedSink):
     """Writes the loss-scale metrics to TensorBoard event files, with a ready "Loss scale" view.
 
@@ -191,14 +182,17 @@ class TensorBoardSink(ManagedSink):
     Neither TensorFlow nor torch is imported. Nothing is created until the first write, and
     only on rank 0 (see :func:`lossscale_callbacks.process.process_rank`). A failure (the folder
     cannot be created, the disk is full) is warned once and disables the sink; training and
-    the other sinks go on. The file is flushed on :meth:`flush`, on :meth:`close`, at most
-    ``flush_secs`` after a write, and closed at interpreter exit.
+    the other sinks go on. The file is flushed on :meth:`flush`, on :meth:`close`, by the first
+    write that comes ``flush_secs`` or more after the last flush (no background thread: the
+    values of the last write wait for the next write, :meth:`flush` or :meth:`close`), and
+    closed at interpreter exit.
 
     Args:
         log_dir: the run folder to write into (created when needed).
         min_scale: the policy's ``min_scale``, drawn as the lower bound of the scale chart.
         max_scale: the policy's ``max_scale``, drawn as the upper bound.
-        flush_secs: longest time, in seconds, a written value waits in the buffer.
+        flush_secs: a write flushes the file when the last flush is at least this many
+            seconds old (0: every write flushes).
         filename_suffix: appended to the event file's name.
         all_ranks: write on every rank (give each rank its own ``log_dir`` then).
 
@@ -214,17 +208,11 @@ class TensorBoardSink(ManagedSink):
                  all_ranks: bool = False) -> None:
         if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
             raise ValueError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
-        low, high = _check_bound("min_scale", min_scale), _check_bound("max_scale", max_scale)
-        if (low is None) != (high is None):
-            raise ValueError("min_scale and max_scale must be given together (the policy's bounds), "
-                             f"got min_scale={min_scale!r}, max_scale={max_scale!r}")
-        if low is not None and high is not None and low > high:
-            raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
+        bounds = check_scale_bounds(min_scale, max_scale)
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or flush_secs < 0:
             raise ValueError(f"flush_secs must be a number >= 0, got {flush_secs!r}")
         if not isinstance(filename_suffix, str):
             raise ValueError(f"filename_suffix must be a str, got {filename_suffix!r}")
-        bounds = (low, high) if low is not None and high is not None else None
         self.log_dir = os.fspath(log_dir)
         self._writer = _EventFileWriter(self.log_dir, float(flush_secs), filename_suffix, bounds)
         super().__init__(self._writer, name=f"TensorBoard ({self.log_dir})", all_ranks=all_ranks)

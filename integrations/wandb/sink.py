@@ -9,7 +9,6 @@ measures the cost of a write).
 from __future__ import annotations
 
 import inspect
-import math
 import netrc
 import os
 import socket
@@ -24,8 +23,8 @@ import wandb
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.health import HealthMonitor, HealthSpec, Verdict
 from lossscale_callbacks.metrics import MetricsTracker
-from lossscale_callbacks.process import ManagedSink, user_stacklevel
-from lossscale_callbacks.report import MAX_SCALE, MIN_SCALE
+from lossscale_callbacks.process import ManagedSink, check_scale_bounds, user_stacklevel
+from lossscale_callbacks.report import DEFAULT_MIN_SCALE, MAX_SCALE, MIN_SCALE
 
 __all__ = [
     "FINAL_SCALE",
@@ -100,7 +99,8 @@ class _WandbBackend:
         self.run = run
         self.connect_timeout = connect_timeout
         self.alerts = alerts
-        self._tracker = MetricsTracker(bounds[0] if bounds is not None else 1.0)
+        # The rules need the policy's min_scale; without bounds, the policy default (as the report does).
+        self._tracker = MetricsTracker(bounds[0] if bounds is not None else DEFAULT_MIN_SCALE)
         self.init_kwargs = init_kwargs
         self.bounds = bounds
         self.owns_run = False
@@ -208,11 +208,14 @@ class _WandbBackend:
         self._send_summary()
 
     def close(self) -> None:
-        self._send_summary()
-        run, self.run, self._prepared = self.run, None, None
-        if run is not None and self.owns_run:
-            self.owns_run = False
-            run.finish()
+        run, owned = self.run, self.owns_run
+        try:
+            self._send_summary()
+        finally:
+            # A run the sink started is finished even when the summary update failed.
+            self.run, self._prepared, self.owns_run = None, None, False
+            if run is not None and owned:
+                run.finish()
 
     def alert(self, title: str, text: str, level: str) -> None:
         run = self.ensure_run()
@@ -232,15 +235,6 @@ def verdict_alert(verdict: Verdict) -> tuple[str, str, str]:
     """``(title, text, level)`` of the W&B alert for a health verdict (warn: WARN; stop, raise: ERROR)."""
     title = f"Loss scale: {verdict.rule.replace('_', ' ')} at step {verdict.step}"
     return title, verdict.message, _VERDICT_LEVEL.get(verdict.action, "WARN")
-
-
-def _check_bound(name: str, value: float | None) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
-    return float(value)
 
 
 class WandbSink(ManagedSink):
@@ -280,6 +274,7 @@ class WandbSink(ManagedSink):
         alerts: health rules whose verdicts on the written metrics become W&B alerts: ``True``
             (the default rules of :mod:`lossscale_callbacks.health`), rules of your own, or
             ``None``/``False`` for none. Each problem alerts once, as the integrations warn once.
+            "At the minimum scale" means at ``min_scale``, or at or below 1.0 when no bounds are given.
         all_ranks: log on every rank (one run per rank then).
         **init_kwargs: passed to ``wandb.init`` when the sink starts the run (``project``,
             ``dir``, ``mode``, ``config``, ...).
@@ -305,15 +300,9 @@ class WandbSink(ManagedSink):
             inspect.signature(wandb.init).bind(**init_kwargs)
         except TypeError as exc:
             raise ValueError(f"init_kwargs must be arguments of wandb.init: {exc}") from None
-        low, high = _check_bound("min_scale", min_scale), _check_bound("max_scale", max_scale)
-        if (low is None) != (high is None):
-            raise ValueError("min_scale and max_scale must be given together (the policy's bounds), "
-                             f"got min_scale={min_scale!r}, max_scale={max_scale!r}")
-        if low is not None and high is not None and low > high:
-            raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
+        bounds = check_scale_bounds(min_scale, max_scale)
         if isinstance(summary_secs, bool) or not isinstance(summary_secs, (int, float)) or summary_secs < 0:
             raise ValueError(f"summary_secs must be a number >= 0, got {summary_secs!r}")
-        bounds = (low, high) if low is not None and high is not None else None
         try:
             monitor = HealthMonitor.from_spec(alerts)
         except ValueError as exc:

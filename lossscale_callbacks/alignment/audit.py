@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lossscale_callbacks.alignment.report import AuditFinding
+from lossscale_callbacks.alignment.report import AuditFinding, worst_first
 
 ALLOW, DENY, INFER, CLEAR, OTHER = "allow", "deny", "infer", "clear", "other"
 CATEGORIES = (ALLOW, DENY, INFER, CLEAR, OTHER)
@@ -199,8 +199,7 @@ def run_audit(info: PrecisionInfo) -> tuple[list[AuditFinding], dict[str, dict[s
         else:
             add("float16_deny_op", op.layer, "low", op.dtype,
                 f"{op.op} (deny list: numerically unsafe in float16) runs in {op.dtype} here.")
-    rank = {"high": 0, "medium": 1, "low": 2, "info": 3}
-    found.sort(key=lambda a: rank[a.severity])
+    found.sort(key=lambda a: worst_first(a.severity))
     categories: dict[str, dict[str, int]] = {}
     for op in info.ops:
         cat = categorize(op.op, "torch" if info.framework == "torch" else "tensorflow")

@@ -17,12 +17,16 @@ import json
 from dataclasses import asdict, dataclass, field
 
 SEVERITIES = ("high", "medium", "low", "info")
-_RANK = {name: rank for rank, name in enumerate(reversed(SEVERITIES))}
+
+
+def worst_first(severity: str) -> int:
+    """Sort key that puts ``high`` first and ``info`` last."""
+    return SEVERITIES.index(severity)
 
 
 def check_severity(severity: str) -> str:
     """Validate a severity argument."""
-    if severity not in _RANK:
+    if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     return severity
 
@@ -119,14 +123,14 @@ class Report:
 
     def has_at_least(self, severity: str) -> bool:
         """Whether anything is at least this severe (``"low"`` means low, medium or high)."""
-        floor = _RANK[check_severity(severity)]
-        return any(_RANK[item.severity] >= floor for item in self._all())
+        floor = worst_first(check_severity(severity))
+        return any(worst_first(item.severity) <= floor for item in self._all())
 
     def at_least(self, severity: str) -> list:
         """Findings and audit results at least this severe, worst first."""
-        floor = _RANK[check_severity(severity)]
-        items = [item for item in self._all() if _RANK[item.severity] >= floor]
-        return sorted(items, key=lambda item: -_RANK[item.severity])
+        floor = worst_first(check_severity(severity))
+        items = [item for item in self._all() if worst_first(item.severity) <= floor]
+        return sorted(items, key=lambda item: worst_first(item.severity))
 
     def __bool__(self) -> bool:
         # A report is "truthy" when it has something to act on.

@@ -11,8 +11,9 @@ Rules, from NVIDIA's Deep Learning Performance Guide:
   pass swaps N and K; the weight-gradient pass has ``K = tokens``. All three passes of one layer give
   one finding per model dimension, never one per GEMM.
 * **Convolutions** ("Convolutional Layers"): implicit GEMM with ``M = N*P*Q``, ``N = K`` (output channels),
-  ``K = C*R*S``; input and output channels *per group* must be multiples. The first convolution with at
-  most 4 input channels (RGB) is served by special padded kernels: an ``info`` note, not a finding.
+  ``K = C*R*S``; input and output channels *per group* must be multiples. A convolution with at most 4
+  input channels (the RGB stem of an image model, the only place such a layer is met in practice) is
+  served by special padded kernels: an ``info`` note (``first_conv``), not a finding, wherever it is.
   Depthwise convolutions are memory-bound and never use Tensor Cores: ``info``. float16 convolutions in
   NCHW layout are transposed to NHWC by cuDNN at every call: one ``medium`` layout finding per model.
 * **Recurrent layers** ("Recurrent Layers"): hidden and input sizes (and the minibatch) should be
@@ -59,7 +60,7 @@ from lossscale_callbacks.alignment.records import (
     ModelDim,
     OpRecord,
 )
-from lossscale_callbacks.alignment.report import Finding, Report
+from lossscale_callbacks.alignment.report import Finding, Report, worst_first
 from lossscale_callbacks.alignment.targets import (
     ELEMENT_BYTES,
     GEMM_TILE,
@@ -227,8 +228,7 @@ def analyze(capture: Capture, *, target: str | None = None) -> Report:
             dtype="float32", layers=tuple(fp32_layers),
             message="float32 with TF32 disabled runs on CUDA cores, not Tensor Cores: alignment rules do not "
                     "apply. Enable mixed precision (or TF32) to use Tensor Cores."))
-    rank = {"high": 0, "medium": 1, "low": 2}
-    findings.sort(key=lambda f: rank[f.severity])
+    findings.sort(key=lambda f: worst_first(f.severity))
     report = Report(findings=findings, notes=notes, framework=capture.framework,
                     target=tgt.name if tgt else None, ops_seen=len(capture.records),
                     efficiency=list(efficiency.values()))

@@ -67,10 +67,14 @@ def _attention(embed, heads):
     return keras.Model(inp, layers.MultiHeadAttention(heads, embed // heads, name="mha")(inp, inp))
 
 
-def _recurrent(kind, size_in, hidden):
+def _recurrent(kind, size_in, hidden, num_layers=1):
     inp = keras.Input((SEQ, size_in))
-    cls = layers.LSTM if kind == "lstm" else layers.GRU
-    x = cls(hidden, name=kind)(inp)
+    if num_layers > 1:  # one RNN over stacked cells, like torch's num_layers
+        x = layers.RNN(layers.StackedRNNCells([layers.LSTMCell(hidden) for _ in range(num_layers)]),
+                       name=kind)(inp)
+    else:
+        cls = layers.LSTM if kind == "lstm" else layers.GRU
+        x = cls(hidden, name=kind)(inp)
     return keras.Model(inp, layers.Dense(16, name="fc")(x))
 
 
@@ -94,6 +98,9 @@ def build(name: str):
                       _conv(64, "pw", kernel=1))
     if name == "grouped":
         return _convs(_conv(48, "conv1"), _conv(48, "grouped", groups=4))
+    if name == "conv_transpose":
+        up = layers.Conv2DTranspose(20, 3, padding="same", activation="relu", name="up")
+        return _convs(_conv(32, "conv1"), up, _conv(64, "conv2"))
     if name == "attention_50":
         return _attention(200, 4)
     if name == "attention_64":
@@ -104,6 +111,8 @@ def build(name: str):
         return keras.Model(inp, TiedHead(emb, name="head")(emb(inp)))
     if name == "lstm":
         return _recurrent("lstm", 20, 30)
+    if name == "stacked_lstm":
+        return _recurrent("lstm", 20, 30, num_layers=2)
     if name == "gru":
         return _recurrent("gru", 32, 36)
     if name == "custom_matmul":

@@ -70,10 +70,11 @@ class TiedLM(nn.Module):
 
 
 class Recurrent(nn.Module):
-    def __init__(self, kind, size_in, hidden):
+    def __init__(self, kind, size_in, hidden, num_layers=1):
         super().__init__()
         self.kind = kind
-        self.add_module(kind, getattr(nn, kind.upper())(size_in, hidden, batch_first=True))
+        self.add_module(kind, getattr(nn, kind.upper())(size_in, hidden, num_layers=num_layers,
+                                                        batch_first=True))
         self.fc = nn.Linear(hidden, 16)
 
     def forward(self, x):
@@ -128,6 +129,9 @@ def build(name: str):
                       pw=nn.Conv2d(32, 64, 1))
     elif name == "grouped":
         model = Convs(conv1=nn.Conv2d(3, 48, 3, padding=1), grouped=nn.Conv2d(48, 48, 3, padding=1, groups=4))
+    elif name == "conv_transpose":
+        model = Convs(conv1=nn.Conv2d(3, 32, 3, padding=1), up=nn.ConvTranspose2d(32, 20, 3, padding=1),
+                      conv2=nn.Conv2d(20, 64, 3, padding=1))
     elif name == "attention_50":
         return Attention(200, 4), torch.randn(batch, SEQ, 200)
     elif name == "attention_64":
@@ -136,6 +140,8 @@ def build(name: str):
         return TiedLM(), torch.zeros(batch, SEQ, dtype=torch.long)
     elif name == "lstm":
         return Recurrent("lstm", 20, 30), torch.randn(batch, SEQ, 20)
+    elif name == "stacked_lstm":
+        return Recurrent("lstm", 20, 30, num_layers=2), torch.randn(batch, SEQ, 20)
     elif name == "gru":
         return Recurrent("gru", 32, 36), torch.randn(batch, SEQ, 32)
     elif name == "custom_matmul":
