@@ -2,10 +2,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from oracle import Oracle
 
 from lossscale_callbacks.conformance import assert_conforms, conformance_cases, reference_run
 from lossscale_callbacks.policy import FixedPolicy
-from oracle import Oracle
 
 CASES = conformance_cases()
 
@@ -40,7 +40,7 @@ def test_expected_states_agree_with_the_independent_oracle(case):
 def test_cases_are_deterministic():
     again = conformance_cases()
     assert [c.name for c in again] == [c.name for c in CASES]
-    for a, b in zip(again, CASES):
+    for a, b in zip(again, CASES, strict=True):
         assert a.policy == b.policy and np.array_equal(a.finite, b.finite)
 
 

@@ -15,7 +15,8 @@ def test_importing_the_core_imports_no_framework():
 
 
 def test_version_lives_in_one_place():
-    import lossscale_callbacks
     from importlib.metadata import version
+
+    import lossscale_callbacks
 
     assert lossscale_callbacks.__version__ == version("lossscale-callbacks")

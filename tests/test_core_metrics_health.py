@@ -40,7 +40,8 @@ def test_tracker_intervals_and_rates():
     flags = [False, False] + [True] * 8 + [True, False, True, False, True, True, True, True, True, True]
     first, second = run(policy, flags, tracker, every=10)
     assert (first.step, first.skipped_in_interval, first.skip_rate) == (10, 2, 0.2)
-    assert (second.step, second.skipped_steps, second.skipped_in_interval, second.skip_rate) == (20, 4, 2, 0.2)
+    assert (second.step, second.skipped_steps) == (20, 4)
+    assert (second.skipped_in_interval, second.skip_rate) == (2, 0.2)
     assert second.metrics() == {
         "loss_scale/scale": 1024.0 / 16, "loss_scale/growth_counter": 6.0, "loss_scale/skipped_steps": 4.0,
         "loss_scale/skipped_in_interval": 2.0, "loss_scale/skip_rate": 0.2,
@@ -102,7 +103,8 @@ def test_monitor_reports_each_problem_once_and_acts():
 
     with pytest.warns(LossScaleHealthWarning, match="stopping training"):
         stops = []
-        assert monitor.apply([monitor.verdicts[0].__class__("r", "stop", 1, "m")], stop=lambda: stops.append(1))
+        stop_verdict = monitor.verdicts[0].__class__("r", "stop", 1, "m")
+        assert monitor.apply([stop_verdict], stop=lambda: stops.append(1))
     assert stops == [1]
     with pytest.raises(LossScaleHealthError, match="boom"):
         monitor.apply([monitor.verdicts[0].__class__("r", "raise", 1, "boom")])
@@ -146,3 +148,33 @@ def test_summary_in_plain_words():
     assert "40 optimizer steps, 30 skipped (75.00%)" in text
     assert "final loss scale 1" in text and "at the minimum scale (1)" in text
     assert summarize(None) == "Loss scaling: no optimizer step was taken."
+
+
+def test_a_fixed_scale_is_never_stuck_at_its_minimum():
+    from lossscale_callbacks import FixedPolicy
+
+    policy = FixedPolicy(1.0)
+    snaps = run(policy, [True] * 2000, MetricsTracker.for_policy(policy), every=100)
+    assert not snaps[-1].at_min_scale and snaps[-1].total_steps_at_min_scale == 0
+    assert evaluate([StuckAtMinScale()], snaps) == []
+    assert MetricsTracker.for_policy(DynamicPolicy(min_scale=2.0)).min_scale == 2.0
+
+
+def test_a_second_read_at_the_same_step_keeps_the_runs():
+    policy = DynamicPolicy(initial_scale=4.0)
+    tracker = MetricsTracker.for_policy(policy)
+    snaps = run(policy, [False] * 100, tracker, every=10)
+    again = tracker.observe({"steps": 100, "skipped_steps": 100, "scale": 1.0, "growth_counter": 0,
+                             "hysteresis_left": 0})
+    assert (again.consecutive_skipped, again.steps_at_min_scale) == (snaps[-1].consecutive_skipped,
+                                                                      snaps[-1].steps_at_min_scale)
+    assert again.interval_steps == 0 and again.skip_rate == 0.0
+
+
+def test_raise_comes_after_the_other_verdicts_are_warned():
+    from lossscale_callbacks import Verdict
+
+    monitor = HealthMonitor([])
+    with pytest.warns(LossScaleHealthWarning, match="first"), \
+            pytest.raises(LossScaleHealthError, match="second"):
+        monitor.apply([Verdict("a", "raise", 1, "second"), Verdict("b", "warn", 1, "first")])

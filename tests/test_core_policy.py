@@ -100,7 +100,8 @@ def test_unknown_config_keys_are_rejected_with_the_allowed_ones():
 
 def test_defaults_match_the_design():
     policy = DynamicPolicy()
-    assert (policy.initial_scale, policy.growth_interval, policy.growth_factor, policy.backoff_factor,
-            policy.hysteresis, policy.min_scale, policy.max_scale) == (2.0**15, 2000, 2.0, 0.5, 1, 1.0, 2.0**24)
+    assert (policy.initial_scale, policy.growth_interval, policy.growth_factor, policy.backoff_factor) == (
+        2.0**15, 2000, 2.0, 0.5)
+    assert (policy.hysteresis, policy.min_scale, policy.max_scale) == (1, 1.0, 2.0**24)
     assert policy.dynamic and not FixedPolicy().dynamic
     assert math.isclose(FixedPolicy(3.0).initial_scale, 3.0)

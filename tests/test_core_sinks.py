@@ -42,3 +42,14 @@ def test_guard_rejects_objects_that_are_not_sinks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SinkGroup([GuardedSink(InMemorySink(), name="mem")]).write(0, {})
+
+
+def test_a_disabled_sink_is_still_closed_to_release_its_files():
+    bad = Exploding()
+    guarded = GuardedSink(bad)
+    with pytest.warns(SinkFailureWarning):
+        guarded.write(0, {"x": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guarded.close()
+    assert bad.closed

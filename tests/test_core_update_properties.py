@@ -7,9 +7,9 @@ import math
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import Oracle
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy, initial_state, next_state
-from oracle import Oracle
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -103,16 +103,14 @@ def test_backoff_happens_on_the_hysteresis_th_overflow_since_growth(policy, clea
     state = initial_state(policy)
     for _ in range(clean):
         state = next_state(policy, state, True)
+    # hysteresis_left is full after any number of clean steps (initial value, refilled on growth),
+    # so the k-th overflow in a row backs off exactly when k >= hysteresis
     for k in range(1, overflows + 1):
         before = float(state.scale)
         state = next_state(policy, state, False)
-        # hysteresis_left counts down from the last refill (initial state or growth)
-        expected_backoff = int(state.hysteresis_left) == 0
         backed = max(np.float32(before * np.float32(policy.backoff_factor)), np.float32(policy.min_scale))
-        assert float(state.scale) == (backed if expected_backoff else before)
-    # after `hysteresis` overflows in a row, the scale has backed off at least once
-    if overflows >= policy.hysteresis:
-        assert int(state.hysteresis_left) == 0
+        assert float(state.scale) == (backed if k >= policy.hysteresis else before)
+        assert int(state.hysteresis_left) == max(policy.hysteresis - k, 0)
 
 
 @settings(max_examples=200, deadline=None)
