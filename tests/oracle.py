@@ -48,3 +48,13 @@ class Oracle:
 
     def values(self) -> tuple:
         return (self.scale, self.growth_counter, self.hysteresis_left, self.skipped_steps, self.steps)
+
+
+def oracle_for(policy) -> Oracle:
+    """The oracle for a core policy (read through its public fields only)."""
+    if not policy.dynamic:
+        return Oracle(scale=policy.scale, interval=1, growth=1.0, backoff=1.0, hysteresis=0,
+                      min_scale=policy.scale, max_scale=policy.scale, dynamic=False)
+    return Oracle(scale=policy.initial_scale, interval=policy.growth_interval, growth=policy.growth_factor,
+                  backoff=policy.backoff_factor, hysteresis=policy.hysteresis,
+                  min_scale=policy.min_scale, max_scale=policy.max_scale)

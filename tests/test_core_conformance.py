@@ -2,21 +2,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-from oracle import Oracle
+from oracle import oracle_for
 
 from lossscale_callbacks.conformance import assert_conforms, conformance_cases, reference_run
-from lossscale_callbacks.policy import FixedPolicy
 
 CASES = conformance_cases()
-
-
-def _oracle(policy):
-    if isinstance(policy, FixedPolicy):
-        return Oracle(scale=policy.scale, interval=1, growth=1.0, backoff=1.0, hysteresis=0,
-                      min_scale=policy.scale, max_scale=policy.scale, dynamic=False)
-    return Oracle(scale=policy.initial_scale, interval=policy.growth_interval, growth=policy.growth_factor,
-                  backoff=policy.backoff_factor, hysteresis=policy.hysteresis,
-                  min_scale=policy.min_scale, max_scale=policy.max_scale)
 
 
 def test_cases_cover_the_edges():
@@ -30,7 +20,7 @@ def test_cases_cover_the_edges():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_expected_states_agree_with_the_independent_oracle(case):
-    oracle = _oracle(case.policy)
+    oracle = oracle_for(case.policy)
     for t, finite in enumerate(case.finite):
         oracle.step(bool(finite))
         row = tuple(np.asarray(field)[t] for field in case.expected)

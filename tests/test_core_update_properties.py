@@ -7,7 +7,7 @@ import math
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import Oracle
+from oracle import oracle_for
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy, initial_state, next_state
 
@@ -32,15 +32,6 @@ def dynamic_policies(draw):
         min_scale=min_scale,
         max_scale=max_scale,
     )
-
-
-def oracle_for(policy) -> Oracle:
-    if isinstance(policy, FixedPolicy):
-        return Oracle(scale=policy.scale, interval=1, growth=1.0, backoff=1.0, hysteresis=0,
-                      min_scale=policy.scale, max_scale=policy.scale, dynamic=False)
-    return Oracle(scale=policy.initial_scale, interval=policy.growth_interval, growth=policy.growth_factor,
-                  backoff=policy.backoff_factor, hysteresis=policy.hysteresis,
-                  min_scale=policy.min_scale, max_scale=policy.max_scale)
 
 
 # Runs of equal outcomes let hypothesis reach sequences of up to 10,000 steps cheaply.
