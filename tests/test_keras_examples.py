@@ -1,0 +1,40 @@
+"""The Keras examples run as a user would run them (the quickstart is the README's demo)."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def _run(script, cwd):
+    # A W&B run started earlier in this pytest process leaves WANDB_* variables (service
+    # address, run id) behind; the example must start its own run, as a user's would.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", WANDB_MODE="offline", WANDB_SILENT="true", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_keras_quickstart(tmp_path):
+    out = _run("keras_quickstart.py", tmp_path)
+    assert "Loss scaling: 256 optimizer steps" in out
+    assert "Loss-scale trajectory" in out and "loss_scale/scale" in out  # progress bar shows the metrics
+    assert glob.glob(str(tmp_path / "runs" / "keras_quickstart" / "events.out.tfevents.*"))
+    assert glob.glob(str(tmp_path / "runs" / "wandb" / "offline-run-*" / "*.wandb"))
+    with open(tmp_path / "runs" / "keras_quickstart.csv") as f:
+        assert "loss_scale/skip_rate" in f.readline()
+
+
+@pytest.mark.slow
+def test_keras_custom_loop(tmp_path):
+    out = _run("keras_custom_loop.py", tmp_path)
+    assert "Loss scaling: 192 optimizer steps" in out and "applied steps (optimizer.iterations)" in out

@@ -1,0 +1,311 @@
+"""LossScaleOptimizer and DynamicLossScale for Keras 3: the seed examples and API, skipping, saving."""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from keras_scripts.toy import StateRecorder, build_model, make_data  # noqa: E402
+
+from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.conformance import reference_run  # noqa: E402
+from lossscale_callbacks.keras import DynamicLossScale, LossScaleOptimizer  # noqa: E402
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _host_states(states):
+    return [tuple(float(x) for x in s) for s in states]
+
+
+def _bit_identical(before, after):
+    if len(before) != len(after):
+        return False
+    return all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
+
+
+def _expected(policy, finite):
+    ref = reference_run(policy, finite)
+    return [tuple(float(getattr(ref, f)[t]) for f in ref._fields) for t in range(len(finite))]
+
+
+# ---- acceptance 1: the seed documents' examples, as written ----
+
+def test_seed_minimize_then_gradient_tape():
+    opt = keras.optimizers.SGD(0.25)
+    opt = LossScaleOptimizer(opt)
+    var = tf.Variable(1.0)
+    loss_fn = lambda: var**2  # noqa: E731
+    # 'minimize' applies loss scaling and updates the loss scale.
+    opt.minimize(loss_fn, var_list=var)
+    assert var.numpy() == 0.5
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+        scaled_loss = opt.get_scaled_loss(loss)
+    scaled_grad = tape.gradient(scaled_loss, var)
+    (grad,) = opt.get_unscaled_gradients([scaled_grad])
+    opt.apply_gradients([(grad, var)])  # Loss scale is updated here
+    assert var.numpy() == 0.25
+    assert float(scaled_loss) == 0.25 * 2.0**15
+    state = opt.read_state()
+    assert int(state.steps) == 2 and int(state.skipped_steps) == 0 and int(opt.dynamic_counter.numpy()) == 2
+
+
+def test_seed_hyperparameter_delegation_beta_1_yes_epsilon_no():
+    opt = keras.optimizers.Adam(beta_1=0.8, epsilon=1e-5)
+    opt = LossScaleOptimizer(opt)
+    assert opt.beta_1 == 0.8  # Equivalent to `opt.inner_optimizer.beta_1`
+    opt.beta_1 = 0.7  # Equivalent to `opt.inner_optimizer.beta_1 = 0.7`
+    assert opt.beta_1 == 0.7
+    assert opt.inner_optimizer.beta_1 == 0.7
+
+    assert opt.inner_optimizer.epsilon == 1e-5
+    with pytest.raises(AttributeError, match="'LossScaleOptimizer' object has no attribute 'epsilon'"):
+        opt.epsilon  # noqa: B018
+    opt.epsilon = 1e-4  # This does NOT set epsilon on `opt.inner_optimizer`
+    assert opt.inner_optimizer.epsilon == 1e-5
+
+    opt.learning_rate = 0.5  # learning_rate always reaches the inner optimizer
+    assert float(opt.inner_optimizer.learning_rate.numpy()) == 0.5
+    assert float(opt.learning_rate.numpy()) == 0.5
+
+
+def test_seed_properties_dynamic_and_fixed():
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    assert opt.dynamic is True and opt.initial_scale == 2.0**15 and opt.dynamic_growth_steps == 2000
+    assert opt.loss_scale.dtype == tf.float32 and float(opt.loss_scale) == 2.0**15
+    assert int(opt.dynamic_counter.numpy()) == 0
+    assert opt.dynamic_counter.dtype == "int64"
+    assert isinstance(opt.inner_optimizer, keras.optimizers.SGD)
+    assert isinstance(opt, keras.optimizers.LossScaleOptimizer)  # Keras treats it as its own kind
+
+    fixed = LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic=False, initial_scale=128)
+    assert fixed.dynamic is False and fixed.dynamic_growth_steps is None and fixed.dynamic_counter is None
+    assert fixed.policy == FixedPolicy(128.0)
+    var = tf.Variable([1.0])
+    for grad in ([1.0], [np.inf], [1.0]):
+        fixed.apply_gradients([(tf.constant(grad) * 128.0, var)])
+    assert float(fixed.loss_scale) == 128.0 and int(fixed.read_state().skipped_steps) == 1
+    assert var.numpy()[0] == pytest.approx(0.8)
+
+    custom = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64, dynamic_growth_steps=3)
+    assert custom.policy == DynamicPolicy(initial_scale=64.0, growth_interval=3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dynamic": False}, "initial_scale must be specified"),
+    ({"dynamic": False, "initial_scale": 8.0, "dynamic_growth_steps": 10}, "dynamic_growth_steps can only"),
+    ({"policy": DynamicPolicy(), "initial_scale": 8.0}, "either policy or"),
+    ({"policy": DynamicPolicy(), "dynamic": False}, "contradicts"),
+    ({"policy": {"type": "dynamic"}}, "policy must be"),
+    ({"dynamic": "yes"}, "dynamic must be"),
+    ({"dynamic_growth_steps": 0}, "growth_interval"),
+])
+def test_invalid_argument_combinations_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+
+
+def test_invalid_inner_optimizer():
+    with pytest.raises(ValueError, match="inner_optimizer"):
+        LossScaleOptimizer("adam")
+    with pytest.raises(ValueError, match="inner_optimizer"):
+        LossScaleOptimizer(LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        LossScaleOptimizer(keras.optimizers.SGD(0.1, loss_scale_factor=4.0))
+
+
+def test_policy_with_hysteresis_and_bounds():
+    policy = DynamicPolicy(initial_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=16.0)
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.0), policy=policy)
+    var = tf.Variable([0.0])
+    finite = [False, False, False, False, True, True, True, True, True, True]
+    states = []
+    for ok in finite:
+        opt.apply_gradients([(tf.constant([1.0 if ok else np.nan]), var)])
+        states.append(tuple(float(x) for x in opt.read_state()))
+    assert states == _expected(policy, finite)
+
+
+def test_config_round_trip_and_keras_config():
+    policy = DynamicPolicy(initial_scale=1024.0, growth_interval=7, hysteresis=3, min_scale=0.5)
+    opt = LossScaleOptimizer(keras.optimizers.Adam(1e-3, beta_1=0.85), policy=policy, name="ls")
+    config = opt.get_config()
+    assert (config["dynamic"], config["initial_scale"], config["dynamic_growth_steps"]) == (True, 1024.0, 7)
+    again = LossScaleOptimizer.from_config(config)
+    assert again.policy == policy and again.name == "ls" and again.inner_optimizer.beta_1 == 0.85
+    # Generic Keras (de)serialization finds the registered class.
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert type(restored) is LossScaleOptimizer and restored.policy == policy
+    # A config written by Keras' own LossScaleOptimizer deserializes too.
+    keras_config = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=256.0,
+                                                       dynamic_growth_steps=5).get_config()
+    assert LossScaleOptimizer.from_config(keras_config).policy == DynamicPolicy(256.0, 5)
+    fixed = LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic=False, initial_scale=4.0)
+    assert LossScaleOptimizer.from_config(fixed.get_config()).policy == FixedPolicy(4.0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
+def test_skipped_step_leaves_weights_and_slots_bit_identical(mode):
+    policy = DynamicPolicy(initial_scale=2.0**10, growth_interval=3)
+    opt = LossScaleOptimizer(keras.optimizers.Adam(0.01), policy=policy)
+    kernel = keras.Variable(np.ones((3, 2), "float32"), name="kernel")
+    bias = keras.Variable(np.zeros((2,), "float32"), name="bias")
+    variables = [kernel, bias]
+    opt.build(variables)
+
+    def step(g_kernel, g_bias):
+        opt.apply_gradients(zip([g_kernel, g_bias], variables, strict=False))
+
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "xla")
+    finite_pattern = [True, True, False, True, True, True, False, False, True]
+    snapshots, states = [], []
+    rng = np.random.default_rng(0)
+    for ok in finite_pattern:
+        g_kernel = rng.normal(size=(3, 2)).astype("float32") * 2.0**10
+        if not ok:
+            g_kernel[1, 0] = np.inf if len(states) % 2 else np.nan
+        step(tf.constant(g_kernel), tf.constant(rng.normal(size=2).astype("float32")))
+        snapshots.append([np.array(v.numpy()) for v in [*variables, *opt.inner_optimizer.variables]])
+        states.append(tuple(float(x) for x in opt.read_state()))
+    for t, ok in enumerate(finite_pattern):
+        if not ok:
+            for before, after in zip(snapshots[t - 1], snapshots[t], strict=False):
+                assert before.tobytes() == after.tobytes()
+        else:
+            assert not np.array_equal(snapshots[t - 1][0], snapshots[t][0]) if t else True
+    assert states == _expected(policy, finite_pattern)
+    # iterations counts applied steps only; state.steps counts every attempt.
+    assert int(opt.iterations.numpy()) == sum(finite_pattern)
+    assert int(opt.read_state().steps) == len(finite_pattern)
+
+
+def test_apply_unscales_scaled_gradients_keras3_style():
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0**12)
+    var = tf.Variable(2.0)
+    with tf.GradientTape() as tape:
+        scaled = opt.scale_loss(var**2)  # what Keras' trainer does
+    opt.apply_gradients([(tape.gradient(scaled, var), var)])
+    assert var.numpy() == 2.0 - 4.0
+
+
+def test_clipnorm_sees_unscaled_gradients():
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0, clipnorm=1.0), initial_scale=2.0**15)
+    var = tf.Variable(1.0)
+    opt.minimize(lambda: 0.25 * var**2, var_list=[var])  # gradient 0.5: below the clip norm
+    assert var.numpy() == 0.5
+    opt.minimize(lambda: 4.0 * var**2, var_list=[var])  # gradient 4: clipped to 1
+    assert var.numpy() == -0.5
+
+
+def test_learning_rate_schedule_follows_applied_steps():
+    schedule = keras.optimizers.schedules.ExponentialDecay(1.0, decay_steps=1, decay_rate=0.5)
+    opt = LossScaleOptimizer(keras.optimizers.SGD(schedule), initial_scale=4.0)
+    var = tf.Variable(0.0)
+    for grad in (4.0, np.inf, 4.0):  # scaled gradients of 1.0
+        opt.apply_gradients([(tf.constant(grad), var)])
+    # lr 1.0 at the first applied step, 0.5 at the second: the skipped step did not decay it.
+    assert var.numpy() == pytest.approx(-(1.0 + 0.5 * 2.0))  # the scale halved to 2 after the overflow
+    assert int(opt.iterations.numpy()) == 2
+
+
+def test_tf_train_checkpoint_restores_state(tmp_path):
+    policy = DynamicPolicy(initial_scale=64.0, growth_interval=2)
+    var = keras.Variable(np.ones(3, "float32"))
+    opt = LossScaleOptimizer(keras.optimizers.Adam(0.1), policy=policy)
+    for grad in ([1.0, 1.0, 1.0], [np.inf, 0.0, 0.0], [1.0, 2.0, 3.0]):
+        opt.apply_gradients([(tf.constant(grad, tf.float32), var)])
+    saved_state = opt.read_state()
+    path = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
+
+    fresh_var = keras.Variable(np.ones(3, "float32"))
+    fresh = LossScaleOptimizer(keras.optimizers.Adam(0.1), policy=policy)
+    fresh.build([fresh_var])
+    tf.train.Checkpoint(optimizer=fresh).restore(path).assert_existing_objects_matched()
+    assert [float(x) for x in fresh.read_state()] == [float(x) for x in saved_state]
+    assert int(fresh.iterations.numpy()) == 2
+    for a, b in zip(opt.inner_optimizer.variables, fresh.inner_optimizer.variables, strict=False):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.slow
+def test_compile_fit_under_mixed_float16_is_not_wrapped_twice_and_skips(mixed_float16):
+    policy = DynamicPolicy(initial_scale=256.0, growth_interval=4, max_scale=4096.0)
+    model = build_model()
+    model.compile(optimizer=LossScaleOptimizer(keras.optimizers.Adam(0.01), policy=policy), loss="mse")
+    assert type(model.optimizer) is LossScaleOptimizer
+    poisoned = [2, 5]
+    x, y = make_data(8, poisoned=poisoned)
+    recorder = StateRecorder()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[recorder], verbose=0)
+    finite = [b not in poisoned for b in range(8)]
+    assert _host_states(recorder.states) == _expected(policy, finite)
+    for b in poisoned:
+        assert _bit_identical(recorder.weights[b - 1], recorder.weights[b])
+
+
+@pytest.mark.slow
+def test_fit_with_jit_compile(mixed_float16):
+    policy = DynamicPolicy(initial_scale=128.0, growth_interval=2, max_scale=1024.0)
+    model = build_model()
+    model.compile(optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy=policy),
+                  loss="mse", jit_compile=True)
+    poisoned = [1, 4, 5]
+    x, y = make_data(7, poisoned=poisoned)
+    recorder = StateRecorder()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[recorder], verbose=0)
+    assert model.jit_compile
+    assert _host_states(recorder.states) == _expected(policy, [b not in poisoned for b in range(7)])
+    for b in poisoned:
+        assert _bit_identical(recorder.slots[b - 1], recorder.slots[b])
+
+
+# ---- the seed's DynamicLossScale ----
+
+def test_dynamic_loss_scale_seed_api(tmp_path):
+    loss_scale = DynamicLossScale()
+    defaults = {"initial_loss_scale": 2.0**15, "increment_period": 2000, "multiplier": 2.0}
+    assert loss_scale.get_config() == defaults
+    loss_scale = DynamicLossScale(initial_loss_scale=16.0, increment_period=2, multiplier=4.0)
+    assert loss_scale.initial_loss_scale == 16.0 and loss_scale.increment_period == 2
+    assert loss_scale.multiplier == 4.0
+    value = loss_scale()
+    assert value.dtype == tf.float32 and float(value) == 16.0
+    update = tf.function(loss_scale.update)
+    outcomes = []
+    steps = ([tf.constant([1.0])], [tf.constant([1.0]), None], [tf.constant([np.nan])], [tf.constant(2.0)])
+    for grads in steps:
+        update_op, should_apply = update(grads)
+        assert update_op is None
+        outcomes.append((bool(should_apply), float(loss_scale())))
+    assert outcomes == [(True, 16.0), (True, 64.0), (False, 16.0), (True, 16.0)]
+    again = DynamicLossScale.from_config(loss_scale.get_config())
+    assert again.get_config() == loss_scale.get_config() and float(again()) == 16.0
+    path = tf.train.Checkpoint(ls=loss_scale).save(str(tmp_path / "ls"))
+    tf.train.Checkpoint(ls=again).restore(path)
+    assert [int(v.numpy()) for v in again.state[1:]] == [1, 0, 1, 4]
+    with pytest.raises(ValueError, match="multiplier"):
+        DynamicLossScale(multiplier=1.0)
+
+
+def test_import_loads_no_sink_integration_or_alignment():
+    import os
+    import subprocess
+    import sys
+
+    lazy = ["wandb", "lossscale_callbacks.tensorboard", "lossscale_callbacks.wandb",
+            "lossscale_callbacks.keras.alignment"]
+    code = (f"import sys, lossscale_callbacks.keras as k; print([m for m in {lazy!r} if m in sys.modules]); "
+            "print(k.check_alignment.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "lossscale_callbacks.keras.alignment"]
