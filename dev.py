@@ -3,7 +3,7 @@
 
 The README's quick start is these two commands, on a machine with nothing but Python:
 
-    python3 dev.py demo    # set everything up, then train a small fp16 model and log to ./runs
+    python3 dev.py demo    # set everything up, then train a small fp16 Keras model, logs under ./runs
     python3 dev.py test    # set everything up, then lint (ruff) and run the test suite (pytest)
 
 Both create ``.venv/`` inside the repository on first use and reuse it afterwards: the
@@ -72,7 +72,7 @@ def _run(args: list[str]) -> int:
 
 
 def demo(python: Path, extra: list[str]) -> int:
-    return _run([str(python), "examples/core_simulation.py", *extra])
+    return _run([str(python), "examples/keras_quickstart.py", *extra])
 
 
 def test(python: Path, extra: list[str]) -> int:
