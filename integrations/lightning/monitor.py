@@ -1,0 +1,258 @@
+"""``LossScaleMonitor``: the loss-scale metrics on every Lightning logger, like ``LearningRateMonitor``."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from lossscale_callbacks.health import HealthMonitor, HealthSpec
+from lossscale_callbacks.lightning._compat import bases
+from lossscale_callbacks.lightning._loggers import LoggerSink
+from lossscale_callbacks.lightning.scaler import LossScaler
+from lossscale_callbacks.lightning.stock import StockScalerReader
+from lossscale_callbacks.metrics import SCALE, SKIPPED_STEPS, MetricsTracker, Snapshot
+from lossscale_callbacks.sinks import SinkGroup
+from lossscale_callbacks.summary import summarize
+
+log = logging.getLogger(__name__)
+
+_INTERVALS = (None, "step", "epoch")
+SUMMARY_TAG = "loss_scale/summary"
+ALIGNMENT_TAG = "loss_scale/alignment"
+
+
+class _Source:
+    """Where the state comes from: our LossScaler, or a stock GradScaler read through StockScalerReader."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.ours = isinstance(scaler, LossScaler)
+        self.scaler = scaler
+        self.stock = None if self.ours else StockScalerReader(scaler)
+        # torch's GradScaler has no floor; below 1 the loss is no longer scaled up, so 1 counts as
+        # its minimum. A fixed scale (bf16) has no minimum to get stuck at.
+        self.min_scale = MetricsTracker.for_policy(scaler.policy).min_scale if self.ours else 1.0
+
+    def after_optimizer_step(self) -> None:
+        if self.stock is not None:
+            self.stock.after_optimizer_step()
+
+    def read(self) -> Any:
+        """The one host read of an interval."""
+        return self.scaler.get_state() if self.ours else self.stock.read()  # type: ignore[union-attr]
+
+
+def _find_scaler(trainer: Any) -> Any:
+    plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+    scaler = getattr(plugin, "scaler", None)
+    if isinstance(scaler, (LossScaler, torch.amp.GradScaler)) and scaler.is_enabled():
+        return scaler
+    return None
+
+
+class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
+    """Logs ``loss_scale/*`` through every trainer logger and into ``trainer.callback_metrics``.
+
+    Works with :class:`~lossscale_callbacks.lightning.LossScalePlugin` and with Lightning's stock
+    ``MixedPrecision`` plugin (``Trainer(precision="16-mixed")`` on a GPU), whose skipped steps it
+    counts on the device. The state is read from the device once per log interval (never per
+    step); loggers are written from rank 0 only, while ``callback_metrics`` and the health rules
+    run on every rank (the state is the same on all ranks), so ``EarlyStopping(monitor=
+    "loss_scale/skip_rate")`` and a ``"stop"`` rule behave the same on every rank.
+
+    Args:
+        logging_interval: ``None`` or ``"step"``: at the trainer's ``log_every_n_steps``;
+            ``"epoch"``: at the end of each training epoch; an integer ``n >= 1``: every ``n``
+            optimizer steps.
+        prog_bar: also show the scale and the skipped steps in the progress bar.
+        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
+            for the default rules, or rules); ``"stop"`` sets ``trainer.should_stop``.
+        check_alignment: run the Tensor Core alignment check
+            (``lossscale_callbacks.lightning.alignment.check_alignment``) once, on the first training
+            batch, and write its report as text to the loggers (TensorBoard's Text tab, the W&B run
+            summary). The model input is ``alignment_kwargs["sample"]`` if given, else the module's
+            ``example_input_array``, else the first element of an ``(inputs, targets)`` batch, else
+            the batch itself; ``dtype`` defaults to the trainer's precision (``"16-mixed"``...).
+        alignment_kwargs: more keyword arguments for ``check_alignment`` (``sample``, ``dtype``,
+            ``target``, ``forward``, ``loss_fn``...).
+
+    Example:
+        >>> monitor = LossScaleMonitor(logging_interval=50, health="stop")
+        >>> monitor.logging_interval
+        50
+    """
+
+    def __init__(
+        self,
+        logging_interval: int | str | None = None,
+        prog_bar: bool = False,
+        health: HealthSpec = "warn",
+        check_alignment: bool = False,
+        alignment_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        is_count = isinstance(logging_interval, int) and not isinstance(logging_interval, bool)
+        if logging_interval not in _INTERVALS and not (is_count and logging_interval >= 1):
+            raise ValueError(f"logging_interval must be None, 'step', 'epoch' or an integer >= 1, "
+                             f"got {logging_interval!r}")
+        if not isinstance(prog_bar, bool):
+            raise ValueError(f"prog_bar must be True or False, got {prog_bar!r}")
+        if not isinstance(check_alignment, bool):
+            raise ValueError(f"check_alignment must be True or False, got {check_alignment!r}")
+        if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
+            raise ValueError(f"alignment_kwargs must be None or a dict, got {alignment_kwargs!r}")
+        self.logging_interval = logging_interval
+        self.prog_bar = prog_bar
+        self.health = HealthMonitor.from_spec(health)
+        self.check_alignment = check_alignment
+        self.alignment_kwargs = dict(alignment_kwargs or {})
+        self.tracker: MetricsTracker | None = None
+        self.summary: str | None = None
+        self.alignment_report: Any = None
+        self._source: _Source | None = None
+        self._sinks = SinkGroup()
+        self._last_global_step = 0
+        self._alignment_done = False
+
+    # ------------------------------------------------------------------------------- setup
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        scaler = _find_scaler(trainer)
+        if scaler is None:
+            if trainer.is_global_zero:
+                warnings.warn(
+                    "[lossscale-callbacks] LossScaleMonitor found no loss scaler: use "
+                    "plugins=[LossScalePlugin(...)] or precision='16-mixed' on a GPU. Nothing will be "
+                    "logged.",
+                    UserWarning, stacklevel=2)
+            self._source = None
+            return
+        self._source = _Source(scaler)
+        self.tracker = MetricsTracker(self._source.min_scale)
+        self._sinks = SinkGroup(LoggerSink(lg) for lg in trainer.loggers) if trainer.is_global_zero \
+            else SinkGroup()
+
+    # ---------------------------------------------------------------------------- training
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # After a checkpoint was restored: count steps from here.
+        self._last_global_step = trainer.global_step
+        if self._source is not None and self._source.stock is not None:
+            # GradScaler does not checkpoint skipped steps; they are counted from this point on.
+            self._source.stock.steps = trainer.global_step
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.check_alignment and not self._alignment_done:
+            self._alignment_done = True
+            self._run_alignment(trainer, pl_module, batch)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._source is None:
+            return
+        stepped = trainer.global_step - self._last_global_step
+        self._last_global_step = trainer.global_step
+        for _ in range(max(stepped, 0)):
+            self._source.after_optimizer_step()
+        if stepped > 0 and self._due_at_step(trainer):
+            self._observe(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._source is not None and self.logging_interval == "epoch":
+            self._observe(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._source is None or self.tracker is None:
+            return
+        last = self.tracker.last
+        # One last read so the final values and the summary describe the whole run.
+        if last is None or last.step != self._steps_now(trainer):
+            self._observe(trainer)
+        self.summary = summarize(self.tracker.last, self._source.min_scale)
+        lag = getattr(getattr(trainer.strategy, "precision_plugin", None), "lr_scheduler_lag", 0)
+        if lag:
+            self.summary += (f" The LR schedulers were held on skipped steps: the schedule is {lag} "
+                             "scheduler step(s) behind the optimizer steps attempted.")
+        if trainer.is_global_zero:
+            log.info(self.summary)
+            self._sinks.write_text(SUMMARY_TAG, self.summary)
+            self._sinks.flush()
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _steps_now(self, trainer: Any) -> int:
+        # Host-side counts: no device read needed to know whether anything happened since.
+        if self._source is not None and self._source.stock is not None:
+            return self._source.stock.steps
+        return int(trainer.global_step)
+
+    def _due_at_step(self, trainer: Any) -> bool:
+        if self.logging_interval == "epoch":
+            return False
+        if isinstance(self.logging_interval, int):
+            return trainer.global_step % self.logging_interval == 0
+        connector = getattr(trainer, "_logger_connector", None)
+        if connector is not None and hasattr(connector, "should_update_logs"):
+            return bool(connector.should_update_logs)
+        every = trainer.log_every_n_steps
+        return bool(every) and trainer.global_step % every == 0
+
+    def _observe(self, trainer: Any) -> Snapshot | None:
+        assert self._source is not None and self.tracker is not None
+        snapshot = self.tracker.observe(self._source.read())
+        metrics = snapshot.metrics()
+        callback_metrics = trainer.callback_metrics
+        for name, value in metrics.items():
+            callback_metrics[name] = torch.tensor(value)
+        if self.prog_bar:
+            progress = trainer.progress_bar_metrics
+            progress[SCALE] = metrics[SCALE]
+            progress[SKIPPED_STEPS] = metrics[SKIPPED_STEPS]
+        if trainer.is_global_zero:
+            self._sinks.write(snapshot.step, metrics)
+        if self.health is not None:
+            verdicts = self.health.observe(snapshot)
+            if trainer.is_global_zero:
+                self.health.apply(verdicts, stop=lambda: setattr(trainer, "should_stop", True))
+            elif any(v.action == "raise" for v in verdicts):
+                from lossscale_callbacks.health import LossScaleHealthError
+
+                raise LossScaleHealthError(next(v.message for v in verdicts if v.action == "raise"))
+            if any(v.action == "stop" for v in verdicts):
+                trainer.should_stop = True
+        return snapshot
+
+    def _run_alignment(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        try:
+            module = importlib.import_module("lossscale_callbacks.lightning.alignment")
+        except ImportError as exc:
+            warnings.warn(f"[lossscale-callbacks] check_alignment=True but the alignment checker could not "
+                          f"be imported ({exc}); skipping it.", UserWarning, stacklevel=2)
+            return
+        kwargs = dict(self.alignment_kwargs)
+        sample = kwargs.pop("sample", None)
+        if sample is None:
+            sample = getattr(pl_module, "example_input_array", None)
+        if sample is None:
+            sample = batch[0] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else batch
+        precision = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+        if "dtype" not in kwargs and getattr(precision, "precision", None) in ("16-mixed", "bf16-mixed"):
+            kwargs["dtype"] = precision.precision
+        had_no_grad = [p for p in pl_module.parameters() if p.grad is None]
+        try:
+            report = module.check_alignment(pl_module, sample, **kwargs)
+        except Exception as exc:  # a diagnostic must never stop training
+            warnings.warn(f"[lossscale-callbacks] the alignment check failed and was skipped: "
+                          f"{type(exc).__name__}: {exc}", UserWarning, stacklevel=2)
+            return
+        finally:
+            # The check may run a backward pass; leave the gradients as training expects them.
+            for param in had_no_grad:
+                param.grad = None
+        self.alignment_report = report
+        if trainer.is_global_zero:
+            self._sinks.write_text(ALIGNMENT_TAG, report.to_markdown())

@@ -1,0 +1,199 @@
+"""``LossScalePlugin``: a Lightning precision plugin that scales with :class:`LossScaler`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import LBFGS
+
+from lossscale_callbacks.lightning._compat import bases, namespace_of, precision_base
+from lossscale_callbacks.lightning.scaler import LossScaler
+from lossscale_callbacks.policy import FixedPolicy, Policy
+
+_PRECISIONS = ("16-mixed", "bf16-mixed")
+_SHARDED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
+
+
+def _handles_unscaling(optimizer: Any) -> bool:
+    """Fused optimizers unscale inside their kernel (they read ``grad_scale``/``found_inf``)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: ignore[misc]
+    """Mixed-precision training whose loss scale follows the core's rule, for ``Trainer(plugins=[...])``.
+
+    It is a subclass of Lightning's ``MixedPrecision`` plugin in every installed namespace
+    (``lightning.pytorch`` and ``pytorch_lightning``), so either Trainer accepts it.
+
+    * ``"16-mixed"`` runs ``torch.autocast(device, dtype=torch.float16)``, also on CPU (where
+      ``Trainer(precision="16-mixed")`` would switch to bfloat16), with a dynamic loss scale.
+    * ``"bf16-mixed"`` runs bfloat16 autocast with the scale fixed at 1: no scaling, but
+      non-finite steps are still skipped and counted.
+
+    Gradients are unscaled right after the backward pass (before ``on_before_optimizer_step`` and
+    gradient clipping), except for fused optimizers, which unscale in their own kernel (clipping
+    is then refused, as in Lightning). Host syncs: none per step with fused optimizers, one
+    (the skip decision) otherwise; see :mod:`lossscale_callbacks.lightning.scaler`.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: the autocast device type (``"cpu"``, ``"cuda"``); default: ``"cuda"`` when
+            available, else ``"cpu"``.
+        policy: the loss-scale policy (default ``DynamicPolicy()`` for fp16; bf16 only allows
+            ``None`` or ``FixedPolicy(1.0)``).
+        sync_found_inf: passed to :class:`LossScaler`. ``"auto"`` also turns it on under
+            Lightning's FSDP and model-parallel strategies.
+        hold_lr_schedulers: do not advance step-interval LR schedulers on a skipped step, so the
+            schedule follows the updates actually applied. Only where the skip decision is
+            already on the host (non-fused optimizers): no extra sync is ever added, and with a
+            fused optimizer schedulers step as usual. :attr:`lr_scheduler_lag` counts the
+            scheduler steps held back (how far the schedule lags the steps attempted).
+
+    Example:
+        >>> from lossscale_callbacks import DynamicPolicy
+        >>> plugin = LossScalePlugin(policy=DynamicPolicy(hysteresis=2), device="cpu")
+        >>> plugin.precision, plugin.autocast_dtype
+        ('16-mixed', torch.float16)
+    """
+
+    def __init__(
+        self,
+        precision: str = "16-mixed",
+        device: str | None = None,
+        policy: Policy | None = None,
+        *,
+        sync_found_inf: bool | str = "auto",
+        hold_lr_schedulers: bool = False,
+    ) -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {list(_PRECISIONS)}, got {precision!r}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(device, str):
+            raise ValueError(f"device must be a device type string such as 'cpu' or 'cuda', got {device!r}")
+        if precision == "bf16-mixed":
+            if policy is not None and policy != FixedPolicy(1.0):
+                raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: policy must be None or "
+                                 f"FixedPolicy(1.0), got {policy!r}")
+            policy = FixedPolicy(1.0)
+        if not isinstance(hold_lr_schedulers, bool):
+            raise ValueError(f"hold_lr_schedulers must be True or False, got {hold_lr_schedulers!r}")
+        # Lightning's MixedPrecision.__init__ would build a torch GradScaler (and refuses one for
+        # bf16), so the attributes it sets are set here instead.
+        self.precision = precision
+        self.device = device
+        self.scaler = LossScaler(policy, enabled=True, sync_found_inf=sync_found_inf)
+        self.hold_lr_schedulers = hold_lr_schedulers
+        self.lr_scheduler_lag = 0
+        self._held: dict[int, int] = {}
+
+    @property
+    def policy(self) -> Policy:
+        return self.scaler.policy
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+
+    def autocast_context_manager(self) -> torch.autocast:
+        return torch.autocast(self.device, dtype=self.autocast_dtype, cache_enabled=False)
+
+    # The base hooks call into their own namespace's trainer internals: dispatch them by the
+    # namespace of the Trainer in use.
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        tensor = self.scaler.scale(tensor)
+        return precision_base(module.trainer).pre_backward(self, tensor, module)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        return precision_base(module.trainer).post_backward(self, tensor, module)
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        precision_base(model.trainer)._after_closure(self, model, optimizer)
+
+    def _clip_gradients(self, model: Any, optimizer: Any, clip_val: Any = None,
+                        gradient_clip_algorithm: Any = None) -> None:
+        trainer = getattr(model, "trainer", None)
+        base = precision_base(trainer) if trainer is not None else precision_base(model)
+        base._clip_gradients(self, model, optimizer, clip_val, gradient_clip_algorithm)
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
+                       gradient_clip_algorithm: Any = "norm") -> None:
+        """Clip the (already unscaled) gradients. Refused for fused optimizers, as in Lightning."""
+        if clip_val > 0 and _handles_unscaling(optimizer):
+            raise RuntimeError(
+                f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
+                " because it performs unscaling of gradients internally. HINT: Are you using a 'fused' "
+                "optimizer?"
+            )
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def _maybe_enable_sync(self, model: Any) -> None:
+        if self.scaler.sync_found_inf != "auto":
+            return
+        strategy = getattr(getattr(model, "trainer", None), "strategy", None)
+        if any(k.__name__ in _SHARDED_STRATEGIES for k in type(strategy).__mro__):
+            self.scaler.sync_found_inf = True
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (forward + scaled backward), unscale, hooks and clipping, then step and update."""
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("optimizer: LBFGS is not compatible with loss scaling (AMP); use another "
+                             "optimizer")
+        self._maybe_enable_sync(model)
+        closure_result = closure()
+        # Automatic optimization skips backward when training_step returns None: nothing to step.
+        skip = closure_result is None and model.automatic_optimization
+        if not skip and not _handles_unscaling(optimizer):
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        if self.hold_lr_schedulers and self.scaler.last_step_skipped() is True:
+            self._hold_schedulers(model.trainer, optimizer)
+        return output
+
+    def _hold_schedulers(self, trainer: Any, optimizer: Any) -> None:
+        """Make the next ``step()`` of this optimizer's step-interval schedulers a no-op."""
+        for config in getattr(trainer, "lr_scheduler_configs", []):
+            scheduler = config.scheduler
+            if config.interval != "step" or getattr(scheduler, "optimizer", None) is not optimizer:
+                continue
+            if id(scheduler) not in self._held:
+                original = scheduler.step
+
+                def step(*args: Any, _original: Any = original, _key: int = id(scheduler), **kw: Any) -> Any:
+                    if self._held.get(_key, 0) > 0:
+                        self._held[_key] -= 1
+                        self.lr_scheduler_lag += 1
+                        return None
+                    return _original(*args, **kw)
+
+                # Instance attribute: wraps only this scheduler, and only while this plugin drives it.
+                scheduler.step = step
+                self._held[id(scheduler)] = 0
+            self._held[id(scheduler)] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (one host sync); Lightning stores it in the checkpoint."""
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return (f"LossScalePlugin(precision={self.precision!r}, device={self.device!r}, "
+                f"policy={self.policy!r})")
+
+
+__all__ = ["LossScalePlugin", "namespace_of"]

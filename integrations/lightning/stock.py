@@ -1,0 +1,66 @@
+"""Reading Lightning's stock ``MixedPrecision`` plugin, whose scaler is a ``torch.amp.GradScaler``.
+
+``GradScaler`` keeps only a scale and a growth tracker and does not count skipped steps. A skipped
+step is recognised on the device after each optimizer step: ``update()`` resets the tracker to 0
+on an overflow and lowers the scale, while a growth also resets the tracker but raises the scale.
+So "tracker is 0 and the scale did not grow" is an overflow, counted into a device tensor with
+no host sync; the counts are read only at the log interval.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class StockScalerReader:
+    """Tracks a ``torch.amp.GradScaler`` in the core's state shape.
+
+    Call :meth:`after_optimizer_step` once after every optimizer step (after ``scaler.update()``):
+    a few tiny device ops, no host sync. :meth:`read` is the one host read of an interval.
+
+    Args:
+        scaler: the ``GradScaler`` to read.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        >>> reader = StockScalerReader(scaler)
+        >>> reader.read()["scale"], reader.read()["steps"]
+        (1024.0, 0)
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.steps = 0
+        self._skipped: torch.Tensor | None = None
+        self._prev_scale: torch.Tensor | None = None
+
+    def after_optimizer_step(self) -> None:
+        """Count this step (and whether it overflowed) on the device. No host sync."""
+        scale = self.scaler._get_scale_async()
+        tracker = getattr(self.scaler, "_growth_tracker", None)
+        if scale is None or tracker is None:
+            return
+        if self._skipped is None:
+            self._skipped = torch.zeros((), dtype=torch.int64, device=scale.device)
+            # The scale before the first update is the configured (or restored) initial scale.
+            self._prev_scale = torch.full((), float(self.scaler._init_scale), dtype=torch.float32,
+                                          device=scale.device)
+        assert self._prev_scale is not None
+        overflow = torch.logical_and(tracker == 0, torch.logical_not(scale > self._prev_scale))
+        self._skipped.add_(overflow.to(torch.int64))
+        self._prev_scale.copy_(scale)
+        self.steps += 1
+
+    def read(self) -> dict[str, Any]:
+        """Scale, growth tracker and skipped steps as host numbers: one host sync."""
+        scale = self.scaler._get_scale_async()
+        if scale is None:
+            return {"scale": float(self.scaler._init_scale), "growth_counter": 0, "hysteresis_left": 1,
+                    "skipped_steps": 0, "steps": self.steps}
+        skipped = self._skipped if self._skipped is not None else torch.zeros((), device=scale.device)
+        values = torch.stack([scale.double(), self.scaler._growth_tracker.double(),
+                              skipped.double()]).cpu().tolist()
+        return {"scale": values[0], "growth_counter": int(values[1]), "hysteresis_left": 1,
+                "skipped_steps": int(values[2]), "steps": self.steps}

@@ -1,0 +1,132 @@
+"""LossScalePlugin in real (tiny) Lightning runs on the CPU, in both Lightning namespaces."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lightning")
+
+from lightning_scripts import tiny  # noqa: E402
+
+from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.lightning import LossScalePlugin  # noqa: E402
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
+warnings.filterwarnings("ignore", ".*log_every_n_steps.*")
+
+
+@pytest.fixture(params=tiny.NAMESPACES)
+def pl(request):
+    return pytest.importorskip(request.param)
+
+
+def _fit(pl, plugin, model=None, **kwargs):
+    model = model if model is not None else tiny.module_class(pl)()
+    trainer = pl.Trainer(plugins=[plugin], **tiny.trainer_kwargs(**kwargs))
+    trainer.fit(model, tiny.data())
+    return trainer, model
+
+
+def test_plugin_is_a_mixed_precision_plugin_of_both_namespaces():
+    plugin = LossScalePlugin(device="cpu")
+    for name in tiny.NAMESPACES:
+        ns = pytest.importorskip(name)
+        assert isinstance(plugin, ns.plugins.precision.MixedPrecision)
+
+
+def test_fp16_autocast_on_cpu_skips_injected_steps_bit_identically(pl):
+    policy = DynamicPolicy(initial_scale=2.0**12, growth_interval=3)
+    plugin = LossScalePlugin("16-mixed", device="cpu", policy=policy)
+    model = tiny.module_class(pl)(inject_inf_at=(2, 5))
+    trainer, model = _fit(pl, plugin, model, max_steps=8)
+    # Real fp16 autocast on the CPU (Trainer(precision="16-mixed") would have run bf16 here).
+    assert set(model.autocast_dtypes) == {torch.float16}
+    assert trainer.precision_plugin is plugin and trainer.global_step == 8
+    for step, before, after in model.steps:
+        assert tiny.same_bits(before, after) == (step in (2, 5)), step
+    state = plugin.scaler.get_state()
+    # 0,1 finite; 2 skip (back off to 2**11); 3,4 finite; 5 skip (2**10); 6,7 finite.
+    assert state == (2.0**10, 2, 0, 2, 8)  # hysteresis_left refills only on growth
+
+
+def test_stock_16_mixed_on_cpu_is_bf16_which_is_why_the_plugin_exists(pl):
+    model = tiny.module_class(pl)(snapshots=False)
+    with pytest.warns(UserWarning, match="fp16 is not supported on CPU"):
+        trainer = pl.Trainer(precision="16-mixed", **tiny.trainer_kwargs(max_steps=1))
+    trainer.fit(model, tiny.data())
+    assert model.autocast_dtypes == [torch.bfloat16]
+
+
+def test_bf16_keeps_the_scale_at_one_but_skips_and_counts(pl):
+    plugin = LossScalePlugin("bf16-mixed", device="cpu")
+    model = tiny.module_class(pl)(inject_inf_at=(1, 2))
+    _, model = _fit(pl, plugin, model, max_steps=5)
+    assert set(model.autocast_dtypes) == {torch.bfloat16}
+    assert plugin.policy == FixedPolicy(1.0)
+    state = plugin.scaler.get_state()
+    assert state.scale == 1.0 and state.skipped_steps == 2 and state.steps == 5
+    assert [tiny.same_bits(b, a) for _, b, a in model.steps] == [False, True, True, False, False]
+
+
+def test_gradient_clipping_sees_unscaled_gradients(pl):
+    """SGD with lr=1: the update equals the clipped gradient, whose norm must be the clip value."""
+    clip = 1e-3
+    plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=2.0**14))
+    model = tiny.module_class(pl)(optimizer="plain_sgd", lr=1.0)
+    _fit(pl, plugin, model, max_steps=2, gradient_clip_val=clip)
+    for _, before, after in model.steps:
+        delta = torch.cat([(b - a).flatten() for b, a in zip(before[0], after[0], strict=True)])
+        # Clipping scaled gradients would give clip / 2**14 here.
+        assert math.isclose(delta.norm().item(), clip, rel_tol=1e-3)
+
+
+def test_clipping_is_refused_for_fused_optimizers(pl):
+    plugin = LossScalePlugin(device="cpu")
+    model = tiny.module_class(pl)(optimizer="adam_fused", snapshots=False)
+    with pytest.raises(RuntimeError, match="fused"):
+        _fit(pl, plugin, model, max_steps=1, gradient_clip_val=1.0)
+
+
+def test_fused_optimizer_skips_on_the_device(pl):
+    plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=2.0**8))
+    model = tiny.module_class(pl)(optimizer="adam_fused", inject_inf_at=(3,))
+    _fit(pl, plugin, model, max_steps=5)
+    assert [tiny.same_bits(b, a) for _, b, a in model.steps] == [False, False, False, True, False]
+    assert plugin.scaler.get_state().skipped_steps == 1
+    assert plugin.scaler.last_step_skipped() is None  # the decision never came to the host
+
+
+@pytest.mark.parametrize("optimizer, hold, lag",
+                         [("sgd", True, 2), ("sgd", False, 0), ("adam_fused", True, 0)])
+def test_lr_schedulers_can_be_held_on_skipped_steps(pl, optimizer, hold, lag):
+    plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=hold)
+    model = tiny.module_class(pl)(optimizer=optimizer, inject_inf_at=(2, 4), scheduler=True, snapshots=False)
+    trainer, _ = _fit(pl, plugin, model, max_steps=6)
+    assert plugin.lr_scheduler_lag == lag
+    # StepLR(gamma=0.9) stepped once per applied update when held, once per attempted step otherwise;
+    # a fused optimizer never brings the decision to the host, so nothing is held there.
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** (6 - lag))
+
+
+def test_plugin_state_dict_round_trip():
+    plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=3.0e4, hysteresis=2))
+    other = LossScalePlugin(device="cpu")
+    other.load_state_dict(plugin.state_dict())
+    assert other.policy == plugin.policy and other.scaler.get_state() == plugin.scaler.get_state()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"precision": "16"}, "precision"),
+    ({"precision": "bf16-mixed", "policy": DynamicPolicy()}, "policy"),
+    ({"device": torch.device("cpu")}, "device"),
+    ({"sync_found_inf": "sometimes"}, "sync_found_inf"),
+    ({"hold_lr_schedulers": "yes"}, "hold_lr_schedulers"),
+])
+def test_plugin_arguments_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScalePlugin(**kwargs)
