@@ -10,7 +10,13 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from keras_scripts.toy import StateRecorder, build_model, make_data  # noqa: E402
+from keras_scripts.toy import (  # noqa: E402
+    StateRecorder,
+    bit_identical,
+    build_model,
+    expected_states,
+    make_data,
+)
 from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
 
 from lossscale_callbacks import (  # noqa: E402
@@ -20,7 +26,6 @@ from lossscale_callbacks import (  # noqa: E402
     InMemorySink,
     LossScaleHealthWarning,
 )
-from lossscale_callbacks.conformance import reference_run  # noqa: E402
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=256.0, growth_interval=4, max_scale=4096.0)
@@ -33,17 +38,6 @@ def mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")
     yield
     keras.mixed_precision.set_global_policy("float32")
-
-
-def _expected(policy, finite):
-    ref = reference_run(policy, finite)
-    return [tuple(float(getattr(ref, f)[t]) for f in ref._fields) for t in range(len(finite))]
-
-
-def _bit_identical(before, after):
-    if len(before) != len(after):
-        return False
-    return all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
 
 
 def _finite(epochs, batches=BATCHES, poisoned=POISONED):
@@ -83,6 +77,19 @@ def test_argument_validation():
             LossScaleCallback(**kwargs)
 
 
+def test_custom_loop_needs_our_optimizer_on_the_model():
+    model = build_model()
+    model.optimizer = keras.optimizers.Adam()  # a custom loop's optimizer, never compiled
+    callbacks = keras.callbacks.CallbackList([LossScaleCallback()], model=model)
+    wanted = r"needs model\.optimizer to be a lossscale_callbacks\.keras\.LossScaleOptimizer .*got Adam"
+    with pytest.raises(ValueError, match=wanted):
+        callbacks.on_train_begin()
+    model.optimizer = LossScaleOptimizer(keras.optimizers.Adam())
+    callbacks = keras.callbacks.CallbackList([callback := LossScaleCallback(health=None)], model=model)
+    callbacks.on_train_begin()
+    assert callback.optimizer is model.optimizer
+
+
 @pytest.mark.slow
 def test_fit_skips_poisoned_steps_and_logs_to_keras_loggers(tmp_path, capsys):
     """Acceptance 2: skipped steps bit-identical, backoff, counter reset, metrics in logs and in TB files."""
@@ -105,11 +112,11 @@ def test_fit_skips_poisoned_steps_and_logs_to_keras_loggers(tmp_path, capsys):
 
     finite = _finite(2)
     states = [tuple(float(x) for x in s) for s in recorder.states]
-    assert states == _expected(POLICY, finite)
+    assert states == expected_states(POLICY, finite)
     for t, ok in enumerate(finite):
         if not ok:
-            assert _bit_identical(recorder.weights[t - 1], recorder.weights[t])
-            assert _bit_identical(recorder.slots[t - 1], recorder.slots[t])
+            assert bit_identical(recorder.weights[t - 1], recorder.weights[t])
+            assert bit_identical(recorder.slots[t - 1], recorder.slots[t])
             scale_before, scale_after = states[t - 1][0], states[t][0]
             assert scale_after == scale_before / 2 and states[t][1] == 0  # backoff, counter reset
         elif t:
@@ -138,6 +145,22 @@ def test_fit_skips_poisoned_steps_and_logs_to_keras_loggers(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert set(METRIC_NAMES) <= set(rows[0]) and float(rows[-1]["loss_scale/skipped_steps"]) == 4.0
     assert "Loss scaling: 16 optimizer steps, 4 skipped" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_logs_with_steps_per_execution():
+    """Keras reports only batches 1, 3, 5, 7 with steps_per_execution=2: log_every=4 still logs."""
+    model = build_model()
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+    sink = InMemorySink()
+    batch_logs = []
+    logger = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batch_logs.append(
+        (b, "loss_scale/scale" in logs)))
+    _fit(model, 1, [LossScaleCallback(log_every=4, policy=POLICY, sinks=[sink]), logger])
+    assert batch_logs == [(1, True), (3, False), (5, True), (7, False)]
+    expected = expected_states(POLICY, _finite(1))
+    assert sink.series("loss_scale/scale") == [(2, expected[1][0]), (6, expected[5][0]), (8, expected[7][0])]
+    assert sink.series("loss_scale/skipped_steps")[-1] == (8, 2.0)
 
 
 @pytest.mark.slow
@@ -189,7 +212,17 @@ def test_resume_with_save_and_load_model_matches_uninterrupted(tmp_path):
     second = StateRecorder()
     _fit(restored, 4, [LossScaleCallback(log_every=1), second], initial_epoch=2)
     assert first.states + second.states == full.states
-    assert _expected(POLICY, _finite(4)) == [tuple(float(x) for x in s) for s in full.states]
+
+    # save_weights/load_weights: a model compiled with our optimizer, built before loading
+    # (Keras skips loading into an unbuilt optimizer, with a warning).
+    weights = str(tmp_path / "ckpt.weights.h5")
+    model.save_weights(weights)
+    again = _compiled(seed=3, optimizer=LossScaleOptimizer(keras.optimizers.Adam(), policy=POLICY))
+    again.optimizer.build(again.trainable_variables)
+    again.load_weights(weights)
+    assert [float(x) for x in again.optimizer.read_state()] == list(first.states[-1])
+    assert int(again.optimizer.iterations.numpy()) == first.iterations[-1]
+    assert expected_states(POLICY, _finite(4)) == [tuple(float(x) for x in s) for s in full.states]
     for a, b in zip(full.weights[-1], second.weights[-1], strict=False):
         np.testing.assert_array_equal(a, b)
 
@@ -262,15 +295,13 @@ def test_health_stop_sets_stop_training():
 
 @pytest.mark.slow
 def test_tensorboard_and_wandb_sinks(tmp_path, monkeypatch):
-    pytest.importorskip("lossscale_callbacks.tensorboard.sink")
-    wandb_module = pytest.importorskip("lossscale_callbacks.wandb")
-    if not hasattr(wandb_module, "WandbSink"):
-        pytest.skip("WandbSink not available yet")
+    wandb_reader = pytest.importorskip("lossscale_callbacks.wandb.reader")
     monkeypatch.setenv("WANDB_MODE", "offline")
     log_dir = tmp_path / "tb_sink"
     wandb_kwargs = {"dir": str(tmp_path), "project": "lossscale-tests", "mode": "offline"}
     callback = LossScaleCallback(log_every=2, policy=POLICY, tensorboard=str(log_dir), wandb=wandb_kwargs)
-    _fit(_compiled(), 1, [callback])
+    recorder = StateRecorder(weights=False)
+    _fit(_compiled(), 1, [callback, recorder])
     files = glob.glob(str(log_dir / "**" / "events.out.tfevents.*"), recursive=True)
     assert files
     found = {}
@@ -284,7 +315,13 @@ def test_tensorboard_and_wandb_sinks(tmp_path, monkeypatch):
         for tag in acc.Tags().get("scalars", []):
             found[tag] = [e.step for e in acc.Scalars(tag)]
     assert found.get("loss_scale/scale") == [1, 3, 5, 7, 8]
-    assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    assert len(runs) == 1
+    wandb_reader.wait_until_finished(runs[0])
+    series = wandb_reader.read_run(runs[0])
+    scales = [recorder.states[t][0] for t in (0, 2, 4, 6, 7)]
+    assert series["loss_scale/scale"] == list(zip([1, 3, 5, 7, 8], scales, strict=True))
+    assert series["loss_scale/skipped_steps"][-1] == (8, 2.0)
 
 
 @pytest.mark.slow

@@ -6,11 +6,16 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from keras_scripts.toy import StateRecorder, build_model, make_data  # noqa: E402
+from keras_scripts.toy import (  # noqa: E402
+    StateRecorder,
+    bit_identical,
+    build_model,
+    expected_states,
+    make_data,
+)
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.conformance import reference_run  # noqa: E402
-from lossscale_callbacks.keras import DynamicLossScale, LossScaleOptimizer  # noqa: E402
+from lossscale_callbacks.keras import DynamicLossScale, LossScaleOptimizer, wrap  # noqa: E402
 
 
 @pytest.fixture
@@ -22,17 +27,6 @@ def mixed_float16():
 
 def _host_states(states):
     return [tuple(float(x) for x in s) for s in states]
-
-
-def _bit_identical(before, after):
-    if len(before) != len(after):
-        return False
-    return all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
-
-
-def _expected(policy, finite):
-    ref = reference_run(policy, finite)
-    return [tuple(float(getattr(ref, f)[t]) for f in ref._fields) for t in range(len(finite))]
 
 
 # ---- acceptance 1: the seed documents' examples, as written ----
@@ -107,6 +101,13 @@ def test_seed_properties_dynamic_and_fixed():
     ({"policy": {"type": "dynamic"}}, "policy must be"),
     ({"dynamic": "yes"}, "dynamic must be"),
     ({"dynamic_growth_steps": 0}, "growth_interval"),
+    # The message names the argument the caller passed, not only the policy's field.
+    ({"dynamic_growth_steps": 0}, r"dynamic_growth_steps .*must be an integer >= 1, got 0"),
+    ({"dynamic_growth_steps": 2.5}, "dynamic_growth_steps"),
+    ({"dynamic_growth_steps": True}, "dynamic_growth_steps"),
+    ({"initial_scale": -1.0}, "initial_scale must be a positive finite number, got -1.0"),
+    ({"dynamic": False, "initial_scale": float("inf")}, "initial_scale must be a positive finite"),
+    ({"dynamic": False, "initial_scale": "128"}, "initial_scale must be a positive finite"),
 ])
 def test_invalid_argument_combinations_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -131,7 +132,7 @@ def test_policy_with_hysteresis_and_bounds():
     for ok in finite:
         opt.apply_gradients([(tf.constant([1.0 if ok else np.nan]), var)])
         states.append(tuple(float(x) for x in opt.read_state()))
-    assert states == _expected(policy, finite)
+    assert states == expected_states(policy, finite)
 
 
 def test_config_round_trip_and_keras_config():
@@ -153,7 +154,7 @@ def test_config_round_trip_and_keras_config():
 
 
 @pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
-def test_skipped_step_leaves_weights_and_slots_bit_identical(mode):
+def test_skipped_step_leaves_weights_and_slotsbit_identical(mode):
     policy = DynamicPolicy(initial_scale=2.0**10, growth_interval=3)
     opt = LossScaleOptimizer(keras.optimizers.Adam(0.01), policy=policy)
     kernel = keras.Variable(np.ones((3, 2), "float32"), name="kernel")
@@ -182,7 +183,7 @@ def test_skipped_step_leaves_weights_and_slots_bit_identical(mode):
                 assert before.tobytes() == after.tobytes()
         else:
             assert not np.array_equal(snapshots[t - 1][0], snapshots[t][0]) if t else True
-    assert states == _expected(policy, finite_pattern)
+    assert states == expected_states(policy, finite_pattern)
     # iterations counts applied steps only; state.steps counts every attempt.
     assert int(opt.iterations.numpy()) == sum(finite_pattern)
     assert int(opt.read_state().steps) == len(finite_pattern)
@@ -197,8 +198,9 @@ def test_apply_unscales_scaled_gradients_keras3_style():
     assert var.numpy() == 2.0 - 4.0
 
 
-def test_clipnorm_sees_unscaled_gradients():
-    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0, clipnorm=1.0), initial_scale=2.0**15)
+@pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
+def test_clipnorm_sees_unscaled_gradients(clip):
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0, **{clip: 1.0}), initial_scale=2.0**15)
     var = tf.Variable(1.0)
     opt.minimize(lambda: 0.25 * var**2, var_list=[var])  # gradient 0.5: below the clip norm
     assert var.numpy() == 0.5
@@ -236,6 +238,25 @@ def test_tf_train_checkpoint_restores_state(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+def test_wrap_carries_keras_running_scale_into_the_policy_bounds():
+    var = tf.Variable([1.0])
+    keras_lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10,
+                                                    dynamic_growth_steps=3)
+    for grad in ([1.0], [1.0], [np.inf], [1.0], [1.0]):  # Keras: back off to 512, counter 2
+        keras_lso.apply_gradients([(tf.constant(grad), var)])
+    ours = wrap(keras_lso)
+    assert ours.inner_optimizer is keras_lso.inner_optimizer
+    assert ours.policy == DynamicPolicy(initial_scale=1024.0, growth_interval=3)
+    state = ours.read_state()
+    assert (float(state.scale), int(state.growth_counter), int(state.steps)) == (512.0, 2, 4)
+    bounded = wrap(keras_lso, DynamicPolicy(initial_scale=64.0, growth_interval=2, max_scale=128.0))
+    assert (float(bounded.loss_scale), int(bounded.dynamic_counter.numpy())) == (128.0, 1)
+    untouched = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    untouched.build([var])
+    assert float(wrap(untouched, DynamicPolicy(initial_scale=8.0)).loss_scale) == 8.0
+    assert wrap(ours) is ours
+
+
 @pytest.mark.slow
 def test_compile_fit_under_mixed_float16_is_not_wrapped_twice_and_skips(mixed_float16):
     policy = DynamicPolicy(initial_scale=256.0, growth_interval=4, max_scale=4096.0)
@@ -247,9 +268,9 @@ def test_compile_fit_under_mixed_float16_is_not_wrapped_twice_and_skips(mixed_fl
     recorder = StateRecorder()
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[recorder], verbose=0)
     finite = [b not in poisoned for b in range(8)]
-    assert _host_states(recorder.states) == _expected(policy, finite)
+    assert _host_states(recorder.states) == expected_states(policy, finite)
     for b in poisoned:
-        assert _bit_identical(recorder.weights[b - 1], recorder.weights[b])
+        assert bit_identical(recorder.weights[b - 1], recorder.weights[b])
 
 
 @pytest.mark.slow
@@ -263,9 +284,12 @@ def test_fit_with_jit_compile(mixed_float16):
     recorder = StateRecorder()
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[recorder], verbose=0)
     assert model.jit_compile
-    assert _host_states(recorder.states) == _expected(policy, [b not in poisoned for b in range(7)])
+    assert _host_states(recorder.states) == expected_states(policy, [b not in poisoned for b in range(7)])
     for b in poisoned:
-        assert _bit_identical(recorder.slots[b - 1], recorder.slots[b])
+        assert bit_identical(recorder.slots[b - 1], recorder.slots[b])
+        assert bit_identical(recorder.weights[b - 1], recorder.weights[b])
+    assert not bit_identical(recorder.weights[2], recorder.weights[3])  # finite steps do train
+    assert recorder.iterations[-1] == 7 - len(poisoned)
 
 
 # ---- the seed's DynamicLossScale ----
@@ -294,6 +318,19 @@ def test_dynamic_loss_scale_seed_api(tmp_path):
     assert [int(v.numpy()) for v in again.state[1:]] == [1, 0, 1, 4]
     with pytest.raises(ValueError, match="multiplier"):
         DynamicLossScale(multiplier=1.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"multiplier": 1.0}, r"multiplier must be a number in \(1, 65536\], got 1.0"),
+    ({"multiplier": True}, "multiplier"),
+    ({"increment_period": 0}, "increment_period must be an integer >= 1, got 0"),
+    ({"increment_period": 2.0}, "increment_period"),
+    ({"initial_loss_scale": 0.5}, r"initial_loss_scale must be a number in \[1, 2\*\*24\]"),
+    ({"initial_loss_scale": 2.0**25}, "initial_loss_scale"),
+])
+def test_dynamic_loss_scale_errors_name_the_seed_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScale(**kwargs)
 
 
 def test_import_loads_no_sink_integration_or_alignment():

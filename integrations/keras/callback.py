@@ -29,7 +29,10 @@ class LossScaleCallback(keras.callbacks.Callback):
     optimizer, or replaces the ``keras.optimizers.LossScaleOptimizer`` that Keras adds by
     itself under ``mixed_float16`` (carrying over its current scale and counter), and
     rebuilds ``model.train_function`` so the new optimizer is traced. A model already
-    compiled with our optimizer is left as it is. Repeated ``fit()`` calls reuse it.
+    compiled with our optimizer is left as it is. Repeated ``fit()`` calls reuse it. In a
+    custom loop driven through ``keras.callbacks.CallbackList`` nothing is installed:
+    ``model.optimizer`` must be the :class:`~lossscale_callbacks.keras.LossScaleOptimizer`
+    that the loop steps (``ValueError`` otherwise).
 
     On every ``log_every``-th batch of an epoch (Keras' batch index ``0, n, 2n, ...``, the
     batches ``WandbMetricsLogger(log_freq=n)`` logs) and at the end of each epoch, the
@@ -56,8 +59,9 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     Args:
         log_every: read and log the state on the batches whose index in the epoch is a
-            multiple of this (>= 1); with ``steps_per_execution > 1`` Keras passes the index
-            of the last batch of each execution.
+            multiple of this (>= 1); with ``steps_per_execution > 1`` Keras only reports the
+            last batch of each execution, so the callback logs after every execution that
+            ran such a batch.
         policy: the core policy of the installed optimizer. Default: Keras' own scale
             settings when replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
         tensorboard: a log directory: also write to
@@ -113,6 +117,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self._owned_sinks: list[Sink] = []
         self._primed = False
         self._is_chief = True
+        self._last_batch = -1
 
     # ---- installation ----
 
@@ -128,6 +133,14 @@ class LossScaleCallback(keras.callbacks.Callback):
                     f"[lossscale-callbacks] the model's LossScaleOptimizer already runs {current.policy}; "
                     f"LossScaleCallback(policy={self.policy}) is ignored", stacklevel=3)
             return current
+        if not getattr(model, "compiled", False):
+            # A custom loop calls its own optimizer object: replacing model.optimizer would
+            # leave the loop untouched and the callback reading an optimizer that never steps.
+            raise ValueError(
+                "LossScaleCallback outside compile()/fit() needs model.optimizer to be a "
+                "lossscale_callbacks.keras.LossScaleOptimizer that the loop steps, got "
+                f"{type(current).__name__}"
+            )
         with model.distribute_strategy.scope():
             ours = wrap(current, self.policy)
             if model.built and model.trainable_variables:
@@ -142,7 +155,14 @@ class LossScaleCallback(keras.callbacks.Callback):
         model.make_train_function(force=True)
         return ours
 
+    def _close_owned_sinks(self) -> None:
+        for sink in self._owned_sinks:
+            GuardedSink(sink).close()
+        self._owned_sinks = []
+
     def _open_sinks(self) -> None:
+        # A fit() that raised never reached on_train_end: close its sinks (a W&B run) first.
+        self._close_owned_sinks()
         owned: list[Sink] = []
         policy = self.optimizer.policy
         bounds = {"min_scale": policy.min_scale, "max_scale": policy.max_scale}
@@ -207,6 +227,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self._sinks.write_text(ALIGNMENT_TAG, markdown)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._last_batch = -1
         if not self._primed:
             # After every on_train_begin (BackupAndRestore restores there): the baseline
             # of the first interval is the restored state, not zero.
@@ -215,8 +236,11 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # Keras' own batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
-        # counts it, so both log on the same batches.
-        if batch % self.log_every:
+        # counts it, so both log on the same batches. With steps_per_execution=k Keras only
+        # reports every k-th index: log when the execution just run covered a multiple of
+        # log_every (a plain ``batch % log_every`` would never fire for, e.g., k = log_every).
+        previous, self._last_batch = self._last_batch, batch
+        if batch // self.log_every == previous // self.log_every:
             return
         snapshot = self._observe()
         if logs is not None:
@@ -234,6 +258,4 @@ class LossScaleCallback(keras.callbacks.Callback):
             print(self.summary)
         self._sinks.write_text(SUMMARY_TAG, self.summary)
         self._sinks.flush()
-        for sink in self._owned_sinks:
-            GuardedSink(sink).close()
-        self._owned_sinks = []
+        self._close_owned_sinks()

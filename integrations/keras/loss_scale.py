@@ -7,10 +7,14 @@ from typing import Any
 
 import tensorflow as tf
 
-from lossscale_callbacks.keras.tf_ops import TF_OPS, all_finite
+from lossscale_callbacks.keras.tf_ops import TF_OPS, all_finite, replicas_agree_finite
 from lossscale_callbacks.policy import DynamicPolicy
 from lossscale_callbacks.state import LossScaleState
 from lossscale_callbacks.update import initial_state, next_state
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class DynamicLossScale(tf.Module):
@@ -38,8 +42,14 @@ class DynamicLossScale(tf.Module):
     def __init__(self, initial_loss_scale: float = 2.0**15, increment_period: int = 2000,
                  multiplier: float = 2.0) -> None:
         super().__init__(name="dynamic_loss_scale")
-        if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or multiplier <= 1.0:
-            raise ValueError(f"multiplier must be a number > 1, got {multiplier!r}")
+        # Checked here so the errors name the seed's arguments, not the policy's fields.
+        if not _is_real(multiplier) or not 1.0 < multiplier <= 2.0**16:
+            raise ValueError(f"multiplier must be a number in (1, 65536], got {multiplier!r}")
+        if not _is_real(increment_period) or not isinstance(increment_period, int) or increment_period < 1:
+            raise ValueError(f"increment_period must be an integer >= 1, got {increment_period!r}")
+        if not _is_real(initial_loss_scale) or not 1.0 <= initial_loss_scale <= 2.0**24:
+            raise ValueError(f"initial_loss_scale must be a number in [1, 2**24] (the scale's bounds), got "
+                             f"{initial_loss_scale!r}")
         self._initial_loss_scale = initial_loss_scale
         self._increment_period = increment_period
         self._multiplier = multiplier
@@ -88,12 +98,7 @@ class DynamicLossScale(tf.Module):
         ``tf.function``), ``should_apply_gradients`` a scalar bool tensor: False means the
         caller must skip this step. No host read.
         """
-        finite = all_finite(tf.nest.flatten(list(grads)))
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            overflowed = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                            tf.cast(tf.logical_not(finite), tf.float32))
-            finite = tf.equal(overflowed, 0.0)
+        finite = replicas_agree_finite(all_finite(tf.nest.flatten(list(grads))))
         current = LossScaleState(*(tf.convert_to_tensor(v) for v in self._variables))
         new = next_state(self._policy, current, finite, TF_OPS)
         for var, value in zip(self._variables, new, strict=False):

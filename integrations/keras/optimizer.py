@@ -9,6 +9,7 @@ of the loss-scaling behaviour is its own, built on :mod:`lossscale_callbacks.upd
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lossscale_callbacks.keras.tf_ops import COUNTER_DTYPE, TF_OPS, all_finite, unscale
+from lossscale_callbacks.keras.tf_ops import COUNTER_DTYPE, TF_OPS, all_finite, replicas_agree_finite, unscale
 from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config, rule_constants
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks.update import next_state
@@ -65,11 +66,26 @@ def resolve_policy(dynamic: bool = True, initial_scale: float | None = None,
 
     Raises:
         ValueError: for the combinations the seed forbids (a fixed scale without
-            ``initial_scale``, ``dynamic_growth_steps`` with ``dynamic=False``) and for
-            ``policy`` together with the seed arguments.
+            ``initial_scale``, ``dynamic_growth_steps`` with ``dynamic=False``), for
+            ``policy`` together with the seed arguments, and for an ``initial_scale`` that is
+            not a positive finite number or a ``dynamic_growth_steps`` that is not an integer
+            >= 1 (each message names the argument).
     """
     if not isinstance(dynamic, bool):
         raise ValueError(f"dynamic must be True or False, got {dynamic!r}")
+    # Checked here, not only by the policy, so the error names the argument the caller passed.
+    if dynamic_growth_steps is not None and (
+        isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, (int, np.integer))
+        or dynamic_growth_steps < 1
+    ):
+        raise ValueError(f"dynamic_growth_steps (the policy's growth_interval) must be an integer >= 1, "
+                         f"got {dynamic_growth_steps!r}")
+    if initial_scale is not None and (
+        isinstance(initial_scale, bool)
+        or not isinstance(initial_scale, (int, float, np.integer, np.floating))
+        or not 0.0 < initial_scale < math.inf
+    ):
+        raise ValueError(f"initial_scale must be a positive finite number, got {initial_scale!r}")
     if policy is not None:
         if not isinstance(policy, (DynamicPolicy, FixedPolicy)):
             raise ValueError(f"policy must be a DynamicPolicy or FixedPolicy, got {type(policy).__name__}")
@@ -110,9 +126,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     Every step checks all gradients for Inf/NaN (reduced across replicas under
     ``tf.distribute``, so every replica decides alike), applies the inner optimizer only
-    when they are finite (a ``tf.cond``: a skipped step leaves every weight and every slot
-    of the inner optimizer bit-identical), and moves the loss scale with the core's
-    ``next_state``. No host synchronisation happens in the step inside ``tf.function``;
+    when they are finite (a ``tf.cond``: a skipped step leaves every trainable variable and
+    every variable of the inner optimizer bit-identical; state that the forward pass itself
+    updates, such as BatchNormalization's moving statistics, still moves, as with any loss
+    scaler), and moves the loss scale with the core's ``next_state``. No host
+    synchronisation happens in the step inside ``tf.function``;
     :meth:`read_state` is the one host read, for callbacks at their log interval.
 
     ``iterations`` is the inner optimizer's counter, so it counts *applied* steps only
@@ -123,7 +141,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     The state (scale float32, growth counter, hysteresis left, skipped steps, steps;
     counters int64) lives in non-trainable Keras variables of this optimizer, so
     ``model.save()``/``keras.models.load_model()``, ``model.save_weights()``,
-    ``tf.train.Checkpoint`` and ``keras.callbacks.BackupAndRestore`` restore it.
+    ``tf.train.Checkpoint`` and ``keras.callbacks.BackupAndRestore`` restore it. As for any
+    Keras 3 optimizer, ``load_weights()`` restores it only once it is built
+    (``optimizer.build(model.trainable_variables)``); Keras skips it with a warning otherwise.
 
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap (not a loss scale
@@ -338,7 +358,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context (inside strategy.run)")
 
-        finite = self._replicas_agree_finite(all_finite(grads))
+        finite = replicas_agree_finite(all_finite(grads))
         if not already_unscaled:
             scale = self._ls_scale.value
             variables = trainable_variables or self._trainable_variables
@@ -353,16 +373,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             # which a cond branch in replica context may not.
             tf.distribute.get_replica_context().merge_call(
                 self._apply_or_skip_cross_replica, args=(finite, grads, trainable_variables))
-
-    @staticmethod
-    def _replicas_agree_finite(local_finite: tf.Tensor) -> tf.Tensor:
-        """Make the overflow decision global: one replica's Inf skips the step everywhere."""
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return local_finite
-        overflowed = tf.cast(tf.logical_not(local_finite), tf.float32)
-        total = context.all_reduce(tf.distribute.ReduceOp.SUM, overflowed)
-        return tf.equal(total, 0.0)
 
     def _apply_or_skip(self, finite: tf.Tensor, grads: list[Any], variables: list[Any] | None) -> None:
         def apply_inner() -> tf.Tensor:

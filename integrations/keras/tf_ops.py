@@ -86,6 +86,19 @@ def all_finite(grads: Iterable[Any]) -> tf.Tensor:
     return tf.reduce_all(tf.stack(checks))
 
 
+def replicas_agree_finite(local_finite: tf.Tensor) -> tf.Tensor:
+    """Make the overflow decision global: one replica's Inf/NaN makes it False on every replica.
+
+    In a replica context of a ``tf.distribute`` strategy with several replicas, all-reduces the
+    local flag (one scalar); elsewhere returns it unchanged. No host read.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return local_finite
+    overflowed = tf.cast(tf.logical_not(local_finite), tf.float32)
+    return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, overflowed), 0.0)
+
+
 def unscale(grad: Any, scale: tf.Tensor) -> Any:
     """Divide one gradient by the float32 ``scale``, keeping the gradient's dtype.
 

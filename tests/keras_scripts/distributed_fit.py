@@ -75,8 +75,7 @@ def main() -> None:
     if args.mode.startswith("mirrored"):
         # Each global batch of 16 is split in order: rows 0-7 to replica 0, rows 8-15 to replica 1.
         parts = [replica_data(r) for r in range(2)]
-        x = np.concatenate([np.stack([p[0].reshape(BATCHES, PER_REPLICA_BATCH, 4) for p in parts], 1)
-                            .reshape(-1, 4)])
+        x = np.stack([p[0].reshape(BATCHES, PER_REPLICA_BATCH, 4) for p in parts], 1).reshape(-1, 4)
         flag = np.stack([p[1].reshape(BATCHES, PER_REPLICA_BATCH, 1) for p in parts], 1).reshape(-1, 1)
         y = np.stack([p[2].reshape(BATCHES, PER_REPLICA_BATCH, 1) for p in parts], 1).reshape(-1, 1)
         data = {"x": {"x": x, "flag": flag}, "y": y, "batch_size": global_batch}

@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lossscale_callbacks.conformance import reference_run
+
 
 @tf.custom_gradient
 def _poison_gradient(hidden, flag):
@@ -66,3 +68,16 @@ class StateRecorder(keras.callbacks.Callback):
         if self.record_weights:
             self.weights.append([w.copy() for w in self.model.get_weights()])
             self.slots.append([np.array(v.numpy()) for v in opt.inner_optimizer.variables])
+
+
+def expected_states(policy, finite) -> list[tuple[float, ...]]:
+    """The NumPy reference's state after each step, as the float tuples StateRecorder records."""
+    ref = reference_run(policy, finite)
+    return [tuple(float(getattr(ref, f)[t]) for f in ref._fields) for t in range(len(finite))]
+
+
+def bit_identical(before, after) -> bool:
+    """Whether two lists of arrays hold the same bytes, array by array."""
+    if len(before) != len(after):
+        return False
+    return all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
