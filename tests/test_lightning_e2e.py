@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import warnings
 
 import pytest
 
@@ -17,8 +16,7 @@ from lightning_scripts import tiny  # noqa: E402
 from lossscale_callbacks import DynamicPolicy, initial_state, next_state  # noqa: E402
 from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin  # noqa: E402
 
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
+tiny.quiet_lightning_warnings()
 
 POLICY = DynamicPolicy(initial_scale=2.0**12, growth_interval=4, hysteresis=2)
 INJECT = (3, 4, 9)

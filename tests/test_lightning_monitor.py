@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import types
-import warnings
 
 import pytest
 
@@ -12,14 +13,17 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
 from lightning_scripts import tiny  # noqa: E402
+from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
 
+import lossscale_callbacks  # noqa: E402
+import lossscale_callbacks.lightning  # noqa: E402
 from lossscale_callbacks import ConsecutiveSkips, DynamicPolicy, LossScaleHealthWarning  # noqa: E402
 from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin  # noqa: E402
 from lossscale_callbacks.metrics import METRIC_NAMES  # noqa: E402
 
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
-warnings.filterwarnings("ignore", ".*log_every_n_steps.*")
+LIBRARY = tuple(os.path.dirname(m.__file__) for m in (lossscale_callbacks, lossscale_callbacks.lightning))
+
+tiny.quiet_lightning_warnings()
 
 
 @pytest.fixture(params=tiny.NAMESPACES)
@@ -140,6 +144,98 @@ def test_reads_the_stock_mixed_precision_grad_scaler(pl):
     scales = [v for _, v in loggers[0].series("loss_scale/scale")]
     assert scales[-1] == scaler.get_scale() == 2.0**10
     assert trainer.callback_metrics["loss_scale/growth_counter"] == scaler._get_growth_tracker()
+
+
+@pytest.mark.parametrize("optimizer, per_step", [("adam_fused", []), ("sgd", [("item", "scaler.py")])])
+def test_the_library_reads_the_device_only_at_the_log_interval(optimizer, per_step):
+    """Every host read the library makes in a real run: the skip decision of a non-fused optimizer
+    per step, and one copy of the state per log interval (``.cpu().tolist()``: one sync)."""
+    import lightning.pytorch as pl
+
+    model = tiny.module_class(pl)(optimizer=optimizer, inject_inf_at=(3,), snapshots=False)
+    with HostReadCounter(only_under=LIBRARY) as counter:
+        trainer, loggers = _fit(pl, LossScaleMonitor(), model=model, max_steps=8, log_every_n_steps=4)
+    assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [4, 8]
+    interval = [("cpu", "scaler.py"), ("tolist", "scaler.py")]
+    assert counter.reads == (per_step * 4 + interval) * 2
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 1
+
+
+def test_the_stock_scaler_is_read_only_at_the_log_interval():
+    import lightning.pytorch as pl
+
+    plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    model = tiny.module_class(pl)(inject_inf_at=(3,), snapshots=False)
+    with HostReadCounter(only_under=LIBRARY) as counter:
+        _, loggers = _fit(pl, LossScaleMonitor(), plugin=plugin, model=model, max_steps=8,
+                          log_every_n_steps=4)
+    assert counter.reads == [("cpu", "stock.py"), ("tolist", "stock.py")] * 2
+    assert loggers[0].series("loss_scale/skipped_steps") == [(4, 1.0), (8, 1.0)]
+
+
+def two_optimizer_module(pl, inject_at: int):
+    """Manual optimization, two optimizers, one backward each: two optimizer steps per batch."""
+
+    class TwoOptimizers(tiny.module_class(pl)):
+        def __init__(self):
+            super().__init__(snapshots=False)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            for index, opt in enumerate(self.optimizers()):
+                opt.zero_grad()
+                self.manual_backward(torch.nn.functional.mse_loss(self(x).float(), y))
+                if index == 0 and self.trainer.global_step == inject_at:
+                    with torch.no_grad():
+                        self.net[0].weight.grad[0, 0] = math.inf
+                opt.step()
+
+        def configure_optimizers(self):
+            return (torch.optim.SGD(self.net[0].parameters(), lr=0.01),
+                    torch.optim.SGD(self.net[2].parameters(), lr=0.01))
+
+    return TwoOptimizers()
+
+
+@pytest.mark.parametrize("stock", [False, True])
+def test_several_optimizer_steps_per_batch_are_each_counted_once(stock):
+    import lightning.pytorch as pl
+
+    if stock:
+        plugin = pl.plugins.precision.MixedPrecision(
+            "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    else:
+        plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=2.0**10, growth_interval=3))
+    monitor = LossScaleMonitor(logging_interval=3)
+    trainer, loggers = _fit(pl, monitor, plugin=plugin, model=two_optimizer_module(pl, inject_at=4),
+                            max_steps=12)
+    assert trainer.global_step == 12
+    # Two steps per batch: every multiple of 3 crossed is logged, even the odd ones never landed on.
+    assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [4, 6, 10, 12]
+    # One overflow (step 4, the first optimizer of batch 2); the growths after it are not skips.
+    assert loggers[0].series("loss_scale/skipped_steps")[-1] == (12, 1.0)
+    assert monitor.summary.startswith("Loss scaling: 12 optimizer steps, 1 skipped")
+
+
+def test_a_resumed_run_counts_its_first_interval_from_the_checkpoint(tmp_path):
+    import lightning.pytorch as pl
+
+    def fit(max_steps, ckpt_path=None):
+        monitor = LossScaleMonitor(logging_interval=2)
+        model = tiny.module_class(pl)(inject_inf_at=(1,), snapshots=False)
+        loggers = [capture_logger(pl)]
+        trainer = pl.Trainer(plugins=[LossScalePlugin(device="cpu")], callbacks=[monitor],
+                             **tiny.trainer_kwargs(max_steps=max_steps, logger=loggers))
+        trainer.fit(model, tiny.data(), ckpt_path=ckpt_path)
+        return trainer, loggers[0]
+
+    first, _ = fit(4)
+    first.save_checkpoint(str(tmp_path / "mid.ckpt"))
+    _, logger = fit(8, str(tmp_path / "mid.ckpt"))
+    # Steps 5 and 6 are finite: the first interval after resuming has no skip, not the run's one.
+    assert logger.series("loss_scale/skipped_in_interval")[0] == (6, 0.0)
+    assert logger.series("loss_scale/skipped_steps")[0] == (6, 1.0)
 
 
 def test_warns_when_there_is_no_scaler(pl):

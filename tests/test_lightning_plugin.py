@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 
@@ -15,9 +14,7 @@ from lightning_scripts import tiny  # noqa: E402
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
 from lossscale_callbacks.lightning import LossScalePlugin  # noqa: E402
 
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
-warnings.filterwarnings("ignore", ".*log_every_n_steps.*")
+tiny.quiet_lightning_warnings()
 
 
 @pytest.fixture(params=tiny.NAMESPACES)
@@ -54,12 +51,35 @@ def test_fp16_autocast_on_cpu_skips_injected_steps_bit_identically(pl):
     assert state == (2.0**10, 2, 0, 2, 8)  # hysteresis_left refills only on growth
 
 
+def test_autocast_follows_the_trainers_device_unless_one_was_given(pl):
+    plugin = LossScalePlugin()
+    plugin.device = "xpu"  # what the default would guess on a machine with another accelerator
+    model = tiny.module_class(pl)(snapshots=False)
+    _fit(pl, plugin, model, max_steps=1)
+    assert plugin.device == "cpu" and model.autocast_dtypes == [torch.float16]
+    given = LossScalePlugin(device="xpu")
+    _fit(pl, given, tiny.module_class(pl)(snapshots=False), max_steps=1)
+    assert given.device == "xpu"  # asked for explicitly: kept
+
+
 def test_stock_16_mixed_on_cpu_is_bf16_which_is_why_the_plugin_exists(pl):
     model = tiny.module_class(pl)(snapshots=False)
     with pytest.warns(UserWarning, match="fp16 is not supported on CPU"):
         trainer = pl.Trainer(precision="16-mixed", **tiny.trainer_kwargs(max_steps=1))
     trainer.fit(model, tiny.data())
     assert model.autocast_dtypes == [torch.bfloat16]
+
+
+def test_gradient_accumulation_skips_the_whole_window_with_an_inf(pl):
+    plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=2.0**12, growth_interval=100))
+    model = tiny.module_class(pl)(inject_inf_at=(1,))
+    trainer, model = _fit(pl, plugin, model, max_steps=3, accumulate_grad_batches=2)
+    assert trainer.global_step == 3
+    # Six batches, an optimizer step after every second one; the Inf is in window 1 (batches 2, 3).
+    assert [step for step, _, _ in model.steps] == [0, 0, 1, 1, 2, 2]
+    assert [not tiny.same_bits(b, a) for _, b, a in model.steps] == [False, True, False, False, False, True]
+    # One update per window, not per batch: 3 steps, 1 skipped, one back-off.
+    assert plugin.scaler.get_state() == (2.0**11, 1, 0, 1, 3)
 
 
 def test_bf16_keeps_the_scale_at_one_but_skips_and_counts(pl):
@@ -113,17 +133,60 @@ def test_lr_schedulers_can_be_held_on_skipped_steps(pl, optimizer, hold, lag):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** (6 - lag))
 
 
+def test_held_schedulers_still_checkpoint_and_the_lag_is_restored(tmp_path):
+    import lightning.pytorch as pl
+
+    plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=True)
+    model = tiny.module_class(pl)(inject_inf_at=(1,), scheduler=True, snapshots=False)
+    trainer, model = _fit(pl, plugin, model, max_steps=3)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    # Nothing of the hold may leak into the scheduler's state (it is its __dict__): it must pickle.
+    assert all(not callable(v) for v in scheduler.state_dict().values())
+    assert "lr_scheduler_step" not in vars(model)  # the hold is gone once its step was swallowed
+    path = str(tmp_path / "held.ckpt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert saved["LossScalePlugin"]["lr_scheduler_lag"] == 1 == plugin.lr_scheduler_lag
+    resumed = LossScalePlugin(device="cpu", hold_lr_schedulers=True)
+    resumed.load_state_dict(saved["LossScalePlugin"])
+    assert resumed.lr_scheduler_lag == 1 and resumed.scaler.get_state() == plugin.scaler.get_state()
+
+
+def test_resumes_a_checkpoint_of_lightnings_own_mixed_precision_plugin(pl, tmp_path):
+    stock = pl.plugins.precision.MixedPrecision(
+        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))
+    trainer, _ = _fit(pl, stock, tiny.module_class(pl)(inject_inf_at=(0,), snapshots=False), max_steps=4)
+    path = str(tmp_path / "stock.ckpt")
+    trainer.save_checkpoint(path)
+    # 0 skipped (512), 1, 2 finite: growth (1024), 3 finite: tracker 1.
+    assert stock.scaler.get_scale() == 2.0**10 and stock.scaler._get_growth_tracker() == 1
+    plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(hysteresis=2))
+    model = tiny.module_class(pl)(snapshots=False)
+    resumed = pl.Trainer(plugins=[plugin], **tiny.trainer_kwargs(max_steps=4))
+    resumed.fit(model, tiny.data(), ckpt_path=path)  # nothing left to train: only the restore
+    assert plugin.scaler.get_state() == (2.0**10, 1, 2, 0, 0)
+    assert plugin.policy == DynamicPolicy(growth_interval=2, hysteresis=2)
+
+
 def test_plugin_state_dict_round_trip():
     plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=3.0e4, hysteresis=2))
     other = LossScalePlugin(device="cpu")
     other.load_state_dict(plugin.state_dict())
     assert other.policy == plugin.policy and other.scaler.get_state() == plugin.scaler.get_state()
+    # A bf16 run cannot resume a checkpoint whose policy scales: refused before anything changes.
+    bf16 = LossScalePlugin("bf16-mixed", device="cpu")
+    for saved in (plugin.state_dict(), torch.amp.GradScaler("cpu").state_dict()):
+        with pytest.raises(ValueError, match="bf16-mixed"):
+            bf16.load_state_dict(saved)
+    assert bf16.policy == FixedPolicy(1.0)
+    bf16.load_state_dict(LossScalePlugin("bf16-mixed", device="cpu").state_dict())
 
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"precision": "16"}, "precision"),
     ({"precision": "bf16-mixed", "policy": DynamicPolicy()}, "policy"),
     ({"device": torch.device("cpu")}, "device"),
+    ({"device": "gpu"}, "device"),
     ({"sync_found_inf": "sometimes"}, "sync_found_inf"),
     ({"hold_lr_schedulers": "yes"}, "hold_lr_schedulers"),
 ])

@@ -8,39 +8,12 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy, initial_state, next_state  # noqa: E402
 from lossscale_callbacks.lightning import LossScaler  # noqa: E402
 from lossscale_callbacks.lightning.scaler import _is_sharded  # noqa: E402
-
-Tensor = torch.Tensor
-HOST_READS = {
-    Tensor.item, Tensor.__bool__, Tensor.tolist, Tensor.cpu, Tensor.numpy, Tensor.__float__, Tensor.__int__,
-    Tensor.__index__,
-}
-
-
-class HostReadCounter(TorchFunctionMode):
-    """Records (or refuses) every call that copies a tensor's value to the host."""
-
-    def __init__(self, raise_on_read: bool = False) -> None:
-        super().__init__()
-        self.raise_on_read = raise_on_read
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READS:
-            self.reads.append(func.__name__)
-            if self.raise_on_read:
-                raise AssertionError(f"host read during the step: Tensor.{func.__name__}")
-        elif func is Tensor.to and args[0].device.type != "cpu" and any(
-                str(a) == "cpu" for a in list(args[1:]) + list((kwargs or {}).values())):
-            # A device-to-host copy (on a GPU machine); same-device .to() is a no-op.
-            self.reads.append("to(cpu)")
-            if self.raise_on_read:
-                raise AssertionError("host read during the step: Tensor.to('cpu')")
-        return func(*args, **(kwargs or {}))
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -105,6 +78,24 @@ def test_the_counter_sees_host_reads():
         t.tolist()
         t.cpu()
     assert counter.reads == ["item", "__bool__", "__float__", "tolist", "cpu"]
+    with HostReadCounter() as counter:
+        torch.equal(t, t)
+        torch.allclose(t, t)
+        t.is_nonzero()
+        f"{t:.1f}"
+        t.nonzero()
+        t.__array__()
+    assert counter.reads == ["equal", "allclose", "is_nonzero", "__format__", "nonzero", "__array__"]
+    # A meta tensor stands in for an accelerator on a CPU-only machine (the refusal comes before
+    # the copy, which meta tensors could not do).
+    meta = torch.empty((), device="meta")
+    for copy_to_host in (lambda: meta.to("cpu"), lambda: meta.to(torch.device("cpu"), non_blocking=True),
+                         lambda: torch.empty(()).copy_(meta)):
+        with pytest.raises(AssertionError, match="host read"), HostReadCounter(raise_on_read=True):
+            copy_to_host()
+    with HostReadCounter(raise_on_read=True):
+        t.to("cpu")  # already on the host: no read
+        meta.to("meta")
     with pytest.raises(AssertionError, match="host read"), HostReadCounter(raise_on_read=True):
         LossScaler(device="cpu").get_scale()
 
@@ -232,6 +223,8 @@ def _call_sequence(scaler, calls):
         for call in calls:
             if call == "scale_backward":
                 scaler.scale(model(_batch(0)).sum()).backward()
+            elif call == "scale_only":  # a forgotten backward: no gradient to check
+                scaler.scale(model(_batch(0)).sum())
             elif call == "unscale":
                 scaler.unscale_(opt)
             elif call == "step":
@@ -255,6 +248,8 @@ def _call_sequence(scaler, calls):
     ["unscale"],
     ["update"],
     ["scale_backward", "unscale", "step", "update", "scale_backward", "step", "update"],
+    ["scale_only", "step"],
+    ["scale_only", "unscale", "update"],
 ])
 def test_call_order_rules_match_grad_scaler(calls):
     ours = _call_sequence(LossScaler(), calls)
@@ -262,6 +257,8 @@ def test_call_order_rules_match_grad_scaler(calls):
     assert ours == theirs
     if calls == ["scale_backward", "step", "step"]:
         assert ours == ("RuntimeError", "step() has already been called since the last update()")
+    if calls[0] == "scale_only":
+        assert ours[0] == "AssertionError" and ours[1].startswith("No inf checks were recorded")
 
 
 def test_fp16_gradients_are_refused_like_grad_scaler():
@@ -370,11 +367,31 @@ def test_loads_a_grad_scaler_state_dict():
 
 
 def test_sync_is_off_without_a_process_group_and_detects_sharded_parameters():
-    scaler = LossScaler(sync_found_inf=True)
-    assert scaler._should_sync(sharded=True) is False  # no process group here
-    assert not _is_sharded(torch.nn.Parameter(torch.ones(1)))
-
     class FlatParameter(torch.nn.Parameter):
         pass
 
+    scaler = LossScaler(sync_found_inf=True)
+    sharded_opt = torch.optim.SGD([FlatParameter(torch.ones(1))], lr=0.1)
+    assert scaler._should_sync(sharded_opt) is False  # no process group here
+    assert not _is_sharded(torch.nn.Parameter(torch.ones(1)))
     assert _is_sharded(FlatParameter(torch.ones(1)))
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.3])
+def test_a_skipped_first_step_of_fused_momentum_sgd_leaves_no_momentum_buffer(dampening):
+    """torch's fused SGD allocates its momentum buffers before the kernel and the kernel leaves them
+    uninitialised on a skipped step; the first step of such an optimizer must not call it at all."""
+    def run(fused):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening, fused=fused)
+        scaler = LossScaler(DynamicPolicy(initial_scale=1024.0), device="cpu")
+        before = _snapshot(model, opt)
+        _train_step(model, opt, scaler, _batch(0), inject_inf=True)
+        _assert_bit_identical(before, _snapshot(model, opt))
+        assert opt.state_dict()["state"] == {} and scaler.last_step_skipped() is True
+        for step in range(1, 4):
+            _train_step(model, opt, scaler, _batch(step))
+        return [p.detach() for p in model.parameters()]
+
+    for fused_param, plain_param in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(fused_param, plain_param)

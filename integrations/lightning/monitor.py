@@ -32,13 +32,17 @@ class _Source:
         self.ours = isinstance(scaler, LossScaler)
         self.scaler = scaler
         self.stock = None if self.ours else StockScalerReader(scaler)
+
+    @property
+    def min_scale(self) -> float | None:
+        # Asked for when training starts: a checkpoint restored after setup may bring its own policy.
         # torch's GradScaler has no floor; below 1 the loss is no longer scaled up, so 1 counts as
         # its minimum. A fixed scale (bf16) has no minimum to get stuck at.
-        self.min_scale = MetricsTracker.for_policy(scaler.policy).min_scale if self.ours else 1.0
+        return MetricsTracker.for_policy(self.scaler.policy).min_scale if self.ours else 1.0
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_steps(self, steps: int) -> None:
         if self.stock is not None:
-            self.stock.after_optimizer_step()
+            self.stock.after_optimizer_step(steps)
 
     def read(self) -> Any:
         """The one host read of an interval."""
@@ -59,14 +63,16 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
     Works with :class:`~lossscale_callbacks.lightning.LossScalePlugin` and with Lightning's stock
     ``MixedPrecision`` plugin (``Trainer(precision="16-mixed")`` on a GPU), whose skipped steps it
     counts on the device. The state is read from the device once per log interval (never per
-    step); loggers are written from rank 0 only, while ``callback_metrics`` and the health rules
-    run on every rank (the state is the same on all ranks), so ``EarlyStopping(monitor=
-    "loss_scale/skip_rate")`` and a ``"stop"`` rule behave the same on every rank.
+    step), once more at the end of training, and once when training resumes from a checkpoint
+    (so the first interval counts only its own steps). Loggers are written from rank 0 only,
+    while ``callback_metrics`` and the health rules run on every rank (the state is the same on
+    all ranks), so ``EarlyStopping(monitor="loss_scale/skip_rate")`` and a ``"stop"`` rule
+    behave the same on every rank.
 
     Args:
         logging_interval: ``None`` or ``"step"``: at the trainer's ``log_every_n_steps``;
-            ``"epoch"``: at the end of each training epoch; an integer ``n >= 1``: every ``n``
-            optimizer steps.
+            ``"epoch"``: at the end of each training epoch; an integer ``n >= 1``: at the end of
+            every batch that took the optimizer step count past a multiple of ``n``.
         prog_bar: also show the scale and the skipped steps in the progress bar.
         health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
             for the default rules, or rules); ``"stop"`` sets ``trainer.should_stop``.
@@ -113,7 +119,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self.alignment_report: Any = None
         self._source: _Source | None = None
         self._sinks = SinkGroup()
-        self._last_global_step = 0
+        self._last_global_step = 0  # the trainer's step when steps were last counted
+        self._observed_at = 0  # ... and when the state was last read
         self._alignment_done = False
 
     # ------------------------------------------------------------------------------- setup
@@ -132,7 +139,6 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             self._source = None
             return
         self._source = _Source(scaler)
-        self.tracker = MetricsTracker(self._source.min_scale)
         self._sinks = SinkGroup(LoggerSink(lg) for lg in trainer.loggers) if trainer.is_global_zero \
             else SinkGroup()
 
@@ -140,10 +146,16 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # After a checkpoint was restored: count steps from here.
-        self._last_global_step = trainer.global_step
-        if self._source is not None and self._source.stock is not None:
+        self._last_global_step = self._observed_at = trainer.global_step
+        if self._source is None:
+            return
+        if self._source.stock is not None:
             # GradScaler does not checkpoint skipped steps; they are counted from this point on.
             self._source.stock.steps = trainer.global_step
+        self.tracker = MetricsTracker(self._source.min_scale)
+        if trainer.global_step > 0:
+            # Resumed: one read now (not a step), so the first interval covers only its own steps.
+            self.tracker.observe(self._source.read())
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.check_alignment and not self._alignment_done:
@@ -154,12 +166,14 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                            batch_idx: int) -> None:
         if self._source is None:
             return
-        stepped = trainer.global_step - self._last_global_step
-        self._last_global_step = trainer.global_step
-        for _ in range(max(stepped, 0)):
-            self._source.after_optimizer_step()
-        if stepped > 0 and self._due_at_step(trainer):
+        self._count_steps(trainer)
+        if self._due_at_step(trainer):
             self._observe(trainer)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Several optimizer steps in one batch (manual optimization): the stock GradScaler's state
+        # after the previous step is visible only until the next update.
+        self._count_steps(trainer)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._source is not None and self.logging_interval == "epoch":
@@ -190,19 +204,29 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             return self._source.stock.steps
         return int(trainer.global_step)
 
+    def _count_steps(self, trainer: Any) -> None:
+        """Host-side step count; a stock scaler's overflow is also counted here, on the device."""
+        stepped = trainer.global_step - self._last_global_step
+        if stepped > 0 and self._source is not None:
+            self._last_global_step = trainer.global_step
+            self._source.after_optimizer_steps(stepped)
+
     def _due_at_step(self, trainer: Any) -> bool:
-        if self.logging_interval == "epoch":
+        step = trainer.global_step
+        if self.logging_interval == "epoch" or step <= self._observed_at:
             return False
         if isinstance(self.logging_interval, int):
-            return trainer.global_step % self.logging_interval == 0
+            # Crossing a multiple, not landing on it: a batch may take several optimizer steps.
+            return step // self.logging_interval > self._observed_at // self.logging_interval
         connector = getattr(trainer, "_logger_connector", None)
         if connector is not None and hasattr(connector, "should_update_logs"):
             return bool(connector.should_update_logs)
         every = trainer.log_every_n_steps
-        return bool(every) and trainer.global_step % every == 0
+        return bool(every) and step % every == 0
 
     def _observe(self, trainer: Any) -> Snapshot | None:
         assert self._source is not None and self.tracker is not None
+        self._observed_at = trainer.global_step
         snapshot = self.tracker.observe(self._source.read())
         metrics = snapshot.metrics()
         callback_metrics = trainer.callback_metrics

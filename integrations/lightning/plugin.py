@@ -10,10 +10,17 @@ from torch.optim import LBFGS
 
 from lossscale_callbacks.lightning._compat import bases, namespace_of, precision_base
 from lossscale_callbacks.lightning.scaler import LossScaler
-from lossscale_callbacks.policy import FixedPolicy, Policy
+from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
 
 _PRECISIONS = ("16-mixed", "bf16-mixed")
-_SHARDED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
+_SHARDED_STRATEGIES = ("ModelParallelStrategy",)
+
+
+def _autocast_available(device: str) -> bool:
+    try:
+        return torch.amp.is_autocast_available(torch.device(device).type)
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _handles_unscaling(optimizer: Any) -> bool:
@@ -34,22 +41,34 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
 
     Gradients are unscaled right after the backward pass (before ``on_before_optimizer_step`` and
     gradient clipping), except for fused optimizers, which unscale in their own kernel (clipping
-    is then refused, as in Lightning). Host syncs: none per step with fused optimizers, one
-    (the skip decision) otherwise; see :mod:`lossscale_callbacks.lightning.scaler`.
+    is then refused, as in Lightning). Host syncs: none per step with fused optimizers (except
+    before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
+    otherwise; see :mod:`lossscale_callbacks.lightning.scaler`.
+
+    The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
+    optimization and several optimizers, give each optimizer its own ``manual_backward`` before
+    its ``step()``: gradients from one backward stepped by two optimizers would be unscaled by
+    two different scales when the first step changed it.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
-        device: the autocast device type (``"cpu"``, ``"cuda"``); default: ``"cuda"`` when
-            available, else ``"cpu"``.
+        device: the autocast device type (``"cpu"``, ``"cuda"``); default: the type of the device
+            the Trainer puts the model on (until the Trainer has set it up: ``"cuda"`` when
+            available, else ``"cpu"``).
         policy: the loss-scale policy (default ``DynamicPolicy()`` for fp16; bf16 only allows
             ``None`` or ``FixedPolicy(1.0)``).
         sync_found_inf: passed to :class:`LossScaler`. ``"auto"`` also turns it on under
-            Lightning's FSDP and model-parallel strategies.
+            Lightning's ``ModelParallelStrategy``. (Lightning's ``FSDPStrategy`` accepts only its
+            own ``FSDPPrecision`` plugin, so it cannot run this one; with FSDP use
+            :class:`LossScaler` in a PyTorch loop.)
         hold_lr_schedulers: do not advance step-interval LR schedulers on a skipped step, so the
             schedule follows the updates actually applied. Only where the skip decision is
             already on the host (non-fused optimizers): no extra sync is ever added, and with a
-            fused optimizer schedulers step as usual. :attr:`lr_scheduler_lag` counts the
-            scheduler steps held back (how far the schedule lags the steps attempted).
+            fused optimizer schedulers step as usual. Only the schedulers Lightning steps itself
+            (automatic optimization; with manual optimization you call ``scheduler.step()``
+            and can ask ``plugin.scaler.last_step_skipped()``). :attr:`lr_scheduler_lag` counts
+            the scheduler steps held back (how far the schedule lags the steps attempted); it
+            is saved in checkpoints with the scaler.
 
     Example:
         >>> from lossscale_callbacks import DynamicPolicy
@@ -69,10 +88,13 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {list(_PRECISIONS)}, got {precision!r}")
+        # None: follow the Trainer's device once it is known (see ``connect``).
+        self._device_from_trainer = device is None
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not isinstance(device, str):
-            raise ValueError(f"device must be a device type string such as 'cpu' or 'cuda', got {device!r}")
+        if not isinstance(device, str) or not _autocast_available(device):
+            raise ValueError("device must be None or a device type string with autocast support such as "
+                             f"'cpu' or 'cuda', got {device!r}")
         if precision == "bf16-mixed":
             if policy is not None and policy != FixedPolicy(1.0):
                 raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: policy must be None or "
@@ -87,6 +109,7 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
         self.scaler = LossScaler(policy, enabled=True, sync_found_inf=sync_found_inf)
         self.hold_lr_schedulers = hold_lr_schedulers
         self.lr_scheduler_lag = 0
+        # Scheduler steps still to be swallowed, by id(scheduler).
         self._held: dict[int, int] = {}
 
     @property
@@ -130,6 +153,14 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
             )
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
+    def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
+        """Lightning calls this after moving the model to its device, before the first forward pass."""
+        if self._device_from_trainer:
+            param = next(iter(model.parameters()), None)
+            if param is not None and _autocast_available(param.device.type):
+                self.device = param.device.type
+        return super().connect(model, optimizers, lr_schedulers)
+
     def _maybe_enable_sync(self, model: Any) -> None:
         if self.scaler.sync_found_inf != "auto":
             return
@@ -159,37 +190,67 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
             return closure_result
         output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
-        if self.hold_lr_schedulers and self.scaler.last_step_skipped() is True:
-            self._hold_schedulers(model.trainer, optimizer)
+        if self.hold_lr_schedulers and model.automatic_optimization \
+                and self.scaler.last_step_skipped() is True:
+            self._hold_schedulers(model, optimizer)
         return output
 
-    def _hold_schedulers(self, trainer: Any, optimizer: Any) -> None:
-        """Make the next ``step()`` of this optimizer's step-interval schedulers a no-op."""
-        for config in getattr(trainer, "lr_scheduler_configs", []):
+    def _hold_schedulers(self, model: Any, optimizer: Any) -> None:
+        """Make Lightning's next step of this optimizer's step-interval schedulers a no-op."""
+        for config in model.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            if config.interval != "step" or getattr(scheduler, "optimizer", None) is not optimizer:
-                continue
-            if id(scheduler) not in self._held:
-                original = scheduler.step
+            if config.interval == "step" and getattr(scheduler, "optimizer", None) is optimizer:
+                self._held[id(scheduler)] = self._held.get(id(scheduler), 0) + 1
+        if "lr_scheduler_step" in vars(model):
+            return
+        # Lightning steps every scheduler through the module's ``lr_scheduler_step`` hook, so the
+        # hold wraps that hook on this module instance, until nothing is held any more. Not the
+        # scheduler's ``step``: a scheduler's ``state_dict()`` is its ``__dict__``, and a function
+        # there breaks every later checkpoint.
+        original = model.lr_scheduler_step
 
-                def step(*args: Any, _original: Any = original, _key: int = id(scheduler), **kw: Any) -> Any:
-                    if self._held.get(_key, 0) > 0:
-                        self._held[_key] -= 1
-                        self.lr_scheduler_lag += 1
-                        return None
-                    return _original(*args, **kw)
+        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+            if self._held.get(id(scheduler), 0) == 0:
+                original(scheduler, metric)
+                return
+            self._held[id(scheduler)] -= 1
+            self.lr_scheduler_lag += 1
+            if not any(self._held.values()):
+                del model.lr_scheduler_step
 
-                # Instance attribute: wraps only this scheduler, and only while this plugin drives it.
-                scheduler.step = step
-                self._held[id(scheduler)] = 0
-            self._held[id(scheduler)] += 1
+        model.lr_scheduler_step = lr_scheduler_step
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state (one host sync); Lightning stores it in the checkpoint."""
-        return self.scaler.state_dict()
+        """The scaler's state (one host sync) and the LR-schedule lag, for Lightning's checkpoint."""
+        state = self.scaler.state_dict()
+        if self.hold_lr_schedulers:
+            state["lr_scheduler_lag"] = self.lr_scheduler_lag
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (or a ``GradScaler``'s, see :meth:`LossScaler.load_state_dict`).
+
+        Raises ``ValueError`` when a ``"bf16-mixed"`` plugin is given a checkpoint whose policy
+        scales (one saved by a ``"16-mixed"`` run).
+        """
+        if self.precision == "bf16-mixed" and state_dict:
+            saved = state_dict.get("policy")
+            policy = policy_from_config(saved) if saved is not None else "a torch GradScaler's"
+            if policy != FixedPolicy(1.0):
+                raise ValueError("precision='bf16-mixed' keeps the loss scale at 1, but the checkpoint's "
+                                 f"policy is {policy}; resume it with precision='16-mixed'")
         self.scaler.load_state_dict(state_dict)
+        self.lr_scheduler_lag = int(state_dict.get("lr_scheduler_lag", 0))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resuming a run of Lightning's own ``MixedPrecision`` plugin: start from its ``GradScaler``.
+
+        Lightning restores this plugin from the checkpoint's ``"LossScalePlugin"`` entry; a
+        checkpoint written with the stock plugin has only ``"MixedPrecision"``, whose scale and
+        growth tracker are taken over here (see :meth:`LossScaler.load_state_dict`).
+        """
+        if type(self).__qualname__ not in checkpoint and checkpoint.get("MixedPrecision"):
+            self.load_state_dict(checkpoint["MixedPrecision"])
 
     def __repr__(self) -> str:
         return (f"LossScalePlugin(precision={self.precision!r}, device={self.device!r}, "

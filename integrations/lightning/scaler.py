@@ -5,7 +5,8 @@ Where the host synchronises (and nowhere else):
 * ``step(optimizer)`` with an optimizer that unscales inside its own kernel (``Adam``, ``AdamW``,
   ``SGD`` with ``fused=True``): **never**. The overflow flag and the scale are handed to the
   optimizer as tensors (``optimizer.found_inf``/``optimizer.grad_scale``) and the fused kernel skips
-  the update on the device.
+  the update on the device. One exception: a fused ``SGD`` with momentum reads the flag until its
+  first applied update (usually just the first step; see :func:`_fused_sgd_first_step`).
 * ``step(optimizer)`` with any other optimizer: **one** read, the skip decision (``found_inf``),
   exactly like ``torch.amp.GradScaler``.
 * ``scale``, ``unscale_`` and ``update``: never (the update rule is ``next_state`` on the device).
@@ -45,6 +46,28 @@ class _OptimizerState:
     found_inf: torch.Tensor | None = None
     # Host copy of the decision, only where ``step`` already had to read it.
     skipped_on_host: bool | None = None
+    # Whether the optimizer had any gradient to check (GradScaler refuses to step or update without).
+    checked: bool = False
+
+
+def _fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
+    """True before the first step of a fused ``SGD`` with momentum (no momentum buffer yet).
+
+    torch's fused SGD allocates its momentum buffers with ``empty_like`` before the kernel runs and
+    only the kernel fills them; when ``found_inf`` makes the kernel skip, the buffers keep whatever
+    the allocator handed out and every later step builds on that garbage (``GradScaler`` has the
+    same problem). A skipped step must leave the optimizer as it was, so this one step decides on
+    the host and does not call ``optimizer.step`` at all when it overflowed.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    for group in optimizer.param_groups:
+        if not group.get("momentum"):
+            continue
+        with_grad = next((p for p in group["params"] if p.grad is not None), None)
+        if with_grad is not None and "momentum_buffer" not in optimizer.state.get(with_grad, {}):
+            return True
+    return False
 
 
 def _is_sharded(param: torch.Tensor) -> bool:
@@ -205,16 +228,14 @@ class LossScaler:
     # --------------------------------------------------------------------------------- unscale
 
     def _check_and_unscale(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                           allow_fp16: bool) -> torch.Tensor:
-        """One fused check(+unscale) per (device, dtype) group; returns found_inf on the scaler's device."""
+                           allow_fp16: bool) -> None:
+        """One fused check(+unscale) per (device, dtype) group; records found_inf on the scaler's device."""
         home = self._ops.device  # type: ignore[union-attr]
         groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list))
-        sharded = False
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
-                    sharded = sharded or _is_sharded(param)
                     grad = param.grad
                     if grad is None:
                         continue
@@ -234,12 +255,14 @@ class LossScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, local_inv)
                 if device != home:
                     torch.maximum(found_inf, local_inf.to(home, non_blocking=True), out=found_inf)
-            if self._should_sync(sharded):
+            if self._should_sync(optimizer):
                 torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
                                              group=self.process_group)
-        return found_inf
+        opt_state = self._per_optimizer[id(optimizer)]
+        opt_state.found_inf = found_inf
+        opt_state.checked = bool(groups)
 
-    def _should_sync(self, sharded: bool) -> bool:
+    def _should_sync(self, optimizer: torch.optim.Optimizer) -> bool:
         if self.sync_found_inf is False:
             return False
         dist = torch.distributed
@@ -247,7 +270,9 @@ class LossScaler:
             return False
         if dist.get_world_size(self.process_group) < 2:
             return False
-        return self.sync_found_inf is True or sharded
+        # Looked at only when it matters: a per-parameter walk on every step would cost Python time.
+        return self.sync_found_inf is True or any(
+            _is_sharded(p) for group in optimizer.param_groups for p in group["params"])
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record whether any was Inf/NaN.
@@ -267,7 +292,7 @@ class LossScaler:
             raise RuntimeError("unscale_() is being called after step().")
         # The reciprocal in float64, then rounded: the same inverse GradScaler uses.
         inv_scale = state.scale.double().reciprocal().float()
-        opt_state.found_inf = self._check_and_unscale(optimizer, inv_scale, allow_fp16=False)
+        self._check_and_unscale(optimizer, inv_scale, allow_fp16=False)
         opt_state.stage = _Stage.UNSCALED
 
     # ------------------------------------------------------------------------------------ step
@@ -277,8 +302,10 @@ class LossScaler:
 
         Host sync: none for optimizers that unscale in their own kernel
         (``_step_supports_amp_scaling``, i.e. ``fused=True``); they receive ``grad_scale`` and
-        ``found_inf`` tensors and skip on the device. Otherwise exactly one read of ``found_inf``.
-        Returns what ``optimizer.step`` returned, or ``None`` when the step was skipped.
+        ``found_inf`` tensors and skip on the device, except before the first applied update of a
+        fused ``SGD`` with momentum (one read, see :func:`_fused_sgd_first_step`). Otherwise exactly one
+        read of ``found_inf``. Returns what ``optimizer.step`` returned, or ``None`` when the step
+        was skipped on the host.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -292,11 +319,17 @@ class LossScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if opt_state.stage is _Stage.READY:
                 # Only the check: the fused kernel unscales with grad_scale itself.
-                opt_state.found_inf = self._check_and_unscale(
-                    optimizer, self._ops.scale(1.0), allow_fp16=True)  # type: ignore[union-attr]
+                self._check_and_unscale(optimizer, self._ops.scale(1.0), allow_fp16=True)  # type: ignore
                 grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
+            if _fused_sgd_first_step(optimizer):
+                assert opt_state.found_inf is not None
+                # One read, until the first update is applied (the buffers exist from then on).
+                opt_state.skipped_on_host = bool(opt_state.found_inf.item())
+                if opt_state.skipped_on_host:
+                    opt_state.stage = _Stage.STEPPED
+                    return None
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = opt_state.found_inf  # type: ignore[attr-defined]
             try:
@@ -309,6 +342,8 @@ class LossScaler:
 
         if opt_state.stage is _Stage.READY:
             self.unscale_(optimizer)
+        if not opt_state.checked:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         assert opt_state.found_inf is not None
         # The one host read of a non-fused step: Python must decide whether to call step().
         skipped = bool(opt_state.found_inf.item())
@@ -333,7 +368,7 @@ class LossScaler:
         ops = self._ops
         assert ops is not None
         flags = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
-        if new_scale is None and not flags:
+        if new_scale is None and not any(s.checked for s in self._per_optimizer.values()):
             raise AssertionError("No inf checks were recorded prior to update.")
         if flags:
             found_inf = flags[0]

@@ -17,8 +17,9 @@ import torch
 class StockScalerReader:
     """Tracks a ``torch.amp.GradScaler`` in the core's state shape.
 
-    Call :meth:`after_optimizer_step` once after every optimizer step (after ``scaler.update()``):
-    a few tiny device ops, no host sync. :meth:`read` is the one host read of an interval.
+    Call :meth:`after_optimizer_step` after every optimizer step (after ``scaler.update()``, before
+    the next one): a few tiny device ops, no host sync. :meth:`read` is the one host read of an
+    interval.
 
     Args:
         scaler: the ``GradScaler`` to read.
@@ -36,8 +37,12 @@ class StockScalerReader:
         self._skipped: torch.Tensor | None = None
         self._prev_scale: torch.Tensor | None = None
 
-    def after_optimizer_step(self) -> None:
-        """Count this step (and whether it overflowed) on the device. No host sync."""
+    def after_optimizer_step(self, steps: int = 1) -> None:
+        """Count ``steps`` optimizer steps and whether the last one overflowed, on the device. No host sync.
+
+        ``GradScaler`` keeps no history: when ``steps > 1`` went by since the last call, only the
+        last one's overflow can be seen, so call this after every step.
+        """
         scale = self.scaler._get_scale_async()
         tracker = getattr(self.scaler, "_growth_tracker", None)
         if scale is None or tracker is None:
@@ -51,7 +56,7 @@ class StockScalerReader:
         overflow = torch.logical_and(tracker == 0, torch.logical_not(scale > self._prev_scale))
         self._skipped.add_(overflow.to(torch.int64))
         self._prev_scale.copy_(scale)
-        self.steps += 1
+        self.steps += steps
 
     def read(self) -> dict[str, Any]:
         """Scale, growth tracker and skipped steps as host numbers: one host sync."""

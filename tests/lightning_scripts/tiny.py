@@ -11,12 +11,20 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import warnings
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def quiet_lightning_warnings() -> None:
+    """Silence Lightning's advice for tiny CPU runs (workers, log interval) and a pytree deprecation."""
+    for message in (".*does not have many workers.*", ".*isinstance.treespec, LeafSpec.*",
+                    ".*log_every_n_steps.*"):
+        warnings.filterwarnings("ignore", message)
 
 
 def namespace(name: str) -> Any:
