@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from repo_scripts import load_script
 
 torch = pytest.importorskip("torch")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "alignment_gemm.py"
 
 
 def test_benchmark_checker_part_on_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this test covers the no-GPU path")
-    spec = importlib.util.spec_from_file_location("alignment_gemm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/alignment_gemm.py")
     out = tmp_path / "rows.json"
     assert module.main(["--size", "256", "--json", str(out), "--strict"]) == 0
     printed = capsys.readouterr().out

@@ -1,13 +1,9 @@
-import importlib.util
-from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "core_simulation.py"
+from repo_scripts import load_script
 
 
 def test_core_simulation_example_prints_the_trajectory(capsys):
-    spec = importlib.util.spec_from_file_location("core_simulation", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("examples/core_simulation.py")
     sink = module.main(steps=1000, log_every=100)
     out = capsys.readouterr().out
     scales = [value for _, value in sink.series("loss_scale/scale")]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import struct
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import wandb
+from repo_scripts import load_script
 
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import metrics as m
@@ -20,16 +20,12 @@ from lossscale_callbacks.report import available_readers, build_report, write_pn
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.wandb import WandbSink, wait_until_finished
 
-ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(sys.executable).with_name("lossscale-callbacks")
 
 
 def train(sinks, steps=2000, log_every=100, policy=None):
-    path = ROOT / "examples" / "plain_loop_sinks.py"
-    spec = importlib.util.spec_from_file_location("plain_loop_sinks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.train(sinks, steps=steps, log_every=log_every, policy=policy)
+    example = load_script("examples/plain_loop_sinks.py")
+    return example.train(sinks, steps=steps, log_every=log_every, policy=policy)
 
 
 @pytest.fixture(autouse=True)

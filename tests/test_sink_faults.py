@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
-from pathlib import Path
 
 import pytest
 import wandb
+from repo_scripts import load_script
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.sinks import InMemorySink, SinkFailureWarning
@@ -16,15 +15,11 @@ from lossscale_callbacks.tensorboard import read_run as read_tensorboard
 from lossscale_callbacks.wandb import WandbSink, wait_until_finished
 from lossscale_callbacks.wandb import read_run as read_wandb
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, LOG_EVERY = 1000, 50
 
 
 def train(sinks):
-    path = ROOT / "examples" / "plain_loop_sinks.py"
-    spec = importlib.util.spec_from_file_location("plain_loop_sinks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("examples/plain_loop_sinks.py")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         written = module.train(sinks, steps=STEPS, log_every=LOG_EVERY)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -16,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from repo_scripts import load_script
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.report import MAX_SCALE, MIN_SCALE
@@ -29,16 +29,11 @@ from lossscale_callbacks.tensorboard import (
 )
 from lossscale_callbacks.tensorboard.reader import iter_events
 
-ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
 
 def load_example():
-    path = ROOT / "examples" / "plain_loop_sinks.py"
-    spec = importlib.util.spec_from_file_location("plain_loop_sinks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/plain_loop_sinks.py")
 
 
 def series_of(written, name):

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import wandb
+from repo_scripts import load_script
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.health import Verdict
@@ -30,15 +29,9 @@ from lossscale_callbacks.wandb import (
     wait_until_finished,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def load_example():
-    path = ROOT / "examples" / "plain_loop_sinks.py"
-    spec = importlib.util.spec_from_file_location("plain_loop_sinks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/plain_loop_sinks.py")
 
 
 def read_finished(path):
