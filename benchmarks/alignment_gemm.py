@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from lossscale_callbacks.lightning.alignment import check_alignment
+from lossscale_callbacks.torch.alignment import check_alignment
 
 
 def shapes(size: int) -> list[tuple[str, int, int, int]]:

@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lossscale_callbacks import DynamicPolicy
-from lossscale_callbacks.lightning import LossScaler
+from lossscale_callbacks.torch import LossScaler
 
 _T = torch.Tensor
 _READS = {_T.item, _T.__bool__, _T.tolist, _T.cpu, _T.numpy, _T.__float__, _T.__int__, _T.__index__}

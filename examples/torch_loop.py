@@ -23,7 +23,7 @@ from lossscale_callbacks import (
     SinkGroup,
     summarize,
 )
-from lossscale_callbacks.lightning import LossScaler
+from lossscale_callbacks.torch import LossScaler
 
 
 def main(argv: list[str] | None = None) -> InMemorySink:

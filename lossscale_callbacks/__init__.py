@@ -1,7 +1,7 @@
 """lossscale-callbacks: one dynamic loss-scaling core for Keras and PyTorch Lightning.
 
 The core (this package) never imports a framework. Framework callbacks live in
-``lossscale_callbacks.keras`` and ``lossscale_callbacks.lightning``; dashboard sinks in
+``lossscale_callbacks.keras``, ``lossscale_callbacks.torch`` and ``lossscale_callbacks.lightning``; sinks in
 ``lossscale_callbacks.tensorboard`` and ``lossscale_callbacks.wandb``.
 
 Example:

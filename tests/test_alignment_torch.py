@@ -11,7 +11,7 @@ from alignment_models.reports import torch_report  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lossscale_callbacks.alignment import BACKWARD, FORWARD  # noqa: E402
-from lossscale_callbacks.lightning.alignment import capture, check_alignment  # noqa: E402
+from lossscale_callbacks.torch.alignment import capture, check_alignment  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

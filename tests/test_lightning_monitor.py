@@ -17,11 +17,13 @@ from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
 
 import lossscale_callbacks  # noqa: E402
 import lossscale_callbacks.lightning  # noqa: E402
+import lossscale_callbacks.torch  # noqa: E402
 from lossscale_callbacks import ConsecutiveSkips, DynamicPolicy, LossScaleHealthWarning  # noqa: E402
 from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin  # noqa: E402
 from lossscale_callbacks.metrics import METRIC_NAMES  # noqa: E402
 
-LIBRARY = tuple(os.path.dirname(m.__file__) for m in (lossscale_callbacks, lossscale_callbacks.lightning))
+LIBRARY = tuple(os.path.dirname(m.__file__) for m in (lossscale_callbacks, lossscale_callbacks.lightning,
+                                                        lossscale_callbacks.torch))
 
 tiny.quiet_lightning_warnings()
 
@@ -258,9 +260,9 @@ def test_alignment_report_is_written_once_on_the_first_batch(pl, monkeypatch):
         model(sample).sum().backward()  # a check may run backward; grads must not leak
         return Report()
 
-    fake = types.ModuleType("lossscale_callbacks.lightning.alignment")
+    fake = types.ModuleType("lossscale_callbacks.torch.alignment")
     fake.check_alignment = check_alignment
-    monkeypatch.setitem(sys.modules, "lossscale_callbacks.lightning.alignment", fake)
+    monkeypatch.setitem(sys.modules, "lossscale_callbacks.torch.alignment", fake)
     monitor = LossScaleMonitor(check_alignment=True, alignment_kwargs={"dtype": "float16"})
     texts = []
     monkeypatch.setattr("lossscale_callbacks.lightning._loggers.LoggerSink.write_text",
@@ -276,7 +278,7 @@ def test_real_alignment_report_reaches_tensorboard(tmp_path):
     import lightning.pytorch as pl
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    pytest.importorskip("lossscale_callbacks.lightning.alignment")
+    pytest.importorskip("lossscale_callbacks.torch.alignment")
     tb = pl.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
     model = tiny.module_class(pl)(width=12, snapshots=False)
     monitor = LossScaleMonitor(check_alignment=True)
@@ -292,7 +294,7 @@ def test_real_alignment_report_reaches_tensorboard(tmp_path):
 def test_missing_alignment_module_warns(monkeypatch):
     import lightning.pytorch as pl
 
-    monkeypatch.setitem(sys.modules, "lossscale_callbacks.lightning.alignment", None)
+    monkeypatch.setitem(sys.modules, "lossscale_callbacks.torch.alignment", None)
     with pytest.warns(UserWarning, match="alignment checker could not be imported"):
         _fit(pl, LossScaleMonitor(check_alignment=True), max_steps=1)
 

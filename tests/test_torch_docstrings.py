@@ -11,11 +11,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
-MODULES = ["", ".ops", ".scaler", ".plugin", ".monitor", ".stock"]
+MODULES = ["lossscale_callbacks.torch", "lossscale_callbacks.torch.ops", "lossscale_callbacks.torch.scaler",
+           "lossscale_callbacks.torch.stock", "lossscale_callbacks.lightning",
+           "lossscale_callbacks.lightning.plugin", "lossscale_callbacks.lightning.monitor"]
 
 
-@pytest.mark.parametrize("suffix", MODULES)
-def test_docstring_examples(suffix):
-    module = importlib.import_module("lossscale_callbacks.lightning" + suffix)
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
     failures, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert failures == 0 and attempted > 0

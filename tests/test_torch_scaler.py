@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy, initial_state, next_state  # noqa: E402
-from lossscale_callbacks.lightning import LossScaler  # noqa: E402
-from lossscale_callbacks.lightning.scaler import _is_sharded  # noqa: E402
+from lossscale_callbacks.torch import LossScaler  # noqa: E402
+from lossscale_callbacks.torch.scaler import _is_sharded  # noqa: E402
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

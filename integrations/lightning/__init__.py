@@ -1,7 +1,9 @@
-"""PyTorch and Lightning integration: ``LossScaler``, ``LossScalePlugin`` and ``LossScaleMonitor``.
+"""PyTorch Lightning: ``LossScalePlugin`` and ``LossScaleMonitor``; re-exports ``LossScaler``.
 
-``LossScaler`` and ``TorchOps`` need only torch; the plugin and the monitor need ``lightning`` or
-``pytorch_lightning`` (either namespace, or both) and are imported on first use.
+The plugin and the monitor need ``lightning`` or ``pytorch_lightning`` (either namespace, or
+both) and are imported on first use. ``LossScaler``, ``TorchOps``, ``StockScalerReader`` and
+``check_alignment`` live in :mod:`lossscale_callbacks.torch` (they need only torch) and are
+re-exported here.
 
 Example:
     >>> from lossscale_callbacks.lightning import LossScaler
@@ -14,14 +16,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lossscale_callbacks.lightning.ops import TorchOps
-from lossscale_callbacks.lightning.scaler import LossScaler
+from lossscale_callbacks.torch.ops import TorchOps
+from lossscale_callbacks.torch.scaler import LossScaler
+from lossscale_callbacks.torch.stock import StockScalerReader
 
 _LAZY = {
     "LossScalePlugin": "lossscale_callbacks.lightning.plugin",
     "LossScaleMonitor": "lossscale_callbacks.lightning.monitor",
-    "StockScalerReader": "lossscale_callbacks.lightning.stock",
-    "check_alignment": "lossscale_callbacks.lightning.alignment",
+    "check_alignment": "lossscale_callbacks.torch.alignment",
 }
 
 __all__ = [

@@ -12,11 +12,11 @@ import torch
 from lossscale_callbacks.health import HealthMonitor, HealthSpec
 from lossscale_callbacks.lightning._compat import bases
 from lossscale_callbacks.lightning._loggers import LoggerSink
-from lossscale_callbacks.lightning.scaler import LossScaler
-from lossscale_callbacks.lightning.stock import StockScalerReader
 from lossscale_callbacks.metrics import SCALE, SKIPPED_STEPS, MetricsTracker, Snapshot
 from lossscale_callbacks.sinks import SinkGroup
 from lossscale_callbacks.summary import summarize
+from lossscale_callbacks.torch.scaler import LossScaler
+from lossscale_callbacks.torch.stock import StockScalerReader
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
             for the default rules, or rules); ``"stop"`` sets ``trainer.should_stop``.
         check_alignment: run the Tensor Core alignment check
-            (``lossscale_callbacks.lightning.alignment.check_alignment``) once, on the first training
+            (``lossscale_callbacks.torch.alignment.check_alignment``) once, on the first training
             batch, and write its report as text to the loggers (TensorBoard's Text tab, the W&B run
             summary). The model input is ``alignment_kwargs["sample"]`` if given, else the module's
             ``example_input_array``, else the first element of an ``(inputs, targets)`` batch, else
@@ -252,7 +252,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
 
     def _run_alignment(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         try:
-            module = importlib.import_module("lossscale_callbacks.lightning.alignment")
+            module = importlib.import_module("lossscale_callbacks.torch.alignment")
         except ImportError as exc:
             warnings.warn(f"[lossscale-callbacks] check_alignment=True but the alignment checker could not "
                           f"be imported ({exc}); skipping it.", UserWarning, stacklevel=2)

@@ -9,8 +9,8 @@ import torch
 from torch.optim import LBFGS
 
 from lossscale_callbacks.lightning._compat import bases, namespace_of, precision_base
-from lossscale_callbacks.lightning.scaler import LossScaler
 from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
+from lossscale_callbacks.torch.scaler import LossScaler
 
 _PRECISIONS = ("16-mixed", "bf16-mixed")
 _SHARDED_STRATEGIES = ("ModelParallelStrategy",)
@@ -43,7 +43,7 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
     gradient clipping), except for fused optimizers, which unscale in their own kernel (clipping
     is then refused, as in Lightning). Host syncs: none per step with fused optimizers (except
     before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
-    otherwise; see :mod:`lossscale_callbacks.lightning.scaler`.
+    otherwise; see :mod:`lossscale_callbacks.torch.scaler`.
 
     The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
     optimization and several optimizers, give each optimizer its own ``manual_backward`` before

@@ -1,7 +1,7 @@
 """Tensor Core alignment checker and mixed-precision audit: the framework-free rules engine and report.
 
 Shape capture lives in the integrations (``lossscale_callbacks.keras.alignment.check_alignment`` and
-``lossscale_callbacks.lightning.alignment.check_alignment``); they record the GEMMs and convolutions
+``lossscale_callbacks.torch.alignment.check_alignment``); they record the GEMMs and convolutions
 of one forward and backward pass and hand them to :func:`analyze`.
 
 Example:

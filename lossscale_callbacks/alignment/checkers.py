@@ -3,7 +3,7 @@
 The core never depends on an integration: the capture is looked up at call time, first through the
 ``lossscale_callbacks.checkers`` entry points (name = framework), then through the integration module
 of the installed package (``lossscale_callbacks.keras.alignment``,
-``lossscale_callbacks.lightning.alignment``).
+``lossscale_callbacks.torch.alignment``).
 A model's framework is read from its class hierarchy, so nothing is imported to find it.
 
 Example:
@@ -27,7 +27,7 @@ from typing import Any
 
 ENTRY_POINT_GROUP = "lossscale_callbacks.checkers"
 _MODULES = {"keras": "lossscale_callbacks.keras.alignment",
-            "torch": "lossscale_callbacks.lightning.alignment"}
+            "torch": "lossscale_callbacks.torch.alignment"}
 _FILE_SUFFIXES = {".keras": "keras", ".h5": "keras"}
 
 

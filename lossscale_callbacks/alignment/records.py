@@ -1,6 +1,6 @@
 """What shape capture hands to the rules engine: executed GEMM-like ops and the layers' model dimensions.
 
-A capture (``lossscale_callbacks.keras.alignment`` or ``lossscale_callbacks.lightning.alignment``)
+A capture (``lossscale_callbacks.keras.alignment`` or ``lossscale_callbacks.torch.alignment``)
 runs one forward and backward pass and records every Tensor Core candidate it executed as an
 :class:`OpRecord` (GEMM ``M``/``N``/``K``, or convolution channels per group), attributed to a layer and
 a pass. Separately it describes each layer's *model dimensions* (:class:`ModelDim`: in/out features,

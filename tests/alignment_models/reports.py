@@ -9,7 +9,7 @@ from .expected import CASES
 
 @functools.cache
 def torch_report(name: str):
-    from lossscale_callbacks.lightning.alignment import check_alignment
+    from lossscale_callbacks.torch.alignment import check_alignment
 
     from . import torch_zoo
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lossscale_callbacks import DynamicPolicy
-from lossscale_callbacks.lightning import LossScaler
+from lossscale_callbacks.torch import LossScaler
 
 STEPS, INJECT_STEP, INJECT_RANK = 5, 2, 1
 MODES = ("fsdp1_auto", "fsdp1_off", "fsdp2_off")

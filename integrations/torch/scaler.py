@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks.lightning.ops import TorchOps
 from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
 from lossscale_callbacks.state import LossScaleState
+from lossscale_callbacks.torch.ops import TorchOps
 from lossscale_callbacks.update import initial_state, next_state
 
 _SYNC_CHOICES = (True, False, "auto")
