@@ -9,11 +9,12 @@ config or a checkpoint and rebuilt anywhere.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from lossscale_callbacks._validation import check_int, check_number
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Below this a float32 scale is subnormal; XLA and some GPU kernels flush subnormals to
@@ -25,16 +26,11 @@ _GROWTH_CEILING = 2.0**127
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
+    return check_number(name, value)
 
 
 def _scale(name: str, value: Any) -> float:
-    value = _number(name, value)
+    value = check_number(name, value)
     if not _FLOAT32_TINY <= value <= _FLOAT32_MAX:
         raise ValueError(
             f"{name} must be a normal positive float32 value in [{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], "
@@ -44,11 +40,7 @@ def _scale(name: str, value: Any) -> float:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__})")
-    if value < 1 or value > 2**31 - 1:
-        raise ValueError(f"{name} must be an integer in [1, 2**31 - 1], got {value!r}")
-    return int(value)
+    return check_int(name, value, 1, 2**31 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +108,21 @@ class DynamicPolicy:
     def dynamic(self) -> bool:
         return True
 
+    @property
+    def constants(self) -> RuleConstants:
+        """The numbers the update rule runs on (see :class:`RuleConstants`)."""
+        return RuleConstants(self.growth_interval, self.growth_factor, self.backoff_factor,
+                             self.hysteresis, self.min_scale, self.max_scale)
+
+    def replace(self, **changes: Any) -> DynamicPolicy:
+        """A copy with some fields changed, validated like a new policy.
+
+        Example:
+            >>> DynamicPolicy().replace(growth_interval=100).growth_interval
+            100
+        """
+        return _replace(self, changes)
+
     def to_config(self) -> dict[str, Any]:
         """Plain-dict form, with the policy's type under ``"type"``."""
         return {"type": "dynamic", **dataclasses.asdict(self)}
@@ -158,6 +165,26 @@ class FixedPolicy:
     @property
     def max_scale(self) -> float:
         return self.scale
+
+    @property
+    def constants(self) -> RuleConstants:
+        """The rule's numbers for a constant scale.
+
+        Growing or backing off by 1 within ``[scale, scale]`` keeps the scale; hysteresis 0
+        keeps ``hysteresis_left`` at 0 and ``growth_interval`` 1 keeps ``growth_counter`` at 0.
+        """
+        return RuleConstants(1, 1.0, 1.0, 0, self.scale, self.scale)
+
+    def replace(self, **changes: Any) -> FixedPolicy:
+        """A copy with ``scale`` changed; the growth settings of a dynamic policy are refused.
+
+        Example:
+            >>> FixedPolicy(8.0).replace(growth_interval=10)
+            Traceback (most recent call last):
+            ...
+            ValueError: growth_interval cannot be set on a FixedPolicy (allowed: ['scale']); use a ...
+        """
+        return _replace(self, changes)
 
     def to_config(self) -> dict[str, Any]:
         return {"type": "fixed", "scale": self.scale}
@@ -220,11 +247,17 @@ class RuleConstants:
 
 
 def rule_constants(policy: Policy) -> RuleConstants:
-    if isinstance(policy, DynamicPolicy):
-        return RuleConstants(policy.growth_interval, policy.growth_factor, policy.backoff_factor,
-                             policy.hysteresis, policy.min_scale, policy.max_scale)
-    if isinstance(policy, FixedPolicy):
-        # Growing or backing off by 1 within [scale, scale] keeps the scale; hysteresis 0 keeps
-        # hysteresis_left at 0 and growth_interval 1 keeps growth_counter at 0.
-        return RuleConstants(1, 1.0, 1.0, 0, policy.scale, policy.scale)
-    raise ValueError(f"policy must be a DynamicPolicy or FixedPolicy, got {type(policy).__name__}")
+    """``policy.constants``, with a ``ValueError`` for anything that is not a policy."""
+    constants = getattr(policy, "constants", None)
+    if not isinstance(constants, RuleConstants):
+        raise ValueError(f"policy must be a DynamicPolicy or FixedPolicy, got {type(policy).__name__}")
+    return constants
+
+
+def _replace(policy: Any, changes: Mapping[str, Any]) -> Any:
+    allowed = [f.name for f in dataclasses.fields(policy)]
+    for name in changes:
+        if name not in allowed:
+            hint = "; use a DynamicPolicy" if isinstance(policy, FixedPolicy) else ""
+            raise ValueError(f"{name} cannot be set on a {type(policy).__name__} (allowed: {allowed}){hint}")
+    return dataclasses.replace(policy, **changes)
