@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         models = {name: build_model(args.width, args.depth, device) for name in ("ours", "torch")}
         params = sum(p.numel() for p in models["ours"].parameters())
         opts = {name: build_optimizer(kind, m.parameters()) for name, m in models.items()}
-        scalers = {"ours": LossScaler(policy, device=device),
+        scalers = {"ours": LossScaler(policy=policy, device=device),
                    "torch": torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=2000)}
         steps = {n: make_step(models[n], opts[n], scalers[n], x, y, device) for n in models}
         for n in steps:  # warm-up: lazy init, optimizer state, allocator, kernels
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ratios.append(t["ours"] / t["torch"])
         grads = [p.grad for p in models["ours"].parameters() if p.grad is not None]
         floor = bandwidth_floor(grads, device, args.unscale_repeats)
-        factories = {"ours": lambda: LossScaler(policy, device=device),
+        factories = {"ours": lambda: LossScaler(policy=policy, device=device),
                      "torch": lambda: torch.amp.GradScaler(device.type, init_scale=2.0**16)}
         # Fused optimizers never call unscale_ in a step; time the pass on plain SGD copies then.
         plain = {n: torch.optim.SGD(m.parameters(), lr=0.0) for n, m in models.items()}

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> InMemorySink:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused)
     policy = DynamicPolicy(initial_scale=2.0**16, growth_interval=50, hysteresis=2)
-    scaler = LossScaler(policy, device=device)
+    scaler = LossScaler(policy=policy, device=device)
 
     memory = InMemorySink()
     sinks = [memory]

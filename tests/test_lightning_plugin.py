@@ -12,7 +12,7 @@ pytest.importorskip("lightning")
 from lightning_scripts import tiny  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.lightning import LossScalePlugin  # noqa: E402
+from lossscale_callbacks.lightning import LossScalePlugin, LossScaler  # noqa: E402
 
 tiny.quiet_lightning_warnings()
 
@@ -168,6 +168,17 @@ def test_resumes_a_checkpoint_of_lightnings_own_mixed_precision_plugin(pl, tmp_p
     assert plugin.policy == DynamicPolicy(growth_interval=2, hysteresis=2)
 
 
+def test_plugin_mirrors_mixed_precision_signature_and_uses_a_given_scaler(pl):
+    scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**8, growth_interval=2))
+    plugin = LossScalePlugin("16-mixed", "cpu", scaler)
+    assert plugin.scaler is scaler and plugin.policy is scaler.policy
+    assert isinstance(plugin.scaler, torch.amp.GradScaler)  # what code written for MixedPrecision checks
+    model = tiny.module_class(pl)(inject_inf_at=(1,), snapshots=False)
+    trainer = pl.Trainer(plugins=[plugin], **tiny.trainer_kwargs(max_steps=4))
+    trainer.fit(model, tiny.data())
+    assert scaler.get_state().skipped_steps == 1 and scaler.get_state().steps == 4
+
+
 def test_plugin_state_dict_round_trip():
     plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=3.0e4, hysteresis=2))
     other = LossScalePlugin(device="cpu")
@@ -189,6 +200,10 @@ def test_plugin_state_dict_round_trip():
     ({"device": "gpu"}, "device"),
     ({"sync_found_inf": "sometimes"}, "sync_found_inf"),
     ({"hold_lr_schedulers": "yes"}, "hold_lr_schedulers"),
+    ({"scaler": torch.amp.GradScaler("cpu")}, "for a stock torch.amp.GradScaler use Lightning's own"),
+    ({"scaler": LossScaler(), "policy": DynamicPolicy()}, "pass either scaler or policy"),
+    ({"precision": "bf16-mixed", "scaler": LossScaler()}, "bf16-mixed"),
+    ({"scaler": DynamicPolicy()}, r"third argument is the scaler.*LossScalePlugin\(policy=DynamicPolicy"),
 ])
 def test_plugin_arguments_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):

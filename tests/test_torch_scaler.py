@@ -96,8 +96,12 @@ def test_the_counter_sees_host_reads():
     with HostReadCounter(raise_on_read=True):
         t.to("cpu")  # already on the host: no read
         meta.to("meta")
+    scaler = LossScaler(device="cpu")
+    with HostReadCounter(raise_on_read=True):
+        scaler.get_scale()  # before the first scale() the state is on the host: nothing to read
+    scaler.scale(torch.ones(()))
     with pytest.raises(AssertionError, match="host read"), HostReadCounter(raise_on_read=True):
-        LossScaler(device="cpu").get_scale()
+        scaler.get_scale()
 
 
 @pytest.mark.parametrize("kind", ["adam_fused", "adamw_fused", "sgd_fused"])
@@ -105,7 +109,7 @@ def test_the_counter_sees_host_reads():
 def test_no_host_read_in_a_step_with_a_fused_optimizer(kind, inject_inf):
     model = _model()
     opt = _optimizer(kind, model.parameters())
-    scaler = LossScaler(DynamicPolicy(initial_scale=2.0**10, growth_interval=2), device="cpu")
+    scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**10, growth_interval=2), device="cpu")
     _train_step(model, opt, scaler, _batch(0))  # optimizer state exists from here on
     for step in range(1, 4):
         with HostReadCounter(raise_on_read=True):
@@ -118,7 +122,7 @@ def test_no_host_read_in_a_step_with_a_fused_optimizer(kind, inject_inf):
 def test_fused_step_on_cuda_passes_sync_debug_mode_error(kind):
     model = _model().cuda()
     opt = _optimizer(kind, model.parameters())
-    scaler = LossScaler(DynamicPolicy(initial_scale=2.0**10, growth_interval=2), device="cuda")
+    scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**10, growth_interval=2), device="cuda")
     x = _batch(0).cuda()
     _train_step(model, opt, scaler, x)  # lazy init and optimizer state outside the checked steps
     torch.cuda.synchronize()
@@ -168,7 +172,7 @@ def test_unscale_then_clip_then_step_reads_once():
 def test_a_skipped_step_leaves_parameters_and_optimizer_state_bit_identical(kind):
     model = _model()
     opt = _optimizer(kind, model.parameters())
-    scaler = LossScaler(DynamicPolicy(initial_scale=256.0), device="cpu")
+    scaler = LossScaler(policy=DynamicPolicy(initial_scale=256.0), device="cpu")
     for step in range(3):
         _train_step(model, opt, scaler, _batch(step))
     before = _snapshot(model, opt)
@@ -204,7 +208,7 @@ def test_same_trajectory_as_torch_grad_scaler(kind):
     ours_model, theirs_model = _model(), _model()
     ours_opt = _optimizer(kind, ours_model.parameters())
     theirs_opt = _optimizer(kind, theirs_model.parameters())
-    ours = LossScaler(policy, device="cpu")
+    ours = LossScaler(policy=policy, device="cpu")
     theirs = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
     for step in range(14):
         inf = step in (2, 3, 9)
@@ -283,7 +287,7 @@ def test_disabled_scaler_is_a_pass_through():
 
 
 def test_scale_accepts_nested_outputs_and_lazily_picks_the_device():
-    scaler = LossScaler(DynamicPolicy(initial_scale=4.0))
+    scaler = LossScaler(policy=DynamicPolicy(initial_scale=4.0))
     assert scaler.device is None
     out = scaler.scale([torch.ones(2), (torch.ones(()), torch.full((1,), 2.0))])
     assert scaler.device == torch.device("cpu")
@@ -293,7 +297,7 @@ def test_scale_accepts_nested_outputs_and_lazily_picks_the_device():
 
 
 def test_getters_setters_and_update_with_new_scale():
-    scaler = LossScaler(DynamicPolicy(growth_interval=7), device="cpu")
+    scaler = LossScaler(policy=DynamicPolicy(growth_interval=7), device="cpu")
     factors = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
     assert factors == (2.0, 0.5, 7)
     scaler.set_growth_interval(3)
@@ -308,7 +312,7 @@ def test_getters_setters_and_update_with_new_scale():
     scaler.step(opt)
     scaler.update(new_scale=5.0)
     assert scaler.get_scale() == 5.0 and scaler.get_state().steps == 1
-    fixed = LossScaler(FixedPolicy(1.0))
+    fixed = LossScaler(policy=FixedPolicy(1.0))
     with pytest.raises(ValueError, match="DynamicPolicy"):
         fixed.set_growth_interval(2)
 
@@ -331,7 +335,7 @@ def test_arguments_are_validated(kwargs, match):
 def test_state_dict_round_trips_exactly_and_resumes_the_same_sequence():
     policy = DynamicPolicy(initial_scale=3.0e4, growth_interval=2, growth_factor=1.7, hysteresis=2)
     flags = [True, False, True, True, False, False, True, True, True, False, True]
-    full = LossScaler(policy, device="cpu")
+    full = LossScaler(policy=policy, device="cpu")
     resumed = None
     model = _model()
     opt = _optimizer("sgd_fused", model.parameters())
@@ -384,7 +388,7 @@ def test_a_skipped_first_step_of_fused_momentum_sgd_leaves_no_momentum_buffer(da
     def run(fused):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening, fused=fused)
-        scaler = LossScaler(DynamicPolicy(initial_scale=1024.0), device="cpu")
+        scaler = LossScaler(policy=DynamicPolicy(initial_scale=1024.0), device="cpu")
         before = _snapshot(model, opt)
         _train_step(model, opt, scaler, _batch(0), inject_inf=True)
         _assert_bit_identical(before, _snapshot(model, opt))
@@ -395,3 +399,162 @@ def test_a_skipped_first_step_of_fused_momentum_sgd_leaves_no_momentum_buffer(da
 
     for fused_param, plain_param in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(fused_param, plain_param)
+
+
+# ------------------------------------------------------------ GradScaler-style construction
+
+
+def test_constructed_like_grad_scaler_it_starts_where_grad_scaler_starts():
+    ours, theirs = LossScaler("cpu"), torch.amp.GradScaler("cpu")
+    assert isinstance(ours, torch.amp.GradScaler)
+    assert ours.get_scale() == theirs.get_scale() == 65536.0
+    settings = (ours.get_growth_factor(), ours.get_backoff_factor(), ours.get_growth_interval())
+    assert settings == (2.0, 0.5, 2000)
+    custom = LossScaler(device="cpu", init_scale=128.0, growth_factor=4.0, backoff_factor=0.25,
+                        growth_interval=7, enabled=True)
+    assert custom.policy == DynamicPolicy(initial_scale=128.0, growth_factor=4.0, backoff_factor=0.25,
+                                          growth_interval=7, min_scale=1.0, max_scale=2.0**24)
+    # The bounds widen to contain the initial scale, as far as growth stays finite in float32.
+    assert LossScaler(init_scale=0.25).policy.min_scale == 0.25
+    assert LossScaler(init_scale=2.0**30).policy.max_scale == 2.0**30
+    with pytest.warns(UserWarning, match="init_scale=1e\\+38 is above the largest scale"):
+        assert LossScaler(init_scale=1e38, growth_factor=16.0).get_scale() == 2.0**122
+
+
+def test_policy_and_grad_scaler_settings_do_not_mix_and_a_positional_policy_is_explained():
+    mixed = r"pass either policy or GradScaler's settings, not both.*init_scale=2"
+    with pytest.raises(ValueError, match=mixed):
+        LossScaler(init_scale=2.0, policy=DynamicPolicy())
+    with pytest.raises(ValueError, match=r"first argument is the device.*LossScaler\(policy=FixedPolicy"):
+        LossScaler(FixedPolicy(8.0))
+    for kwargs, match in [({"growth_factor": 1.0}, "growth_factor"),
+                          ({"backoff_factor": 1.0}, "backoff_factor"),
+                          ({"growth_interval": 0}, "growth_interval"), ({"init_scale": 0.0}, "init_scale"),
+                          ({"init_scale": math.inf}, "init_scale")]:
+        with pytest.raises(ValueError, match=match):
+            LossScaler(**kwargs)
+
+
+def test_cuda_without_cuda_disables_with_a_warning_like_grad_scaler():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = LossScaler("cuda")
+    assert not scaler.is_enabled() and scaler.scale(torch.ones(())) == 1.0
+
+
+# ---------------------------------------------------------- no state can corrupt a run
+
+
+def _trained(policy=None, steps=3):
+    scaler = LossScaler(policy=policy or DynamicPolicy(initial_scale=1024.0, growth_interval=2, hysteresis=2))
+    model = _model()
+    opt = _optimizer("sgd", model.parameters())
+    for step in range(steps):
+        _train_step(model, opt, scaler, _batch(step), inject_inf=step == 1)
+    return scaler, model, opt
+
+
+BAD_STATES = [
+    ({"scale": 0.0}, "scale must be a finite number"),
+    ({"scale": math.nan}, "scale must be a finite number"),
+    ({"scale": math.inf}, "scale must be a finite number"),
+    ({"scale": -4.0}, "scale must be a finite number"),
+    ({"scale": 2.0**25}, "scale must be a finite number"),
+    ({"growth_counter": -1}, "growth_counter"),
+    ({"steps": 1.5}, "steps"),
+    ({"skipped_steps": 5, "steps": 4}, "cannot exceed steps"),
+    ({"hysteresis_left": 3}, "hysteresis_left"),
+]
+
+
+@pytest.mark.parametrize("with_device", [True, False])
+@pytest.mark.parametrize("change, match", BAD_STATES)
+def test_a_bad_checkpoint_is_refused_at_load_time_and_changes_nothing(change, match, with_device):
+    good, *_ = _trained()
+    saved = good.state_dict()
+    target = _trained(DynamicPolicy(initial_scale=64.0))[0] if with_device else LossScaler()
+    before_policy, before_state = target.policy, target.get_state()
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict({**saved, **change})
+    assert target.policy == before_policy and target.get_state() == before_state  # nothing half-loaded
+    # a bad policy in the checkpoint is refused the same way
+    with pytest.raises(ValueError, match="growth_interval"):
+        target.load_state_dict({**saved, "policy": {**saved["policy"], "growth_interval": 0}})
+    assert target.policy == before_policy and target.get_state() == before_state
+
+
+@pytest.mark.parametrize("bad", [0.0, math.nan, math.inf, -1.0, 2.0**25, 0.5, torch.tensor(math.nan), "x"])
+def test_update_with_a_bad_new_scale_is_refused_and_changes_nothing(bad):
+    scaler, model, opt = _trained()
+    before = scaler.get_state()
+    _train_step(model, opt, scaler, _batch(9), inject_inf=False)  # leaves the scaler ready for update()
+    scaler.scale(model(_batch(9)).pow(2).mean()).backward()
+    scaler.step(opt)
+    with pytest.raises(ValueError, match=r"new_scale|scale must be a finite number"):
+        scaler.update(new_scale=bad)
+    after_failed = scaler.get_state()
+    assert after_failed.steps == before.steps + 1  # only the clean step before, nothing from the failed call
+    scaler.update(new_scale=torch.tensor(512.0))  # the same step, now with a good value
+    assert scaler.get_scale() == 512.0 and scaler.get_state().steps == before.steps + 2
+
+
+def test_a_collapsed_grad_scaler_checkpoint_is_refused_with_what_to_do():
+    """GradScaler really reaches 0.0: ~165 overflows in a row from 2**16 underflow float32."""
+    stock = torch.amp.GradScaler("cpu")
+    model = _model()
+    opt = _optimizer("sgd", model.parameters())
+    for step in range(170):
+        _train_step(model, opt, stock, _batch(step), inject_inf=True)
+    collapsed = stock.state_dict()
+    assert collapsed["scale"] == 0.0
+    ours = LossScaler()
+    advice = r"collapsed.*load_state_dict\(\{\*\*checkpoint, 'scale': 65536.0\}\)"
+    with pytest.raises(ValueError, match=advice):
+        ours.load_state_dict(collapsed)
+    assert ours.get_state() == LossScaler().get_state()
+    ours.load_state_dict({**collapsed, "scale": 65536.0})  # the advice works
+    assert ours.get_scale() == 65536.0
+
+
+def test_a_grad_scaler_checkpoint_outside_the_bounds_is_clamped_with_a_warning():
+    ours = LossScaler(policy=DynamicPolicy(max_scale=2.0**20))
+    stock = {"scale": 2.0**30, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100,
+             "_growth_tracker": 5}
+    with pytest.warns(UserWarning, match="outside this policy's bounds"):
+        ours.load_state_dict(stock)
+    assert ours.get_state() == (2.0**20, 5, 1, 0, 0) and ours.get_growth_interval() == 100
+    with pytest.raises(ValueError, match="DynamicPolicy"):
+        LossScaler(policy=FixedPolicy(1.0)).load_state_dict(stock)
+    with pytest.raises(ValueError, match="expects a LossScaler state dict"):
+        ours.load_state_dict({"scale": 4.0})
+
+
+def test_the_plugin_refuses_a_collapsed_stock_checkpoint_instead_of_training_on_nan(tmp_path):
+    from lossscale_callbacks.lightning import LossScalePlugin
+
+    plugin = LossScalePlugin(device="cpu")
+    stock = {"scale": 0.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+             "_growth_tracker": 0}
+    with pytest.raises(ValueError, match="collapsed"):
+        plugin.on_load_checkpoint({"MixedPrecision": stock})
+    assert plugin.scaler.get_scale() == 65536.0
+
+
+def test_pickling_keeps_the_state_and_checks_it_when_unpickled():
+    import pickle
+
+    scaler, *_ = _trained()
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.get_state() == scaler.get_state() and clone.policy == scaler.policy
+    state = scaler.__getstate__()
+    state["_pending"] = state["_pending"]._replace(scale=0.0)
+    with pytest.raises(ValueError, match="unpickling: scale"):
+        LossScaler.__new__(LossScaler).__setstate__(state)
+
+
+def test_lightning_mixed_precision_accepts_our_scaler():
+    from lightning.pytorch.plugins import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=LossScaler())
+    assert isinstance(plugin.scaler, LossScaler)

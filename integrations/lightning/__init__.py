@@ -7,8 +7,8 @@ re-exported here.
 
 Example:
     >>> from lossscale_callbacks.lightning import LossScaler
-    >>> LossScaler(device="cpu").get_scale()
-    32768.0
+    >>> LossScaler(device="cpu").get_scale()  # GradScaler's default initial scale
+    65536.0
 """
 
 from __future__ import annotations

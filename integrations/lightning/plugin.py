@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.optim import LBFGS
 
+from lossscale_callbacks._validation import check_bool, check_choice, check_policy
 from lossscale_callbacks.lightning._compat import bases, namespace_of, precision_base
 from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
 from lossscale_callbacks.torch.scaler import LossScaler
@@ -21,6 +22,10 @@ def _autocast_available(device: str) -> bool:
         return torch.amp.is_autocast_available(torch.device(device).type)
     except (RuntimeError, ValueError):
         return False
+
+
+def _is_policy(value: Any) -> bool:
+    return hasattr(value, "constants") and callable(getattr(value, "to_config", None))
 
 
 def _handles_unscaling(optimizer: Any) -> bool:
@@ -55,8 +60,11 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
         device: the autocast device type (``"cpu"``, ``"cuda"``); default: the type of the device
             the Trainer puts the model on (until the Trainer has set it up: ``"cuda"`` when
             available, else ``"cpu"``).
-        policy: the loss-scale policy (default ``DynamicPolicy()`` for fp16; bf16 only allows
-            ``None`` or ``FixedPolicy(1.0)``).
+        scaler: a :class:`~lossscale_callbacks.torch.LossScaler` to use (as
+            ``MixedPrecision(scaler=...)`` takes a GradScaler); default: a new one with ``policy``.
+        policy: the loss-scale policy of the scaler the plugin makes (default: GradScaler's
+            settings, ``DynamicPolicy(initial_scale=2**16)`` in ``[1, 2**24]``; bf16 only allows
+            ``None`` or ``FixedPolicy(1.0)``). Not together with ``scaler``.
         sync_found_inf: passed to :class:`LossScaler`. ``"auto"`` also turns it on under
             Lightning's ``ModelParallelStrategy``. (Lightning's ``FSDPStrategy`` accepts only its
             own ``FSDPPrecision`` plugin, so it cannot run this one; with FSDP use
@@ -81,13 +89,19 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
         self,
         precision: str = "16-mixed",
         device: str | None = None,
+        scaler: LossScaler | None = None,
         policy: Policy | None = None,
         *,
         sync_found_inf: bool | str = "auto",
         hold_lr_schedulers: bool = False,
     ) -> None:
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {list(_PRECISIONS)}, got {precision!r}")
+        check_choice("precision", precision, _PRECISIONS)
+        if _is_policy(scaler):
+            raise ValueError("LossScalePlugin's third argument is the scaler, as in Lightning's "
+                             f"MixedPrecision; pass the policy by keyword: "
+                             f"LossScalePlugin(policy={scaler!r})")
+        check_policy("policy", policy)
+        hold_lr_schedulers = check_bool("hold_lr_schedulers", hold_lr_schedulers)
         # None: follow the Trainer's device once it is known (see ``connect``).
         self._device_from_trainer = device is None
         if device is None:
@@ -95,18 +109,35 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
         if not isinstance(device, str) or not _autocast_available(device):
             raise ValueError("device must be None or a device type string with autocast support such as "
                              f"'cpu' or 'cuda', got {device!r}")
-        if precision == "bf16-mixed":
-            if policy is not None and policy != FixedPolicy(1.0):
-                raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: policy must be None or "
-                                 f"FixedPolicy(1.0), got {policy!r}")
-            policy = FixedPolicy(1.0)
-        if not isinstance(hold_lr_schedulers, bool):
-            raise ValueError(f"hold_lr_schedulers must be True or False, got {hold_lr_schedulers!r}")
+        bf16_policy = FixedPolicy(1.0)
+        if scaler is not None:
+            if not isinstance(scaler, LossScaler):
+                raise ValueError(
+                    "scaler must be a lossscale_callbacks.torch.LossScaler, got "
+                    f"{type(scaler).__name__}; for a stock torch.amp.GradScaler use Lightning's own "
+                    "MixedPrecision(precision, device, scaler=...) (LossScaleMonitor reads it too)")
+            if policy is not None:
+                raise ValueError(f"pass either scaler or policy, not both; got scaler={scaler!r} and "
+                                 f"policy={policy!r} (give the policy to the scaler: "
+                                 "LossScaler(policy=...))")
+            if sync_found_inf != "auto":
+                check_choice("sync_found_inf", sync_found_inf, (True, False, "auto"))
+                scaler.sync_found_inf = sync_found_inf
+            if precision == "bf16-mixed" and scaler.policy != bf16_policy:
+                raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: the scaler's policy "
+                                 f"must be FixedPolicy(1.0), got {scaler.policy!r}")
+        else:
+            if precision == "bf16-mixed":
+                if policy is not None and policy != bf16_policy:
+                    raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: policy must be None "
+                                     f"or FixedPolicy(1.0), got {policy!r}")
+                policy = bf16_policy
+            scaler = LossScaler(policy=policy, enabled=True, sync_found_inf=sync_found_inf)
         # Lightning's MixedPrecision.__init__ would build a torch GradScaler (and refuses one for
         # bf16), so the attributes it sets are set here instead.
         self.precision = precision
         self.device = device
-        self.scaler = LossScaler(policy, enabled=True, sync_found_inf=sync_found_inf)
+        self.scaler = scaler
         self.hold_lr_schedulers = hold_lr_schedulers
         self.lr_scheduler_lag = 0
         # Scheduler steps still to be swallowed, by id(scheduler).
@@ -144,14 +175,23 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
 
     def clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
                        gradient_clip_algorithm: Any = "norm") -> None:
-        """Clip the (already unscaled) gradients. Refused for fused optimizers, as in Lightning."""
-        if clip_val > 0 and _handles_unscaling(optimizer):
+        """Clip the (already unscaled) gradients.
+
+        Refused for fused optimizers, as in Lightning, unless the scale is fixed at 1 (bf16): they
+        unscale inside their kernel, after clipping would have seen scaled gradients.
+        """
+        constants = self.scaler.policy.constants
+        unscaled_anyway = constants.min_scale == constants.max_scale == 1.0
+        if clip_val > 0 and _handles_unscaling(optimizer) and not unscaled_anyway:
             raise RuntimeError(
                 f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
                 " because it performs unscaling of gradients internally. HINT: Are you using a 'fused' "
                 "optimizer?"
             )
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        # Lightning's base Precision clips; MixedPrecision's override would refuse fused optimizers
+        # even at a scale fixed at 1 (Lightning 2.6 does; later releases don't).
+        base = next(k for k in type(self).__mro__ if k.__name__ == "Precision")
+        base.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
         """Lightning calls this after moving the model to its device, before the first forward pass."""

@@ -5,8 +5,8 @@ plugin and monitor live in :mod:`lossscale_callbacks.lightning`, which re-export
 
 Example:
     >>> from lossscale_callbacks.torch import LossScaler
-    >>> LossScaler(device="cpu").get_scale()
-    32768.0
+    >>> LossScaler(device="cpu").get_scale()  # GradScaler's default initial scale
+    65536.0
 """
 
 from __future__ import annotations

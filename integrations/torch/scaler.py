@@ -10,27 +10,36 @@ Where the host synchronises (and nowhere else):
 * ``step(optimizer)`` with any other optimizer: **one** read, the skip decision (``found_inf``),
   exactly like ``torch.amp.GradScaler``.
 * ``scale``, ``unscale_`` and ``update``: never (the update rule is ``next_state`` on the device).
-* ``get_scale``, ``get_state``, ``state_dict``, ``last_step_skipped()`` read the device (one copy each);
-  call them at the log interval, not per step.
+* ``get_scale``, ``get_state``, ``state_dict``, ``last_step_skipped(sync=True)`` read the device (one
+  copy each); call them at the log interval, not per step. ``update(new_scale=<tensor>)`` reads the
+  tensor once to check it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any
 
 import torch
 
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
-from lossscale_callbacks.state import LossScaleState
+from lossscale_callbacks._validation import check_bool, check_choice, check_policy, validate_state
+from lossscale_callbacks.policy import Policy, policy_from_config
+from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
+from lossscale_callbacks.torch.grad_scaler_compat import (
+    GRAD_SCALER_KEYS,
+    from_grad_scaler_state_dict,
+    is_grad_scaler_state_dict,
+    policy_from_grad_scaler_settings,
+)
 from lossscale_callbacks.torch.ops import TorchOps
 from lossscale_callbacks.update import initial_state, next_state
 
 _SYNC_CHOICES = (True, False, "auto")
-_STATE_KEYS = ("scale", "growth_counter", "hysteresis_left", "skipped_steps", "steps")
 
 
 class _Stage(Enum):
@@ -80,22 +89,41 @@ def _is_sharded(param: torch.Tensor) -> bool:
         c.__name__ == "FlatParameter" for c in type(param).__mro__)
 
 
-class LossScaler:
-    """Dynamic loss scaling with the core's rule, as a drop-in for ``torch.amp.GradScaler``.
+class LossScaler(torch.amp.GradScaler):
+    """Dynamic loss scaling with the core's rule: a ``torch.amp.GradScaler`` you can drop in.
 
-    The scaler keeps a :class:`~lossscale_callbacks.state.LossScaleState` of 0-d tensors on the
-    device (float32 scale, int64 counters), checks and unscales gradients with torch's fused
-    ``_amp_foreach_non_finite_check_and_unscale_`` kernel, and advances the state with the core's
-    ``next_state`` in ``update()``, all without reading the device (see the module docstring for
-    the one read a non-fused optimizer needs).
+    Constructed like ``GradScaler`` (``LossScaler("cuda", init_scale=2.**16, growth_factor=2.0,
+    backoff_factor=0.5, growth_interval=2000, enabled=True)``, same defaults) it behaves like it,
+    with two deliberate differences: the scale stays inside ``[1, 2**24]`` (widened to contain
+    ``init_scale``), where GradScaler's scale can grow without bound and collapse to 0.0; and
+    ``device=None`` (the default) follows the first tensor given to :meth:`scale`, where
+    GradScaler's default is ``"cuda"``. Constructed with ``policy=`` it runs any core policy
+    (hysteresis, bounds, a fixed scale). It *is* a ``torch.amp.GradScaler`` (``isinstance`` holds,
+    so Lightning's ``MixedPrecision(scaler=...)`` and other code written for GradScaler accept it),
+    but none of GradScaler's own update logic runs: the state moves only by the core's
+    ``next_state``.
+
+    The state (a :class:`~lossscale_callbacks.state.LossScaleState`: float32 scale, int64
+    counters) lives in 0-d tensors on the device of the first scaled tensor. Gradients are
+    checked and unscaled by torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel,
+    and :meth:`update` advances the state on the device; see the module docstring for where the
+    host synchronises. Every state that comes in from outside (``load_state_dict``, a GradScaler
+    checkpoint, ``update(new_scale)``, unpickling) passes one check
+    (:func:`lossscale_callbacks._validation.validate_state`) before anything changes, also before
+    the device is known: a scale of 0, NaN, Inf or outside the bounds never reaches a step.
 
     Args:
-        policy: a :class:`~lossscale_callbacks.DynamicPolicy` (default ``DynamicPolicy()``) or
-            :class:`~lossscale_callbacks.FixedPolicy` (``FixedPolicy(1.0)`` skips and counts
-            non-finite steps without scaling: what bf16 wants).
-        device: where the state lives. ``None`` takes the device of the first tensor given to
-            :meth:`scale` (like ``GradScaler``'s lazy init).
+        device: the device type (``"cuda"``, ``"cpu"``, ...), as in GradScaler; ``None`` follows
+            the first scaled tensor. ``"cuda"`` without CUDA disables the scaler with a warning,
+            like GradScaler.
+        init_scale: GradScaler's initial scale (default ``2**16``).
+        growth_factor: GradScaler's growth factor (default 2.0).
+        backoff_factor: GradScaler's backoff factor (default 0.5).
+        growth_interval: GradScaler's growth interval (default 2000).
         enabled: ``False`` makes every method a pass-through, like ``GradScaler(enabled=False)``.
+        policy: a :class:`~lossscale_callbacks.DynamicPolicy` or
+            :class:`~lossscale_callbacks.FixedPolicy` instead of GradScaler's four settings
+            (``FixedPolicy(1.0)`` skips and counts non-finite steps without scaling: what bf16 wants).
         sync_found_inf: all-reduce (MAX) the overflow flag across ranks before the skip decision,
             so every rank skips the same steps. ``"auto"`` does it when ``torch.distributed`` is
             initialised with more than one rank and the parameters are FSDP (v1) flat parameters;
@@ -105,64 +133,84 @@ class LossScaler:
             ``use_orig_params=True``, whose sharded parameters look like plain ones).
         process_group: the group for that all-reduce (default: the world).
 
+    Raises:
+        ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.
+
     Example:
+        >>> from lossscale_callbacks import DynamicPolicy
         >>> model = torch.nn.Linear(4, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> scaler = LossScaler(DynamicPolicy(initial_scale=1024.0), device="cpu")
+        >>> scaler = LossScaler(policy=DynamicPolicy(initial_scale=1024.0, hysteresis=2))
         >>> loss = model(torch.ones(2, 4)).sum()
         >>> scaler.scale(loss).backward()
         >>> _ = scaler.step(opt)
         >>> scaler.update()
-        >>> scaler.get_scale(), scaler.get_state().steps
-        (1024.0, 1)
+        >>> scaler.get_scale(), scaler.get_state().steps, isinstance(scaler, torch.amp.GradScaler)
+        (1024.0, 1, True)
     """
 
     def __init__(
         self,
-        policy: Policy | None = None,
         device: str | torch.device | None = None,
-        *,
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
         enabled: bool = True,
+        *,
+        policy: Policy | None = None,
         sync_found_inf: bool | str = "auto",
         process_group: Any = None,
     ) -> None:
-        if policy is None:
-            policy = DynamicPolicy()
-        if not isinstance(policy, (DynamicPolicy, FixedPolicy)):
-            raise ValueError(f"policy must be a DynamicPolicy, a FixedPolicy or None, got {policy!r}")
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled must be True or False, got {enabled!r}")
-        if not (sync_found_inf is True or sync_found_inf is False or sync_found_inf == "auto"):
-            raise ValueError(f"sync_found_inf must be one of {list(_SYNC_CHOICES)}, got {sync_found_inf!r}")
+        # GradScaler.__init__ is not called: it would set up GradScaler's own scale and tracker.
+        if hasattr(device, "constants") and hasattr(device, "to_config"):
+            raise ValueError("LossScaler's first argument is the device, as in torch.amp.GradScaler; pass "
+                             f"the policy by keyword: LossScaler(policy={device!r})")
+        enabled = check_bool("enabled", enabled)
+        check_choice("sync_found_inf", sync_found_inf, _SYNC_CHOICES)
+        settings = {"init_scale": init_scale, "growth_factor": growth_factor,
+                    "backoff_factor": backoff_factor, "growth_interval": growth_interval}
+        if policy is not None:
+            check_policy("policy", policy)
+            given = [f"{k}={v!r}" for k, v in settings.items() if v is not None]
+            if given:
+                raise ValueError(f"pass either policy or GradScaler's settings, not both; got "
+                                 f"policy={policy!r} and {', '.join(given)}")
+        else:
+            policy = policy_from_grad_scaler_settings(**settings)
+        device_type = None
         if device is not None:
             try:
-                device = torch.device(device)
+                device_type = torch.device(device).type
             except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"device must be None, a device string or a torch.device, got {device!r}") \
-                    from exc
-        self._policy: Policy = policy
+                raise ValueError(f"device must be None, a device type such as 'cuda' or 'cpu', or a "
+                                 f"torch.device, got {device!r}") from exc
+        if enabled and device_type == "cuda" and not torch.cuda.is_available():
+            warnings.warn("LossScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            enabled = False
+        self._device = device_type
         self._enabled = enabled
+        self._policy: Policy = policy
         self.sync_found_inf = sync_found_inf
         self.process_group = process_group
         self._ops: TorchOps | None = None
         self._state: LossScaleState | None = None
-        # A loaded checkpoint waits here until the device is known.
-        self._pending: dict[str, Any] | None = None
+        # A validated host state waiting for the device (a checkpoint loaded before the first step).
+        self._pending: LossScaleState | None = None
         self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
         self._last_found_inf: torch.Tensor | None = None
         self._last_skipped_on_host: bool | None = None
-        if device is not None and enabled:
-            self._lazy_init(device)
 
     # ----------------------------------------------------------------------------------- state
 
     @property
     def policy(self) -> Policy:
-        """The (immutable) policy; the ``set_*`` methods replace it."""
+        """The (immutable) policy; ``load_state_dict`` and the ``set_*`` methods replace it."""
         return self._policy
 
     @property
     def device(self) -> torch.device | None:
+        """Where the state lives; ``None`` until the first :meth:`scale`."""
         return self._ops.device if self._ops is not None else None
 
     @property
@@ -172,12 +220,16 @@ class LossScaler:
 
     def _lazy_init(self, device: torch.device) -> None:
         self._ops = TorchOps(device)
+        if self._pending is not None:
+            host, self._pending = self._pending, None
+            dtypes = (torch.float32, *(torch.int64,) * 4)
+            # torch.full fills on the device: no host-to-device copy, no stream sync.
+            self._state = LossScaleState(*(torch.full((), v, dtype=d, device=device)
+                                           for v, d in zip(host, dtypes, strict=True)))
+            return
         start = initial_state(self._policy, self._ops)
         # Own buffers (not the cached constants) because update() writes into them in place.
         self._state = LossScaleState(*(t.clone() for t in start))
-        if self._pending is not None:
-            self._fill(self._pending)
-            self._pending = None
 
     def _require_state(self, funcname: str) -> LossScaleState:
         if self._state is None:
@@ -187,11 +239,45 @@ class LossScaler:
             )
         return self._state
 
-    def _fill(self, values: dict[str, Any]) -> None:
-        state = self._state
-        assert state is not None
-        for key in _STATE_KEYS:
-            getattr(state, key).fill_(values[key])
+    def _host_state(self) -> LossScaleState:
+        """The state on the host without touching the device: pending, or the policy's initial state."""
+        if self._pending is not None:
+            return self._pending
+        start = initial_state(self._policy)
+        return LossScaleState(float(start.scale), *(int(v) for v in start[1:]))
+
+    def _install(self, policy: Policy, host: LossScaleState) -> None:
+        """Make a validated (policy, state) pair current: the one place a state from outside lands."""
+        self._policy = policy
+        if self._state is None:
+            self._pending = host
+        else:
+            for tensor, value in zip(self._state, host, strict=True):
+                tensor.fill_(value)
+        self._per_optimizer = defaultdict(_OptimizerState)
+
+    # GradScaler's private names, read by code written against it. Read-only views of our state.
+
+    @property
+    def _scale(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._state.scale if self._state is not None else None
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._state.growth_counter if self._state is not None else None
+
+    @property
+    def _init_scale(self) -> float:  # type: ignore[override]
+        return self._host_state().scale
+
+    @property
+    def _init_growth_tracker(self) -> int:  # type: ignore[override]
+        return self._host_state().growth_counter
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._state is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._lazy_init(torch.device(dev))
 
     # ----------------------------------------------------------------------------------- scale
 
@@ -274,6 +360,16 @@ class LossScaler:
         return self.sync_found_inf is True or any(
             _is_sharded(p) for group in optimizer.param_groups for p in group["params"])
 
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """GradScaler's hook for optimizers that unscale themselves: check (not unscale) the gradients."""
+        self._require_state("_check_inf_per_device")
+        self._check_and_unscale(optimizer, self._ops.scale(1.0), allow_fp16=True)  # type: ignore[union-attr]
+        return self._found_inf_per_device(optimizer)
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        found_inf = self._per_optimizer[id(optimizer)].found_inf
+        return {} if found_inf is None else {found_inf.device: found_inf}
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record whether any was Inf/NaN.
 
@@ -317,6 +413,17 @@ class LossScaler:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                # GradScaler's older contract: the optimizer asks the scaler itself
+                # (_check_inf_per_device, _get_scale_async).
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning, stacklevel=2)
+                retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+                opt_state.stage = _Stage.STEPPED
+                return retval
             if opt_state.stage is _Stage.READY:
                 # Only the check: the fused kernel unscales with grad_scale itself.
                 self._check_and_unscale(optimizer, self._ops.scale(1.0), allow_fp16=True)  # type: ignore
@@ -360,7 +467,9 @@ class LossScaler:
         Every optimizer stepped since the last update contributes its overflow flag; the step
         counts as skipped when any of them overflowed. ``new_scale`` (a float or a 1-element
         tensor) replaces the resulting scale, as in ``GradScaler.update(new_scale)``; the step is
-        still counted.
+        still counted. ``new_scale`` must lie inside the policy's bounds (``ValueError``
+        otherwise, and nothing changes); a tensor ``new_scale`` is read once to check it (one host
+        sync, only when you pass one).
         """
         if not self._enabled:
             return
@@ -370,6 +479,8 @@ class LossScaler:
         flags = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
         if new_scale is None and not any(s.checked for s in self._per_optimizer.values()):
             raise AssertionError("No inf checks were recorded prior to update.")
+        if new_scale is not None:
+            replacement = self._checked_new_scale(new_scale)
         if flags:
             found_inf = flags[0]
             for flag in flags[1:]:
@@ -381,15 +492,22 @@ class LossScaler:
             host = [s.skipped_on_host for s in self._per_optimizer.values() if s.found_inf is not None]
             self._last_skipped_on_host = any(host) if all(h is not None for h in host) else None
         if new_scale is not None:
-            if isinstance(new_scale, float):
-                state.scale.fill_(new_scale)
-            else:
-                if not isinstance(new_scale, torch.Tensor) or new_scale.numel() != 1 \
-                        or new_scale.requires_grad:
-                    raise AssertionError("new_scale should be a float or a 1-element torch.FloatTensor "
-                                         "with requires_grad=False.")
-                state.scale.copy_(new_scale.reshape(()))
+            state.scale.fill_(replacement)
         self._per_optimizer = defaultdict(_OptimizerState)
+
+    def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise AssertionError("new_scale should be a float or a 1-element torch.FloatTensor with "
+                                     "requires_grad=False.")
+            value: Any = new_scale.detach().reshape(()).item()  # the documented host read
+        elif isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+            value = float(new_scale)
+        else:
+            raise ValueError(f"new_scale must be a float or a 1-element tensor, got {new_scale!r}")
+        # Only the scale is new; the counters are placeholders that always pass.
+        checked = validate_state(self._policy, LossScaleState(value, 0, 0, 0, 0), source="update(new_scale)")
+        return checked.scale
 
     def last_step_skipped(self, sync: bool = False) -> bool | None:
         """Whether the last :meth:`update` counted a skipped step.
@@ -409,8 +527,7 @@ class LossScaler:
     def get_state(self) -> LossScaleState:
         """The state as Python numbers. One host sync (a single copy of all five values)."""
         if self._state is None:
-            source = self._pending or dict(zip(_STATE_KEYS, initial_state(self._policy), strict=True))
-            return LossScaleState(float(source["scale"]), *(int(source[k]) for k in _STATE_KEYS[1:]))
+            return self._host_state()
         # float64 holds a float32 and an int64 counter below 2**53 exactly: one copy, one sync.
         packed = torch.stack([t.to(torch.float64) for t in self._state]).cpu().tolist()
         return LossScaleState(float(packed[0]), *(int(v) for v in packed[1:]))
@@ -420,7 +537,7 @@ class LossScaler:
         if not self._enabled:
             return 1.0
         if self._state is None:
-            return self.get_state().scale
+            return self._host_state().scale
         return float(self._state.scale.item())
 
     def _get_scale_async(self) -> torch.Tensor | None:
@@ -433,28 +550,22 @@ class LossScaler:
         return self._enabled
 
     def get_growth_factor(self) -> float:
-        return self._policy.growth_factor if isinstance(self._policy, DynamicPolicy) else 1.0
+        return self._policy.constants.growth_factor
 
     def get_backoff_factor(self) -> float:
-        return self._policy.backoff_factor if isinstance(self._policy, DynamicPolicy) else 1.0
+        return self._policy.constants.backoff_factor
 
     def get_growth_interval(self) -> int:
-        return self._policy.growth_interval if isinstance(self._policy, DynamicPolicy) else 1
-
-    def _replace_policy(self, **changes: Any) -> None:
-        if not isinstance(self._policy, DynamicPolicy):
-            raise ValueError(f"{', '.join(changes)} can only be set on a DynamicPolicy, the policy is "
-                             f"{self._policy!r}")
-        self._policy = dataclasses.replace(self._policy, **changes)
+        return self._policy.constants.growth_interval
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._replace_policy(growth_factor=new_factor)
+        self._policy = self._policy.replace(growth_factor=new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._replace_policy(backoff_factor=new_factor)
+        self._policy = self._policy.replace(backoff_factor=new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._replace_policy(growth_interval=new_interval)
+        self._policy = self._policy.replace(growth_interval=new_interval)
 
     # -------------------------------------------------------------------------- checkpoints
 
@@ -462,8 +573,8 @@ class LossScaler:
         """Everything needed to resume bit-exactly: the policy and the five state values. One host sync.
 
         Also carries ``GradScaler``'s keys (``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker``) so code written for it can read the dict.
-        Empty when disabled.
+        ``growth_interval``, ``_growth_tracker``) so code written for it can read the dict, and
+        ``GradScaler.load_state_dict`` can load it. Empty when disabled.
         """
         if not self._enabled:
             return {}
@@ -474,33 +585,54 @@ class LossScaler:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`, or from a ``torch.amp.GradScaler`` state dict.
+        """Restore from :meth:`state_dict`, or from a ``torch.amp.GradScaler`` state dict. All or nothing.
 
-        A ``GradScaler`` dict sets the scale and growth counter and replaces the policy's growth
-        factor, backoff factor and interval; the other counters start from zero.
+        A ``LossScaler`` dict brings its own policy. A ``GradScaler`` dict sets the scale and growth
+        counter and replaces the policy's growth factor, backoff factor and interval; the other
+        counters start from zero; its scale is clamped into the policy's bounds (with a warning), and
+        a zero or non-finite scale (what GradScaler reaches after a long run of overflows) is refused.
+        Everything is checked before anything changes, also before the device is known.
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler), as in GradScaler.
+            ValueError: an invalid policy or state, naming the field; the scaler is unchanged.
         """
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if "policy" in state_dict:
-            self._policy = policy_from_config(state_dict["policy"])
-            values = {k: state_dict[k] for k in _STATE_KEYS}
+            policy = policy_from_config(state_dict["policy"])
+            values = {k: state_dict.get(k) for k in STATE_FIELDS}
+            host = validate_state(policy, values, source="load_state_dict")
+        elif is_grad_scaler_state_dict(state_dict):
+            policy, host = from_grad_scaler_state_dict(self._policy, state_dict)
         else:
-            base = self._policy if isinstance(self._policy, DynamicPolicy) else DynamicPolicy()
-            self._policy = dataclasses.replace(
-                base, growth_factor=float(state_dict["growth_factor"]),
-                backoff_factor=float(state_dict["backoff_factor"]),
-                growth_interval=int(state_dict["growth_interval"]))
-            values = {"scale": float(state_dict["scale"]),
-                      "growth_counter": int(state_dict["_growth_tracker"]),
-                      "hysteresis_left": self._policy.hysteresis, "skipped_steps": 0, "steps": 0}
-        if self._state is None:
-            self._pending = values
-        else:
-            self._fill(values)
-        self._per_optimizer = defaultdict(_OptimizerState)
+            raise ValueError("load_state_dict expects a LossScaler state dict (with 'policy' and "
+                             f"{list(STATE_FIELDS)}) or a torch.amp.GradScaler one (with "
+                             f"{list(GRAD_SCALER_KEYS)}); "
+                             f"got the keys {sorted(state_dict)}")
+        self._install(policy, host)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Like GradScaler: pickle the values, not the tensors; the device is found again on first use.
+        if self._enabled and any(s.stage is not _Stage.READY or s.found_inf is not None
+                                 for s in self._per_optimizer.values()):
+            raise AssertionError("A GradScaler instance may only be pickled at the beginning of an "
+                                 "iteration, or at the end after scaler.update().")
+        state = self.__dict__.copy()
+        state.update(_pending=self.get_state() if self._enabled else None, _state=None, _ops=None,
+                     _per_optimizer=None, _last_found_inf=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pending = state.get("_pending")
+        if pending is not None:  # a pickle is input from outside too
+            pending = validate_state(state["_policy"], pending, source="unpickling")
+        self.__dict__.update(state, _pending=pending, _per_optimizer=defaultdict(_OptimizerState))
 
     def __repr__(self) -> str:
         where = self.device if self._state is not None else "uninitialized"

@@ -54,7 +54,7 @@ def train(rank: int, mode: str, out: str) -> None:
     model = _wrap(mode, torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)))
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    scaler = LossScaler(DynamicPolicy(initial_scale=1024.0), device="cpu",
+    scaler = LossScaler(policy=DynamicPolicy(initial_scale=1024.0), device="cpu",
                         sync_found_inf="auto" if mode.endswith("auto") else False)
     skipped = []
     for step in range(STEPS):
