@@ -27,6 +27,10 @@ STAMP = VENV / ".lossscale-installed"
 # What a CPU-only machine needs. torch 2.13.0 resolves to the CPU wheel in pip's
 # find-links; an unpinned torch would pull several GB of CUDA packages.
 PINS = ["torch==2.13.0", "tensorflow-cpu==2.21.0"]
+# tf_keras, for running tf.keras' own LossScaleOptimizer tests against ours: its dependency on the
+# full `tensorflow` wheel would install a second TensorFlow beside tensorflow-cpu, so it is
+# installed without dependencies (tensorflow-cpu provides the `tensorflow` it imports).
+NO_DEPS_PINS = ["tf_keras==2.21.0"]
 EXTRAS = "dev"
 
 QUIET_ENV = {
@@ -45,7 +49,7 @@ def _python() -> Path:
 def _stamp() -> str:
     digest = hashlib.sha256()
     digest.update((ROOT / "pyproject.toml").read_bytes())
-    digest.update(" ".join([*PINS, EXTRAS, sys.version]).encode())
+    digest.update(" ".join([*PINS, *NO_DEPS_PINS, EXTRAS, sys.version]).encode())
     return digest.hexdigest()
 
 
@@ -62,6 +66,8 @@ def setup() -> Path:
     cmd = [str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-qq",
            *PINS, "-e", f"{ROOT}[{EXTRAS}]"]
     subprocess.run(cmd, check=True, cwd=ROOT)
+    subprocess.run([str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-qq", "--no-deps",
+                    *NO_DEPS_PINS], check=True, cwd=ROOT)
     STAMP.write_text(wanted)
     return _python()
 

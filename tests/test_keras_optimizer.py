@@ -94,20 +94,23 @@ def test_seed_properties_dynamic_and_fixed():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"dynamic": False}, "initial_scale must be specified"),
-    ({"dynamic": False, "initial_scale": 8.0, "dynamic_growth_steps": 10}, "dynamic_growth_steps can only"),
+    ({"dynamic": False}, '"initial_scale" must be specified if "dynamic" is False.*set `loss_scale_factor`'),
+    ({"dynamic": False, "initial_scale": 8.0, "dynamic_growth_steps": 10},
+     '"dynamic_growth_steps" must be None if "dynamic" is False'),
     ({"policy": DynamicPolicy(), "initial_scale": 8.0}, "either policy or"),
     ({"policy": DynamicPolicy(), "dynamic": False}, "contradicts"),
     ({"policy": {"type": "dynamic"}}, "policy must be"),
-    ({"dynamic": "yes"}, "dynamic must be"),
-    ({"dynamic_growth_steps": 0}, "growth_interval"),
+    ({"dynamic": "yes"}, '"dynamic" argument to LossScaleOptimizer.__init__ must be a bool'),
     # The message names the argument the caller passed, not only the policy's field.
-    ({"dynamic_growth_steps": 0}, r"dynamic_growth_steps .*must be an integer >= 1, got 0"),
+    ({"dynamic_growth_steps": 0}, r"dynamic_growth_steps must be an integer in \[1, 2147483647\], got 0"),
     ({"dynamic_growth_steps": 2.5}, "dynamic_growth_steps"),
     ({"dynamic_growth_steps": True}, "dynamic_growth_steps"),
-    ({"initial_scale": -1.0}, "initial_scale must be a positive finite number, got -1.0"),
-    ({"dynamic": False, "initial_scale": float("inf")}, "initial_scale must be a positive finite"),
-    ({"dynamic": False, "initial_scale": "128"}, "initial_scale must be a positive finite"),
+    ({"initial_scale": -1.0}, r"initial_scale must be in \(0, inf\], got -1.0"),
+    ({"dynamic": False, "initial_scale": float("inf")}, "initial_scale must be a finite number"),
+    ({"dynamic": False, "initial_scale": "128"}, "initial_scale must be a real number"),
+    ({"foo": True, "bar": 3}, "LossScaleOptimizer does not support arguments: `foo`, `bar`"),
+    ({"clipnorm": 1.0}, "does not support `clipnorm`. Instead, set `clipnorm` on the `inner_optimizer`"),
+    ({"use_ema": True}, "set `use_ema` on the `inner_optimizer`"),
 ])
 def test_invalid_argument_combinations_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -115,12 +118,29 @@ def test_invalid_argument_combinations_raise_value_error(kwargs, match):
 
 
 def test_invalid_inner_optimizer():
-    with pytest.raises(ValueError, match="inner_optimizer"):
+    # Both a ValueError (Keras 3, this project) and a TypeError (tf.keras) for code written against either.
+    with pytest.raises(ValueError, match="inner_optimizer") as raised:
         LossScaleOptimizer("adam")
-    with pytest.raises(ValueError, match="inner_optimizer"):
+    assert isinstance(raised.value, TypeError)
+    with pytest.raises(TypeError, match="cannot wrap another LossScaleOptimizer"):
         LossScaleOptimizer(LossScaleOptimizer(keras.optimizers.SGD(0.1)))
-    with pytest.raises(ValueError, match="loss_scale_factor"):
-        LossScaleOptimizer(keras.optimizers.SGD(0.1, loss_scale_factor=4.0))
+    inner = keras.optimizers.SGD(0.1)
+    LossScaleOptimizer(inner)
+    with pytest.raises(ValueError, match="already wrapped by a LossScaleOptimizer"):
+        LossScaleOptimizer(inner)
+
+
+def test_an_inner_loss_scale_factor_is_cleared_as_keras_does():
+    inner = keras.optimizers.SGD(0.5, loss_scale_factor=100.0)
+    opt = LossScaleOptimizer(inner)
+    assert inner.loss_scale_factor is None
+    var = tf.Variable([1.0, 2.0])
+    opt.apply_gradients([(tf.constant([1.0, 6.0]) * opt.initial_scale, var)])
+    np.testing.assert_allclose(var.numpy(), [0.5, -1.0])
+
+
+def test_dynamic_growth_steps_may_be_an_integral_float_like_tf_keras():
+    assert LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=2.0).dynamic_growth_steps == 2
 
 
 def test_policy_with_hysteresis_and_bounds():
@@ -139,7 +159,12 @@ def test_config_round_trip_and_keras_config():
     policy = DynamicPolicy(initial_scale=1024.0, growth_interval=7, hysteresis=3, min_scale=0.5)
     opt = LossScaleOptimizer(keras.optimizers.Adam(1e-3, beta_1=0.85), policy=policy, name="ls")
     config = opt.get_config()
-    assert (config["dynamic"], config["initial_scale"], config["dynamic_growth_steps"]) == (True, 1024.0, 7)
+    assert (config["initial_scale"], config["dynamic_growth_steps"]) == (1024.0, 7)
+    assert "dynamic" not in config
+    assert config["policy"] == policy.to_config()  # only because it says more than the two seed keys
+    plain = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0).get_config()
+    keras_own = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0).get_config()
+    assert plain.keys() == keras_own.keys()  # a default policy has Keras' config: either class loads it
     again = LossScaleOptimizer.from_config(config)
     assert again.policy == policy and again.name == "ls" and again.inner_optimizer.beta_1 == 0.85
     # Generic Keras (de)serialization finds the registered class.
@@ -321,11 +346,11 @@ def test_dynamic_loss_scale_seed_api(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"multiplier": 1.0}, r"multiplier must be a number in \(1, 65536\], got 1.0"),
+    ({"multiplier": 1.0}, r"multiplier must be in \(1, 65536\], got 1.0"),
     ({"multiplier": True}, "multiplier"),
-    ({"increment_period": 0}, "increment_period must be an integer >= 1, got 0"),
+    ({"increment_period": 0}, r"increment_period must be an integer in \[1, 2147483647\], got 0"),
     ({"increment_period": 2.0}, "increment_period"),
-    ({"initial_loss_scale": 0.5}, r"initial_loss_scale must be a number in \[1, 2\*\*24\]"),
+    ({"initial_loss_scale": 0.5}, r"initial_loss_scale must be in \[1, 1.67772e\+07\], got 0.5"),
     ({"initial_loss_scale": 2.0**25}, "initial_loss_scale"),
 ])
 def test_dynamic_loss_scale_errors_name_the_seed_arguments(kwargs, match):
@@ -346,3 +371,142 @@ def test_import_loads_no_sink_integration_or_alignment():
                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "lossscale_callbacks.keras.alignment"]
+
+
+# ---- no state can corrupt a run ----
+
+def _fit_weights(model, opt_factory, x, y, run_eagerly=False, stray_call=False):
+    model.compile(optimizer=opt_factory(), loss="mse", run_eagerly=run_eagerly)
+    if stray_call:
+        # An unscaled-gradient call with no apply after it (a user inspecting gradients, say).
+        model.optimizer.get_unscaled_gradients([tf.ones((4, 8))])
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    return [w.numpy() for w in model.weights]
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_stray_get_unscaled_gradients_call_cannot_leak_into_fit(run_eagerly):
+    x, y = make_data(8)
+    policy = DynamicPolicy(initial_scale=2.0**12, growth_interval=100)
+
+    def factory():
+        return LossScaleOptimizer(keras.optimizers.SGD(0.01), policy=policy)
+
+    clean = _fit_weights(build_model(), factory, x, y, run_eagerly)
+    after_stray = _fit_weights(build_model(), factory, x, y, run_eagerly, stray_call=True)
+    assert all(np.abs(w).max() < 10 for w in after_stray)  # the old bug: weights near -1e12 in 8 steps
+    for a, b in zip(clean, after_stray, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_unscaled_mark_belongs_to_one_context_and_one_apply():
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=4.0)
+    var = tf.Variable([0.0])
+    scaled = tf.constant([4.0])  # the gradient 1.0 at scale 4
+    opt.get_unscaled_gradients([scaled])  # eager mark
+
+    @tf.function
+    def traced_step(grad):
+        opt.apply_gradients([(grad, var)])  # another context: takes them as scaled
+
+    traced_step(scaled)
+    np.testing.assert_allclose(var.numpy(), [-1.0])
+    opt.apply_gradients([(scaled, var)])  # the eager mark did not survive the traced apply
+    np.testing.assert_allclose(var.numpy(), [-2.0])
+    (grad,) = opt.get_unscaled_gradients([scaled])
+    opt.apply_gradients([(tf.clip_by_value(grad, -0.5, 0.5), var)])  # tf.keras: transformed, still unscaled
+    np.testing.assert_allclose(var.numpy(), [-2.5])
+    opt.get_unscaled_gradients([scaled])
+    opt.scale_loss(tf.constant(1.0))  # a Keras 3 step began: the mark is forgotten
+    opt.apply_gradients([(scaled, var)])
+    np.testing.assert_allclose(var.numpy(), [-3.5])
+    opt.apply_gradients([(tf.constant([1.0]), var)], unscaled=True)  # explicit
+    np.testing.assert_allclose(var.numpy(), [-4.5])
+    with pytest.raises(ValueError, match="unscaled must be None, True or False"):
+        opt.apply_gradients([(scaled, var)], unscaled="yes")
+
+
+BAD_KERAS_STATES = [
+    ({"scale": 0.0}, "assign_state: scale must be a finite number"),
+    ({"scale": np.nan}, "assign_state: scale must be a finite number"),
+    ({"scale": np.inf}, "assign_state: scale must be a finite number"),
+    ({"scale": -2.0}, "assign_state: scale must be a finite number"),
+    ({"scale": 2.0**30}, "assign_state: scale must be a finite number"),
+    ({"growth_counter": -1}, "growth_counter"),
+    ({"skipped_steps": 9, "steps": 3}, "cannot exceed steps"),
+    ({"steps": 2.5}, "steps"),
+]
+
+
+@pytest.mark.parametrize("change, match", BAD_KERAS_STATES)
+def test_assign_state_refuses_a_bad_state_and_assigns_nothing(change, match):
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), policy=DynamicPolicy(initial_scale=256.0))
+    var = tf.Variable([1.0])
+    for grad in ([1.0], [np.inf], [1.0]):
+        opt.apply_gradients([(tf.constant(grad), var)])
+    before = opt.read_state()
+    with pytest.raises(ValueError, match=match):
+        opt.assign_state(change)
+    assert opt.read_state() == before
+
+
+def test_use_ema_is_the_inner_optimizers_and_fit_finalizes_it():
+    inner = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5)
+    opt = LossScaleOptimizer(inner)
+    assert (opt.use_ema, opt.ema_momentum) == (True, 0.5)
+    opt.ema_momentum = 0.9
+    assert inner.ema_momentum == 0.9
+    x, y = make_data(4)
+    model = build_model()
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    # Keras finalizes the averages into the model at the end of fit; no second set of averages exists.
+    averages = inner._model_variables_moving_average
+    for weight, average in zip(model.trainable_variables, averages, strict=True):
+        np.testing.assert_array_equal(weight.numpy(), average.numpy())
+    assert not any("average" in v.path for v in opt._variables)
+
+
+def test_configs_saved_by_earlier_keras_releases_load():
+    # Keras 3.0-3.3 wrote the base optimizer's settings into LossScaleOptimizer configs.
+    old = {
+        "name": "loss_scale_optimizer", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+        "clipvalue": None, "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+        "loss_scale_factor": None, "gradient_accumulation_steps": None,
+        "inner_optimizer": {"module": "keras.optimizers", "class_name": "SGD", "config": {
+            "name": "SGD", "learning_rate": 0.5, "momentum": 0.0, "nesterov": False},
+            "registered_name": None},
+        "initial_scale": 2.0, "dynamic_growth_steps": 2,
+    }
+    opt = LossScaleOptimizer.from_config(old)
+    assert opt.policy == DynamicPolicy(initial_scale=2.0, growth_interval=2)
+    with pytest.raises(ValueError, match="does not support `clipnorm`"):
+        LossScaleOptimizer.from_config({**old, "clipnorm": 1.0})
+
+
+@pytest.mark.slow
+def test_load_model_in_a_fresh_process(tmp_path):
+    """Keras imports only its own packages when it deserializes: a fresh process must import ours first
+    (the documented way), and then finds the class by its registered name."""
+    import os
+    import subprocess
+    import sys
+
+    x, y = make_data(4)
+    model = build_model()
+    policy = DynamicPolicy(initial_scale=64.0, hysteresis=2)
+    model.compile(optimizer=LossScaleOptimizer(keras.optimizers.Adam(0.01), policy=policy), loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = str(tmp_path / "ours.keras")
+    model.save(path)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": os.path.dirname(__file__)}
+    load = (f"import keras, keras_scripts.toy; m = keras.models.load_model({path!r}); "
+            "print(type(m.optimizer).__module__, m.optimizer.policy.hysteresis, "
+            "int(m.optimizer.read_state().steps))")
+    without = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=180,
+                             env=env)
+    assert without.returncode != 0 and "lossscale_callbacks" in without.stderr
+    fresh = subprocess.run([sys.executable, "-c", "import lossscale_callbacks.keras; " + load],
+                           capture_output=True, text=True, timeout=180, env=env)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert fresh.stdout.split() == ["lossscale_callbacks.keras.optimizer", "2", "4"]

@@ -28,15 +28,15 @@ import pytest
 torch = pytest.importorskip("torch")
 lightning = pytest.importorskip("lightning")
 
-from lightning.fabric import seed_everything  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
-from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
-from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
-from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.optim import Optimizer  # noqa: E402
+from lightning.fabric import seed_everything
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
+from torch.optim import Optimizer
 
-from lossscale_callbacks.lightning import LossScalePlugin, LossScaler  # noqa: E402
+from lossscale_callbacks.lightning import LossScalePlugin, LossScaler
 
 _LIGHTNING_2_6 = lightning.__version__.startswith("2.6.")
 

@@ -37,7 +37,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lossscale_callbacks.torch import LossScaler  # noqa: E402
+from lossscale_callbacks.torch import LossScaler
 
 DEVICE = "cpu"
 

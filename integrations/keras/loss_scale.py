@@ -7,14 +7,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from lossscale_callbacks._validation import check_int, check_number
 from lossscale_callbacks.keras.tf_ops import TF_OPS, all_finite, replicas_agree_finite
 from lossscale_callbacks.policy import DynamicPolicy
 from lossscale_callbacks.state import LossScaleState
 from lossscale_callbacks.update import initial_state, next_state
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class DynamicLossScale(tf.Module):
@@ -43,13 +40,9 @@ class DynamicLossScale(tf.Module):
                  multiplier: float = 2.0) -> None:
         super().__init__(name="dynamic_loss_scale")
         # Checked here so the errors name the seed's arguments, not the policy's fields.
-        if not _is_real(multiplier) or not 1.0 < multiplier <= 2.0**16:
-            raise ValueError(f"multiplier must be a number in (1, 65536], got {multiplier!r}")
-        if not _is_real(increment_period) or not isinstance(increment_period, int) or increment_period < 1:
-            raise ValueError(f"increment_period must be an integer >= 1, got {increment_period!r}")
-        if not _is_real(initial_loss_scale) or not 1.0 <= initial_loss_scale <= 2.0**24:
-            raise ValueError(f"initial_loss_scale must be a number in [1, 2**24] (the scale's bounds), got "
-                             f"{initial_loss_scale!r}")
+        multiplier = check_number("multiplier", multiplier, 1.0, 2.0**16, low_open=True)
+        increment_period = check_int("increment_period", increment_period, 1, 2**31 - 1)
+        initial_loss_scale = check_number("initial_loss_scale", initial_loss_scale, 1.0, 2.0**24)
         self._initial_loss_scale = initial_loss_scale
         self._increment_period = increment_period
         self._multiplier = multiplier

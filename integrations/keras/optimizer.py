@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -18,12 +19,25 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lossscale_callbacks.keras.tf_ops import COUNTER_DTYPE, TF_OPS, all_finite, replicas_agree_finite, unscale
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config, rule_constants
+from lossscale_callbacks._validation import check_int, check_number, check_policy, validate_state
+from lossscale_callbacks.keras.tf_ops import TF_OPS, all_finite, replicas_agree_finite, unscale
+from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks.update import next_state
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+_DEFAULT_INITIAL_SCALE = 2.0**15
+_DEFAULT_GROWTH_STEPS = 2000
+# Keras 3 releases up to 3.3 wrote these base-optimizer settings into every LossScaleOptimizer
+# config; a saved model still carries them (at these values), so they are accepted and ignored.
+_BASE_OPTIMIZER_DEFAULTS: dict[str, Any] = {
+    "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
+    "ema_momentum": 0.99, "ema_overwrite_frequency": None, "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+_EMA_SETTINGS = ("use_ema", "ema_momentum", "ema_overwrite_frequency")
+# Set on an inner optimizer once a LossScaleOptimizer wraps it (tf.keras' attribute name).
+_WRAPPED_MARK = "_is_wrapped_by_loss_scale_optimizer"
 
 # Constructor arguments of every Keras optimizer that are settings of the optimizer as a
 # whole, not coefficients of its update rule; they are never delegated (see
@@ -60,57 +74,93 @@ def _delegated_hyperparameters(inner: keras.optimizers.Optimizer) -> frozenset[s
     return frozenset(delegated)
 
 
+class LossScaleOptimizerArgumentError(ValueError, TypeError):
+    """A bad argument to :class:`LossScaleOptimizer`.
+
+    Both a ``ValueError`` (this project's convention, and Keras 3's) and a ``TypeError`` (what
+    tf.keras raises for a non-bool ``dynamic``, a nested or a non-optimizer ``inner_optimizer``),
+    so code written against either catches it.
+    """
+
+
 def resolve_policy(dynamic: bool = True, initial_scale: float | None = None,
                    dynamic_growth_steps: int | None = None, policy: Policy | None = None) -> Policy:
     """The core policy behind the seed's ``dynamic``/``initial_scale``/``dynamic_growth_steps``.
 
+    ``dynamic_growth_steps`` may be an integral float (``2.0``), as tf.keras accepts.
+
     Raises:
-        ValueError: for the combinations the seed forbids (a fixed scale without
-            ``initial_scale``, ``dynamic_growth_steps`` with ``dynamic=False``), for
-            ``policy`` together with the seed arguments, and for an ``initial_scale`` that is
-            not a positive finite number or a ``dynamic_growth_steps`` that is not an integer
-            >= 1 (each message names the argument).
+        LossScaleOptimizerArgumentError: for the combinations the seed forbids (a fixed scale
+            without ``initial_scale``, ``dynamic_growth_steps`` with ``dynamic=False``), a non-bool
+            ``dynamic``, ``policy`` together with the seed arguments, an ``initial_scale`` that is
+            not a positive finite number or a ``dynamic_growth_steps`` that is not an integer >= 1
+            (each message names the argument).
     """
     if not isinstance(dynamic, bool):
-        raise ValueError(f"dynamic must be True or False, got {dynamic!r}")
-    # Checked here, not only by the policy, so the error names the argument the caller passed.
-    if dynamic_growth_steps is not None and (
-        isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, (int, np.integer))
-        or dynamic_growth_steps < 1
-    ):
-        raise ValueError(f"dynamic_growth_steps (the policy's growth_interval) must be an integer >= 1, "
-                         f"got {dynamic_growth_steps!r}")
-    if initial_scale is not None and (
-        isinstance(initial_scale, bool)
-        or not isinstance(initial_scale, (int, float, np.integer, np.floating))
-        or not 0.0 < initial_scale < math.inf
-    ):
-        raise ValueError(f"initial_scale must be a positive finite number, got {initial_scale!r}")
+        # tf.keras' wording: a float or string here usually meant LossScaleOptimizerV1's loss_scale.
+        raise LossScaleOptimizerArgumentError(
+            f'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, but got: {dynamic!r} '
+            "(pass initial_scale and dynamic_growth_steps by keyword)")
+    try:
+        if dynamic_growth_steps is not None:
+            dynamic_growth_steps = check_int("dynamic_growth_steps", dynamic_growth_steps, 1, 2**31 - 1,
+                                             allow_integral_float=True)
+        if initial_scale is not None:
+            initial_scale = check_number("initial_scale", initial_scale, 0.0, math.inf, low_open=True)
+        check_policy("policy", policy)
+    except ValueError as exc:
+        raise LossScaleOptimizerArgumentError(str(exc)) from None
     if policy is not None:
-        if not isinstance(policy, (DynamicPolicy, FixedPolicy)):
-            raise ValueError(f"policy must be a DynamicPolicy or FixedPolicy, got {type(policy).__name__}")
         if initial_scale is not None or dynamic_growth_steps is not None:
-            raise ValueError(
+            raise LossScaleOptimizerArgumentError(
                 "pass either policy or initial_scale/dynamic_growth_steps, not both; got "
                 f"policy={policy!r}, initial_scale={initial_scale!r}, "
                 f"dynamic_growth_steps={dynamic_growth_steps!r}"
             )
         if not dynamic and policy.dynamic:
-            raise ValueError(f"dynamic=False contradicts policy={policy!r}; pass a FixedPolicy instead")
+            raise LossScaleOptimizerArgumentError(
+                f"dynamic=False contradicts policy={policy!r}; pass a FixedPolicy instead")
         return policy
     if dynamic:
         return DynamicPolicy(
-            initial_scale=2.0**15 if initial_scale is None else initial_scale,
-            growth_interval=2000 if dynamic_growth_steps is None else dynamic_growth_steps,
+            initial_scale=_DEFAULT_INITIAL_SCALE if initial_scale is None else initial_scale,
+            growth_interval=_DEFAULT_GROWTH_STEPS if dynamic_growth_steps is None else dynamic_growth_steps,
         )
     if initial_scale is None:
-        raise ValueError("initial_scale must be specified when dynamic=False (it is the fixed loss scale)")
+        raise LossScaleOptimizerArgumentError(
+            '"initial_scale" must be specified if "dynamic" is False (it is the fixed loss scale); or leave '
+            "loss scaling to the inner optimizer: set `loss_scale_factor` on it instead")
     if dynamic_growth_steps is not None:
-        raise ValueError(
-            f"dynamic_growth_steps can only be specified when dynamic=True, got "
-            f"dynamic_growth_steps={dynamic_growth_steps!r} with dynamic=False"
-        )
+        raise LossScaleOptimizerArgumentError(
+            f'"dynamic_growth_steps" must be None if "dynamic" is False, but got: {dynamic_growth_steps}')
     return FixedPolicy(initial_scale)
+
+
+_NO_MARK = object()
+
+
+def _current_context() -> Any:
+    """Where code runs now: ``None`` when eager, else (a weak reference to) the graph being traced."""
+    if tf.executing_eagerly():
+        return None
+    return weakref.ref(tf.compat.v1.get_default_graph())
+
+
+def _check_base_optimizer_kwargs(kwargs: dict[str, Any]) -> None:
+    """Keras 3's rule: base-optimizer arguments only at their defaults (old configs carry them)."""
+    for name, default in _BASE_OPTIMIZER_DEFAULTS.items():
+        if name not in kwargs:
+            continue
+        value = kwargs.pop(name)
+        if value != default or (default is None and value is not None):
+            raise LossScaleOptimizerArgumentError(
+                f"LossScaleOptimizer does not support `{name}`. Instead, set `{name}` on the "
+                "`inner_optimizer`.")
+    if kwargs:
+        raise LossScaleOptimizerArgumentError(
+            f"LossScaleOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. It takes "
+            "inner_optimizer, dynamic, initial_scale, dynamic_growth_steps, policy and name; settings of "
+            "the update (learning rate, clipping, EMA, weight decay...) belong on the `inner_optimizer`.")
 
 
 @keras.saving.register_keras_serializable(package="lossscale_callbacks")
@@ -173,33 +223,39 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         dynamic_growth_steps: int | None = None,
         policy: Policy | None = None,
         name: str | None = None,
+        **kwargs: Any,
     ) -> None:
         if keras.backend.backend() != "tensorflow":
             raise ValueError(
                 f"lossscale_callbacks.keras needs the TensorFlow backend of Keras 3, got "
                 f"KERAS_BACKEND={keras.backend.backend()!r}"
             )
-        if isinstance(inner_optimizer, _KerasLossScaleOptimizer) or not isinstance(
-            inner_optimizer, keras.optimizers.Optimizer
-        ):
-            raise ValueError(
-                "inner_optimizer must be a keras.optimizers.Optimizer that is not itself a loss scale "
-                f"optimizer, got {inner_optimizer!r}"
-            )
-        if inner_optimizer.loss_scale_factor is not None:
-            raise ValueError(
-                "inner_optimizer.loss_scale_factor must be None (the loss would be scaled twice), got "
-                f"{inner_optimizer.loss_scale_factor!r}"
-            )
+        if isinstance(inner_optimizer, _KerasLossScaleOptimizer):
+            raise LossScaleOptimizerArgumentError(
+                f"LossScaleOptimizer cannot wrap another LossScaleOptimizer, but got: {inner_optimizer!r}")
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise LossScaleOptimizerArgumentError(
+                '"inner_optimizer" must be an instance of `keras.optimizers.Optimizer`, but got: '
+                f"{inner_optimizer!r}")
+        replacing = kwargs.pop("_replacing", False)
+        _check_base_optimizer_kwargs(dict(kwargs))
         resolved = resolve_policy(dynamic, initial_scale, dynamic_growth_steps, policy)
+        if getattr(inner_optimizer, _WRAPPED_MARK, False) and not replacing:
+            # Both would step and checkpoint the same slots.
+            raise LossScaleOptimizerArgumentError(
+                '"inner_optimizer" is already wrapped by a LossScaleOptimizer. An optimizer can only be '
+                "wrapped by a single LossScaleOptimizer")
         # Keras' LossScaleOptimizer.__init__ only stores initial_scale/dynamic_growth_steps,
         # which are properties of the policy here; go straight to the base optimizer.
         super(_KerasLossScaleOptimizer, self).__init__(learning_rate=0.0, name=name)
         self._policy = resolved
         self._delegated = _delegated_hyperparameters(inner_optimizer)
-        self._user_unscaled = threading.local()
+        self._unscaled_marks = threading.local()
         self.inner_optimizer = inner_optimizer
-        constants = rule_constants(resolved)
+        # As Keras does: the inner optimizer must not scale the loss a second time.
+        inner_optimizer.loss_scale_factor = None
+        object.__setattr__(inner_optimizer, _WRAPPED_MARK, True)
+        constants = resolved.constants
         # "only_first_replica": every replica computes the same new state (the finite flag
         # is all-reduced first), so any replica's value is the right one to keep.
         self._ls_scale = self._state_variable("loss_scale", "float32", resolved.initial_scale)
@@ -227,6 +283,34 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             setattr(inner, name, value)
             return
         super().__setattr__(name, value)
+
+    # ---- EMA: the inner optimizer's (it keeps the moving averages) ----
+
+    def _ema_setting(self, name: str, default: Any) -> Any:
+        inner = self.__dict__.get("inner_optimizer")
+        # While our own base class builds, it must not create a second set of averages.
+        if inner is None or self.__dict__.get("_building_own_variables"):
+            return default
+        return getattr(inner, name)
+
+    def _set_ema_setting(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:  # before that, the base constructor stores its defaults: nothing to keep
+            setattr(inner, name, value)
+
+    use_ema = property(lambda self: self._ema_setting("use_ema", False),
+                       lambda self, v: self._set_ema_setting("use_ema", v),
+                       doc="The inner optimizer's ``use_ema`` (it keeps the moving averages).")
+    ema_momentum = property(lambda self: self._ema_setting("ema_momentum", 0.99),
+                            lambda self, v: self._set_ema_setting("ema_momentum", v),
+                            doc="The inner optimizer's ``ema_momentum``.")
+    ema_overwrite_frequency = property(lambda self: self._ema_setting("ema_overwrite_frequency", None),
+                                       lambda self, v: self._set_ema_setting("ema_overwrite_frequency", v),
+                                       doc="The inner optimizer's ``ema_overwrite_frequency``.")
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """The inner optimizer's: with ``use_ema=True`` it writes the moving averages into the model."""
+        self.inner_optimizer.finalize_variable_values(var_list)
 
     # ---- the seed's read-only API ----
 
@@ -286,14 +370,21 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         return LossScaleState(*values)
 
     def assign_state(self, state: LossScaleState | dict[str, Any]) -> None:
-        """Overwrite (some of) the state; fields missing from a dict keep their value."""
+        """Overwrite (some of) the state; fields missing from a dict keep their value. All or nothing.
+
+        The merged state is checked against the policy first (finite scale inside its bounds,
+        non-negative integer counters, ``skipped_steps <= steps``): a ``ValueError`` names the
+        field and nothing is assigned. Reads the current state once (a host sync) when a dict
+        leaves fields out.
+        """
         fields = state._asdict() if isinstance(state, LossScaleState) else dict(state)
         unknown = sorted(set(fields) - set(STATE_FIELDS))
         if unknown:
             raise ValueError(f"unknown state field(s) {unknown}; allowed: {list(STATE_FIELDS)}")
-        for name, var in zip(STATE_FIELDS, self.state_variables, strict=False):
-            if name in fields:
-                var.assign(tf.cast(fields[name], tf.float32 if name == "scale" else COUNTER_DTYPE))
+        current = {} if len(fields) == len(STATE_FIELDS) else self.read_state()._asdict()
+        checked = validate_state(self._policy, {**current, **fields}, source="assign_state")
+        for value, var in zip(checked, self.state_variables, strict=True):
+            var.assign(tf.cast(value, var.dtype))
 
     # ---- building and loss/gradient scaling ----
 
@@ -302,50 +393,84 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # wraps); building it twice would create a second set of slots.
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        super(_KerasLossScaleOptimizer, self).build(var_list)
+        self.__dict__["_building_own_variables"] = True
+        try:
+            super(_KerasLossScaleOptimizer, self).build(var_list)
+        finally:
+            self.__dict__["_building_own_variables"] = False
 
-    def scale_loss(self, loss: Any) -> tf.Tensor:
-        """``loss * scale``. Half-precision losses are promoted to float32 first.
-
-        Keras' TensorFlow trainer calls this inside ``train_step``.
-        """
+    def _scaled(self, loss: Any) -> tf.Tensor:
         loss = tf.convert_to_tensor(loss)
         if loss.dtype in (tf.float16, tf.bfloat16):
             loss = tf.cast(loss, tf.float32)
         return loss * tf.cast(self._ls_scale.value, loss.dtype)
 
+    def scale_loss(self, loss: Any) -> tf.Tensor:
+        """``loss * scale`` (Keras 3's API). Half-precision losses are promoted to float32 first.
+
+        Keras' trainer calls this in every ``train_step`` and then passes *scaled* gradients to
+        :meth:`apply_gradients`; so it also forgets any :meth:`get_unscaled_gradients` call of
+        this thread that no apply consumed.
+        """
+        self._unscaled_marks.context = _NO_MARK
+        return self._scaled(loss)
+
     def get_scaled_loss(self, loss: Any) -> Any:
-        """The seed API: ``loss`` times the loss scale; a callable gives a callable."""
+        """The seed (tf.keras) API: ``loss`` times the loss scale; a callable gives a callable."""
         if callable(loss):
-            return lambda: self.scale_loss(loss())
-        return self.scale_loss(loss)
+            return lambda: self._scaled(loss())
+        return self._scaled(loss)
 
     def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
-        """The seed API: gradients divided by the loss scale (``None`` stays ``None``).
+        """The seed (tf.keras) API: gradients divided by the loss scale (``None`` stays ``None``).
 
-        Calling it marks the next :meth:`apply_gradients` of this thread as receiving
-        already-unscaled gradients (the tf.keras custom-loop contract); otherwise
-        ``apply_gradients`` takes scaled gradients and unscales them itself (Keras 3 ``fit``).
+        The next :meth:`apply_gradients` *in the same context* (the same ``tf.function`` trace,
+        or eager code) of this thread then takes its gradients as already unscaled, the tf.keras
+        custom-loop contract, also when you clip or otherwise transform them in between. The mark
+        never outlives that one apply, is not seen by an apply in another trace (so a stray eager
+        call cannot leak into ``fit``'s traced step) and is forgotten by :meth:`scale_loss` (so it
+        cannot leak into an eager ``fit`` either). Pass ``unscaled=`` to :meth:`apply_gradients`
+        to say it explicitly instead.
         """
         scale = self._ls_scale.value
-        self._user_unscaled.pending = True
+        self._unscaled_marks.context = _current_context()
         return [unscale(g, scale) for g in grads]
+
+    def _take_unscaled_mark(self) -> bool:
+        mark = getattr(self._unscaled_marks, "context", _NO_MARK)
+        self._unscaled_marks.context = _NO_MARK
+        return mark is not _NO_MARK and mark == _current_context()
 
     def check_finite(self, grads: Iterable[Any]) -> tf.Tensor:
         return all_finite(grads)
 
     # ---- applying ----
 
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> keras.Variable:
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], *,
+                        unscaled: bool | None = None) -> keras.Variable:
+        """Apply (or skip) one step; see :meth:`apply` for ``unscaled``."""
         grads, variables = zip(*grads_and_vars, strict=False)
-        self.apply(grads, variables)
+        self.apply(grads, variables, unscaled=unscaled)
         return self.iterations
 
-    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
-        """Check, unscale, apply or skip, and update the loss scale. No host read under tf.function."""
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None, *,
+              unscaled: bool | None = None) -> None:
+        """Check, unscale, apply or skip, and update the loss scale. No host read under tf.function.
+
+        Args:
+            grads: the gradients, *scaled* (Keras 3: ``fit``, or a loop with :meth:`scale_loss`)
+                unless ``unscaled``.
+            trainable_variables: the variables (required on the first call unless built).
+            unscaled: ``True``: the gradients are already divided by the scale (a tf.keras loop
+                with :meth:`get_unscaled_gradients`); ``False``: they are scaled; ``None``
+                (default): unscaled exactly when :meth:`get_unscaled_gradients` was called in this
+                context since the last apply or :meth:`scale_loss`.
+        """
         grads = list(grads)
-        already_unscaled = getattr(self._user_unscaled, "pending", False)
-        self._user_unscaled.pending = False
+        marked = self._take_unscaled_mark()
+        if unscaled is not None and not isinstance(unscaled, bool):
+            raise ValueError(f"unscaled must be None, True or False, got {unscaled!r}")
+        already_unscaled = marked if unscaled is None else unscaled
         if not grads:
             return
         if trainable_variables is not None:
@@ -432,18 +557,29 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     # ---- config ----
 
     def get_config(self) -> dict[str, Any]:
-        return {
+        """Keras 3's four keys; ``dynamic`` and ``policy`` only when they say more than those.
+
+        A default dynamic policy has exactly the config of Keras' own ``LossScaleOptimizer``, so
+        either class can load it.
+        """
+        config: dict[str, Any] = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "dynamic": self.dynamic,
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
-            "policy": self._policy.to_config(),
         }
+        if not self.dynamic:
+            config["dynamic"] = False
+        if self._policy != resolve_policy(self.dynamic, self.initial_scale, self.dynamic_growth_steps):
+            config["policy"] = self._policy.to_config()
+        return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
                     ) -> LossScaleOptimizer:
+        """Rebuild from :meth:`get_config`, from Keras' own ``LossScaleOptimizer`` config (any Keras 3
+        release, whose older configs carry the base optimizer's settings at their defaults) or from
+        the configs of earlier releases of this class."""
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                       custom_objects=custom_objects)
@@ -464,13 +600,15 @@ def wrap(optimizer: keras.optimizers.Optimizer, policy: Policy | None = None) ->
     """
     if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
+    # The callback replaces the previous optimizer in the model, so an inner optimizer that an
+    # earlier, discarded LossScaleOptimizer wrapped (a recompiled model) may be wrapped again.
     if not isinstance(optimizer, _KerasLossScaleOptimizer):
-        return LossScaleOptimizer(optimizer, policy=policy)
+        return LossScaleOptimizer(optimizer, policy=policy, _replacing=True)
     keras_lso = optimizer
     if policy is None:
         policy = DynamicPolicy(initial_scale=float(keras_lso.initial_scale),
                                growth_interval=int(keras_lso.dynamic_growth_steps))
-    ours = LossScaleOptimizer(keras_lso.inner_optimizer, policy=policy)
+    ours = LossScaleOptimizer(keras_lso.inner_optimizer, policy=policy, _replacing=True)
     if not keras_lso.built:
         return ours
     # One host read, once per installation: if Keras' optimizer has trained, carry its running
@@ -480,7 +618,7 @@ def wrap(optimizer: keras.optimizers.Optimizer, policy: Policy | None = None) ->
     counter = int(keras_lso.step_counter.numpy())
     applied = int(keras_lso.inner_optimizer.iterations.numpy())
     if applied or counter or scale != float(np.float32(keras_lso.initial_scale)):
-        constants = rule_constants(policy)
+        constants = policy.constants
         ours.assign_state({
             "scale": min(max(scale, constants.min_scale), constants.max_scale),
             "growth_counter": min(counter, constants.growth_interval - 1) if policy.dynamic else 0,
