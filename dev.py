@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -72,6 +73,27 @@ def setup() -> Path:
     return _python()
 
 
+def ensure_browser() -> None:
+    """Chromium for the dashboard browser test: Debian's package (Playwright's own download does not work
+    on every machine). Installed with apt-get when missing and this runs as root; otherwise a note."""
+    if shutil.which("chromium") or shutil.which("chromium-browser"):
+        return
+    if os.name != "posix" or os.geteuid() != 0 or not shutil.which("apt-get"):
+        print("[dev] note: no Chromium found; the browser test will be skipped "
+              "(install Debian's `chromium` package to run it)", flush=True)
+        return
+    print("[dev] installing Chromium for the dashboard browser test (apt-get install chromium)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]
+    quiet = {"env": env, "stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL}
+    if subprocess.run(install, **quiet).returncode != 0:
+        # A fresh machine may have no package lists yet.
+        subprocess.run(["apt-get", "update", "-qq"], **quiet)
+        if subprocess.run(install, **quiet).returncode != 0:
+            print("[dev] note: Chromium could not be installed; the browser test will be skipped "
+                  "(and fail on CI)", flush=True)
+
+
 def _run(args: list[str]) -> int:
     env = {**os.environ, **QUIET_ENV}
     return subprocess.run(args, cwd=ROOT, env=env).returncode
@@ -82,6 +104,7 @@ def demo(python: Path, extra: list[str]) -> int:
 
 
 def test(python: Path, extra: list[str]) -> int:
+    ensure_browser()
     print("[dev] ruff check", flush=True)
     rc = _run([str(python), "-m", "ruff", "check", "."])
     if rc != 0:

@@ -2,8 +2,8 @@
 
 Each step draws the largest gradient magnitude of a pretend model, multiplies it by the
 loss scale, and calls the step non-finite when that overflows float16 (65504). The core
-decides what happens to the scale; the tracker reads the state every 250 steps, as an
-integration does at its log interval, and the health rules judge it.
+decides what happens to the scale; the core's logging loop reads the state every 250 steps, as
+an integration does at its log interval, turns it into metrics and lets the health rules judge it.
 
     python examples/core_simulation.py
 """
@@ -14,15 +14,7 @@ import math
 
 import numpy as np
 
-from lossscale_callbacks import (
-    DynamicPolicy,
-    HealthMonitor,
-    InMemorySink,
-    MetricsTracker,
-    initial_state,
-    next_state,
-    summarize,
-)
+from lossscale_callbacks import DynamicPolicy, InMemorySink, LoggingLoop, initial_state, next_state
 
 FP16_MAX = 65504.0
 
@@ -31,9 +23,8 @@ def main(steps: int = 3000, log_every: int = 250, seed: int = 0) -> InMemorySink
     rng = np.random.default_rng(seed)
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=200, hysteresis=2)
     state = initial_state(policy)
-    tracker = MetricsTracker(policy.min_scale)
-    health = HealthMonitor.from_spec("warn")
     sink = InMemorySink()
+    loop = LoggingLoop(policy, sinks=[sink], every_steps=log_every)
 
     print(f"policy: {policy}")
     print(f"{'step':>6} {'scale':>10} {'log2':>6} {'skipped':>8} {'in interval':>12} {'growth ctr':>11}")
@@ -42,14 +33,12 @@ def main(steps: int = 3000, log_every: int = 250, seed: int = 0) -> InMemorySink
         grad_max = rng.lognormal(mean=0.0, sigma=1.5) * (1e3 if rng.random() < 0.002 else 1.0)
         finite = grad_max * float(state.scale) < FP16_MAX
         state = next_state(policy, state, finite)
-        if step % log_every == 0:
-            snapshot = tracker.observe(state)  # the one host read of this interval
-            sink.write(snapshot.step, snapshot.metrics())
-            health.apply(health.observe(snapshot))
+        snapshot = loop.maybe_observe(step, lambda: state)  # noqa: B023
+        if snapshot is not None:
             print(f"{snapshot.step:>6} {snapshot.scale:>10g} {math.log2(snapshot.scale):>6.1f} "
                   f"{snapshot.skipped_steps:>8} {snapshot.skipped_in_interval:>12} "
                   f"{snapshot.growth_counter:>11}")
-    print(summarize(tracker.last, policy.min_scale))
+    loop.finish(state)
     return sink
 
 

@@ -6,7 +6,8 @@ The loop is the one tf.keras documented for ``LossScaleOptimizer``: scale the lo
 ``get_scaled_loss``, differentiate the scaled loss, unscale with ``get_unscaled_gradients``,
 then ``apply_gradients`` (which skips the step when a gradient is Inf/NaN and moves the scale
 with the core's update rule). The step is a ``tf.function``; the state is read back on the host
-only every ``LOG_EVERY`` steps.
+only every ``LOG_EVERY`` steps, by the core's ``LoggingLoop``, which also writes TensorBoard
+scalars to ``runs/keras_custom_loop`` and prints the summary at the end.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lossscale_callbacks import MetricsTracker, summarize
+from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.keras import LossScaleOptimizer
 
 LOG_EVERY = 25
@@ -49,14 +50,19 @@ def main() -> None:
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))  # skips on Inf/NaN
         return loss
 
-    tracker = MetricsTracker(min_scale=optimizer.policy.min_scale)
+    from lossscale_callbacks.tensorboard import TensorBoardSink
+
+    loop = LoggingLoop(optimizer.policy, sinks=[TensorBoardSink(os.path.join("runs", "keras_custom_loop"))],
+                       every_steps=LOG_EVERY)
     for step, (inputs, targets) in enumerate(dataset, start=1):
         loss = train_step(inputs, targets)
-        if step % LOG_EVERY == 0:
-            snapshot = tracker.observe(optimizer.read_state())  # the one host read of this interval
+        # optimizer.read_state() (the one host read of an interval) runs only when one ends.
+        snapshot = loop.maybe_observe(step, optimizer.read_state)
+        if snapshot is not None:
             print(f"step {snapshot.step:4d}  loss {float(loss):9.2f}  scale {snapshot.scale:8g}  "
                   f"skipped {snapshot.skipped_steps}")
-    print(summarize(tracker.observe(optimizer.read_state()), optimizer.policy.min_scale))
+    loop.finish(optimizer.read_state())
+    loop.close()
     print(f"applied steps (optimizer.iterations): {int(optimizer.iterations.numpy())}")
 
 

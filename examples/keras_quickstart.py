@@ -3,7 +3,7 @@
 Runs on a laptop CPU in a few seconds:
 
     python examples/keras_quickstart.py
-    tensorboard --logdir runs/keras_quickstart      # the "Loss scale" section
+    .venv/bin/tensorboard --logdir runs             # the "Loss scale" section of Custom Scalars
 
 A small regression model trains on synthetic data under ``mixed_float16``. Its targets are
 large, so with the default initial scale of 2**15 the float16 gradients overflow: the
@@ -68,8 +68,9 @@ def main() -> None:
         if scale != last:
             print(f"  step {step:4d}: 2^{math.log2(scale):4.1f} = {scale:8g}   skipped {int(skipped[step])}")
             last = scale
-    print("TensorBoard: tensorboard --logdir runs/keras_quickstart")
-    print("W&B: wandb sync runs/wandb/offline-run-*")
+    print("TensorBoard: .venv/bin/tensorboard --logdir runs   (then open the Custom Scalars tab)")
+    print("Report:      .venv/bin/lossscale-callbacks report runs")
+    print("W&B:         .venv/bin/wandb sync runs/wandb/offline-run-*")
 
 
 if __name__ == "__main__":

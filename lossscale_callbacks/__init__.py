@@ -18,11 +18,13 @@ from lossscale_callbacks.health import (
     HealthMonitor,
     LossScaleHealthError,
     LossScaleHealthWarning,
+    ScaleOnlyDecreases,
     SkipRate,
     StuckAtMinScale,
     Verdict,
     default_rules,
 )
+from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import METRIC_NAMES, MetricsTracker, Snapshot
 from lossscale_callbacks.ops import NUMPY_OPS, NumpyOps, Ops
 from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
@@ -40,6 +42,7 @@ __all__ = [
     "GuardedSink",
     "HealthMonitor",
     "InMemorySink",
+    "LoggingLoop",
     "LossScaleHealthError",
     "LossScaleHealthWarning",
     "LossScaleState",
@@ -47,6 +50,7 @@ __all__ = [
     "NumpyOps",
     "Ops",
     "Policy",
+    "ScaleOnlyDecreases",
     "Sink",
     "SinkGroup",
     "SkipRate",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, Protocol
 
 from lossscale_callbacks.metrics import Snapshot
+from lossscale_callbacks.process import user_stacklevel
 
 Action = Literal["warn", "raise", "stop"]
 ACTIONS: tuple[str, ...] = ("warn", "raise", "stop")
@@ -75,6 +76,9 @@ class ConsecutiveSkips:
         _check_positive_int("limit", self.limit)
         _check_action(self.action)
 
+    def describe(self) -> str:
+        return f"no run of {self.limit} skipped steps in a row"
+
     def __call__(self, history: Sequence[Snapshot]) -> Verdict | None:
         if not history or history[-1].consecutive_skipped < self.limit:
             return None
@@ -117,29 +121,68 @@ class SkipRate:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         _check_action(self.action)
 
-    def __call__(self, history: Sequence[Snapshot]) -> Verdict | None:
-        if not history:
-            return None
-        last = history[-1]
+    # Fewer steps after the warm-up than this, and the run's rate says too little to judge.
+    min_final_steps: int = dataclasses.field(default=100, repr=False)
+
+    def _measured(self, history: Sequence[Snapshot], window: int) -> tuple[int, int]:
+        """(steps, skipped) over the most recent whole intervals after the warm-up, up to ``window`` steps."""
         steps = skipped = 0
         for snap in reversed(history):
             start = snap.step - snap.interval_steps
-            if start < self.warmup_steps or steps >= self.window:
+            if start < self.warmup_steps or steps >= window:
                 break
             steps += snap.interval_steps
             skipped += snap.skipped_in_interval
-        if steps < self.window:
-            return None
+        return steps, skipped
+
+    def _verdict(self, history: Sequence[Snapshot], steps: int, skipped: int) -> Verdict | None:
         rate = skipped / steps
         if rate <= self.max_rate:
             return None
+        last = history[-1]
         return Verdict(
             "skip_rate", self.action, last.step,
-            f"{rate:.1%} of the last {steps} optimizer steps were skipped for Inf/NaN gradients "
+            f"{rate:.2%} of the last {steps} optimizer steps were skipped for Inf/NaN gradients "
             f"(tolerated: {self.max_rate:.1%}; loss scale now {last.scale:g}). A healthy dynamic scale "
             "skips about one step per growth interval. So many skips mean the gradients overflow "
             "at almost any scale, and the model trains on only part of its steps. " + _BF16_HINT,
         )
+
+    def describe(self) -> str:
+        return (f"at most {self.max_rate:.1%} of the steps after the {self.warmup_steps}-step warm-up "
+                f"skipped (over any {self.window} steps)")
+
+    def __call__(self, history: Sequence[Snapshot]) -> Verdict | None:
+        if not history:
+            return None
+        steps, skipped = self._measured(history, self.window)
+        if steps < self.window:
+            return None
+        return self._verdict(history, steps, skipped)
+
+    def final(self, history: Sequence[Snapshot]) -> Verdict | None:
+        """The verdict on a whole run shorter than the window: its rate after the warm-up.
+
+        ``None`` when that rate is tolerated, or when fewer than 100 steps follow the warm-up (see
+        :meth:`not_judged`).
+        """
+        if not history:
+            return None
+        steps, skipped = self._measured(history, self.window)
+        if steps >= self.window or steps < self.min_final_steps:
+            return None
+        return self._verdict(history, steps, skipped)
+
+    def not_judged(self, history: Sequence[Snapshot]) -> str | None:
+        """Why this rule could not judge the run, in plain words; ``None`` when it could."""
+        steps = self._measured(history, self.window)[0] if history else 0
+        if steps >= self.min_final_steps:
+            return None
+        total = history[-1].step if history else 0
+        overall = history[-1].skipped_steps / total if total else 0.0
+        return (f"the skip rate could not be judged: only {steps} steps came after the "
+                f"{self.warmup_steps}-step warm-up (at least {self.min_final_steps} are needed); "
+                f"overall {overall:.2%} of {total} steps were skipped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +201,9 @@ class StuckAtMinScale:
         _check_positive_int("limit", self.limit)
         _check_action(self.action)
 
+    def describe(self) -> str:
+        return f"never {self.limit} steps at the minimum scale"
+
     def __call__(self, history: Sequence[Snapshot]) -> Verdict | None:
         if not history or history[-1].steps_at_min_scale < self.limit:
             return None
@@ -171,10 +217,120 @@ class StuckAtMinScale:
         )
 
 
-def default_rules(action: str = "warn") -> tuple[Rule, ...]:
-    """The three rules with their default thresholds, all with ``action``."""
+@dataclasses.dataclass(frozen=True)
+class ScaleOnlyDecreases:
+    """Fires when the scale backed off ``min_backoffs`` times or more over a run and never grew.
+
+    A run that starts at a high scale backs off a few times while it settles, and cannot grow
+    before ``growth_interval`` clean steps have passed; so the run as a whole is judged (at its
+    end, :meth:`final`) once it is ``min_steps`` long, and during training only once it is
+    ``during_steps`` long without a single growth.
+
+    Args:
+        min_backoffs: backoffs (seen at log-interval resolution) without any growth that count as
+            a problem.
+        min_steps: length of a finished run before it is judged (the integrations use twice the
+            policy's ``growth_interval``).
+        during_steps: length without growth after which a running job is flagged (the
+            integrations use ten growth intervals).
+        action: ``"warn"``, ``"raise"`` or ``"stop"``.
+    """
+
+    min_backoffs: int = 3
+    min_steps: int = 4000
+    during_steps: int = 20000
+    action: str = "warn"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("min_backoffs", self.min_backoffs)
+        _check_positive_int("min_steps", self.min_steps)
+        _check_positive_int("during_steps", self.during_steps)
+        _check_action(self.action)
+
+    def _judge(self, history: Sequence[Snapshot], min_steps: int) -> Verdict | None:
+        if not history or history[-1].step < min_steps:
+            return None
+        # Newest first: a healthy run's last growth is found within a few snapshots.
+        backoffs = 0
+        later = None
+        for snap in reversed(history):
+            if later is not None and later.step > snap.step:
+                if later.scale > snap.scale:
+                    return None
+                backoffs += later.scale < snap.scale
+            later = snap
+        if backoffs < self.min_backoffs:
+            return None
+        last = history[-1]
+        return Verdict(
+            "scale_only_decreases", self.action, last.step,
+            f"In {last.step} optimizer steps the loss scale only ever went down ({backoffs} backoffs seen, "
+            f"now {last.scale:g}) and never grew back: the gradients overflow again before growth_interval "
+            "clean steps pass. Expect skipped steps to continue; check the learning rate and the layers "
+            "computed in float16, or lower the initial scale. " + _BF16_HINT,
+        )
+
+    def describe(self) -> str:
+        return "the scale grew again after backing off"
+
+    def __call__(self, history: Sequence[Snapshot]) -> Verdict | None:
+        return self._judge(history, self.during_steps)
+
+    def final(self, history: Sequence[Snapshot]) -> Verdict | None:
+        """The verdict on a finished run at least ``min_steps`` long."""
+        return self._judge(history, self.min_steps)
+
+    def not_judged(self, history: Sequence[Snapshot]) -> str | None:
+        steps = history[-1].step if history else 0
+        if steps >= self.min_steps:
+            return None
+        return (f"whether the scale recovers could not be judged before {self.min_steps} steps "
+                f"(the run has {steps})")
+
+
+def default_rules(action: str = "warn", growth_interval: int | None = None,
+                  dynamic: bool = True) -> tuple[Rule, ...]:
+    """The default rules with their default thresholds, all with ``action``.
+
+    ``growth_interval`` (the policy's) lets :class:`ScaleOnlyDecreases` judge after two growth
+    intervals; without it, after its default 4000 steps. ``dynamic=False`` (a fixed scale, which
+    never grows nor shrinks) leaves that rule out.
+    """
     _check_action(action)
-    return (ConsecutiveSkips(action=action), SkipRate(action=action), StuckAtMinScale(action=action))
+    if not dynamic:
+        return (ConsecutiveSkips(action=action), SkipRate(action=action), StuckAtMinScale(action=action))
+    decreasing = (ScaleOnlyDecreases(action=action) if growth_interval is None
+                  else ScaleOnlyDecreases(min_steps=2 * int(growth_interval),
+                                          during_steps=10 * int(growth_interval), action=action))
+    return (ConsecutiveSkips(action=action), SkipRate(action=action), StuckAtMinScale(action=action),
+            decreasing)
+
+
+def assess(rules: Iterable[Rule], history: Sequence[Snapshot], verdicts: Sequence[Verdict]) -> str:
+    """One honest paragraph on a run's health from its rules, snapshots and verdicts.
+
+    Example:
+        >>> from lossscale_callbacks.metrics import MetricsTracker
+        >>> snap = MetricsTracker(1.0).observe({"steps": 300, "skipped_steps": 15, "scale": 1024.0,
+        ...                                      "growth_counter": 0, "hysteresis_left": 1})
+        >>> print(assess(default_rules(), [snap], []))  # doctest: +NORMALIZE_WHITESPACE
+        Health: no problem found, but not everything could be judged: the skip rate could not be
+        judged: only 0 steps came after the 100-step warm-up (at least 100 are needed); overall
+        5.00% of 300 steps were skipped; whether the scale recovers could not be judged before
+        4000 steps (the run has 300).
+    """
+    rules = list(rules)
+    if verdicts:
+        lines = [f"Health: {len(verdicts)} problem(s) found."]
+        lines += [f"  - [{v.rule} at step {v.step}] {v.message}" for v in verdicts]
+        return "\n".join(lines)
+    gaps = [gap for gap in (getattr(r, "not_judged", lambda h: None)(history) for r in rules) if gap]
+    if gaps:
+        return "Health: no problem found, but not everything could be judged: " + "; ".join(gaps) + "."
+    if not history:
+        return "Health: nothing was logged, so nothing could be judged."
+    checked = [r.describe() if callable(getattr(r, "describe", None)) else type(r).__name__ for r in rules]
+    return f"Health: OK ({'; '.join(checked)})." if checked else "Health: no rule was applied."
 
 
 def evaluate(rules: Iterable[Rule], history: Sequence[Snapshot]) -> list[Verdict]:
@@ -199,7 +355,7 @@ class HealthMonitor:
     Example:
         >>> monitor = HealthMonitor.from_spec("warn")
         >>> [type(r).__name__ for r in monitor.rules]
-        ['ConsecutiveSkips', 'SkipRate', 'StuckAtMinScale']
+        ['ConsecutiveSkips', 'SkipRate', 'StuckAtMinScale', 'ScaleOnlyDecreases']
     """
 
     def __init__(self, rules: Iterable[Rule], max_history: int = 10_000) -> None:
@@ -214,22 +370,24 @@ class HealthMonitor:
         self.verdicts: list[Verdict] = []
 
     @classmethod
-    def from_spec(cls, spec: HealthSpec) -> HealthMonitor | None:
+    def from_spec(cls, spec: HealthSpec, growth_interval: int | None = None,
+                  dynamic: bool = True) -> HealthMonitor | None:
         """Build a monitor from what a user passes as ``health=``.
 
         ``None``/``False``: no monitoring. ``True``/``"warn"``/``"raise"``/``"stop"``: the
-        default rules with that action. A rule or an iterable of rules: those rules.
+        default rules with that action (``growth_interval`` and ``dynamic``: the policy's, see
+        :func:`default_rules`). A rule or an iterable of rules: those rules.
         """
         if spec is None or spec is False:
             return None
         if spec is True:
-            return cls(default_rules("warn"))
+            return cls(default_rules("warn", growth_interval, dynamic))
         if isinstance(spec, str):
             if spec not in ACTIONS:
                 raise ValueError(
                     f"health must be None, a bool, one of {list(ACTIONS)}, or health rules; got {spec!r}"
                 )
-            return cls(default_rules(spec))
+            return cls(default_rules(spec, growth_interval, dynamic))
         if callable(spec):
             return cls([spec])
         try:
@@ -252,10 +410,33 @@ class HealthMonitor:
         self.verdicts.extend(new)
         return new
 
-    def apply(self, verdicts: Iterable[Verdict], stop: Callable[[], None] | None = None) -> bool:
+    def final(self) -> list[Verdict]:
+        """Verdicts that only a finished run allows (a short run's overall skip rate), each rule once."""
+        found = []
+        for rule in self.rules:
+            judge = getattr(rule, "final", None)
+            if judge is None or not self.history:
+                continue
+            verdict = judge(self.history)
+            if verdict is not None and verdict.rule not in {v.rule for v in self.verdicts}:
+                found.append(verdict)
+        self.verdicts.extend(found)
+        return found
+
+    def assessment(self) -> str:
+        """The health verdict in plain words: the problems found, and what could not be judged.
+
+        Never claims a property that no rule could check: on a run too short for a rule, it says
+        so (with the overall numbers) instead of calling the run healthy on that count.
+        """
+        return assess(self.rules, list(self.history), self.verdicts)
+
+    def apply(self, verdicts: Iterable[Verdict], stop: Callable[[], None] | None = None,
+              warn: bool = True) -> bool:
         """Act on verdicts: warn, raise :class:`LossScaleHealthError`, or call ``stop``.
 
-        Returns True when a verdict asked to stop training.
+        ``warn=False`` (on ranks other than 0) acts without printing the warnings. Returns True
+        when a verdict asked to stop training.
         """
         stopped = False
         verdicts = list(verdicts)
@@ -264,8 +445,9 @@ class HealthMonitor:
             if verdict.action == "raise":
                 continue
             prefix = "stopping training: " if verdict.action == "stop" else ""
-            warnings.warn(f"[lossscale-callbacks] {prefix}{verdict.message}", LossScaleHealthWarning,
-                          stacklevel=3)
+            if warn:
+                warnings.warn(f"[lossscale-callbacks] {prefix}{verdict.message}", LossScaleHealthWarning,
+                              stacklevel=user_stacklevel())
             if verdict.action == "stop":
                 stopped = True
                 if stop is not None:

@@ -12,16 +12,40 @@ one host read per interval, never one per step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 SCALE = "loss_scale/scale"
+LOG2_SCALE = "loss_scale/log2_scale"
 GROWTH_COUNTER = "loss_scale/growth_counter"
 SKIPPED_STEPS = "loss_scale/skipped_steps"
 SKIPPED_IN_INTERVAL = "loss_scale/skipped_in_interval"
 SKIP_RATE = "loss_scale/skip_rate"
+# The optimizer steps attempted, as a value: a logger whose own step axis counts something else
+# (Lightning's logging step counts batches, from 0) still carries the count the rates are based on.
+STEPS = "loss_scale/steps"
 
-METRIC_NAMES: tuple[str, ...] = (SCALE, GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, SKIP_RATE)
+METRIC_NAMES: tuple[str, ...] = (
+    SCALE, LOG2_SCALE, GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, SKIP_RATE, STEPS,
+)
+# Written once per run (text or config), not as series: the policy's settings and bounds
+# (lossscale_callbacks.sinks.POLICY_TAG); and the reports.
+SUMMARY_TAG = "loss_scale/summary"
+ALIGNMENT_TAG = "loss_scale/alignment"
+COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)
+
+# The "Loss scale" dashboard section: (chart title, tag), in order. The TensorBoard sink and the
+# Lightning monitor both build their Custom Scalars layout from this one list.
+DASHBOARD_SECTION = "Loss scale"
+DASHBOARD_CHARTS: tuple[tuple[str, str], ...] = (
+    ("loss scale, log2 (15 = 32768)", LOG2_SCALE),
+    ("skipped steps per log interval", SKIPPED_IN_INTERVAL),
+    ("skip rate per log interval", SKIP_RATE),
+    ("growth counter (clean steps since the scale last changed)", GROWTH_COUNTER),
+    ("skipped steps (cumulative)", SKIPPED_STEPS),
+    ("loss scale", SCALE),
+)
 STEP_AXIS = "optimizer steps attempted (skipped steps included)"
 
 
@@ -47,15 +71,27 @@ class Snapshot:
     steps_at_min_scale: int
     total_steps_at_min_scale: int
 
-    def metrics(self) -> dict[str, float]:
-        """The metric schema as plain numbers, ready for any logger."""
+    def metrics(self) -> dict[str, float | int]:
+        """The metric schema as plain numbers, ready for any logger: counts are ``int``, the rest ``float``.
+
+        ``loss_scale/log2_scale`` is the scale's exponent (loss scales are powers of two, so the
+        charts read 15, 14, 15... instead of hugging zero on a linear axis up to 2**24); NaN for a
+        scale that is not a positive finite number (a broken stock scaler).
+        """
         return {
             SCALE: self.scale,
-            GROWTH_COUNTER: float(self.growth_counter),
-            SKIPPED_STEPS: float(self.skipped_steps),
-            SKIPPED_IN_INTERVAL: float(self.skipped_in_interval),
+            LOG2_SCALE: log2_scale(self.scale),
+            GROWTH_COUNTER: int(self.growth_counter),
+            SKIPPED_STEPS: int(self.skipped_steps),
+            SKIPPED_IN_INTERVAL: int(self.skipped_in_interval),
             SKIP_RATE: self.skip_rate,
+            STEPS: int(self.step),
         }
+
+
+def log2_scale(scale: float) -> float:
+    """``log2(scale)``, or NaN when ``scale`` is not a positive finite number."""
+    return math.log2(scale) if math.isfinite(scale) and scale > 0 else math.nan
 
 
 def _host_value(state: Any, name: str) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
 import os
 import sys
 import threading
@@ -124,29 +123,6 @@ def forget_at_exit(sink: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The base of dashboard sinks: guarded, rank 0 only, closed at exit.
-
-
-def check_scale_bounds(min_scale: Any, max_scale: Any) -> tuple[float, float] | None:
-    """Validate a sink's ``min_scale``/``max_scale`` arguments (the policy's bounds, drawn next to the scale).
-
-    Returns ``None`` when both are ``None``, else ``(min_scale, max_scale)`` as floats.
-
-    Raises:
-        ValueError: one is given without the other, one is not a finite number > 0, or
-            ``min_scale > max_scale``.
-    """
-    for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value <= 0):
-            raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
-    if (min_scale is None) != (max_scale is None):
-        raise ValueError("min_scale and max_scale must be given together (the policy's bounds), "
-                         f"got min_scale={min_scale!r}, max_scale={max_scale!r}")
-    if min_scale is None or max_scale is None:
-        return None
-    if min_scale > max_scale:
-        raise ValueError(f"min_scale must be <= max_scale, got {min_scale!r} > {max_scale!r}")
-    return float(min_scale), float(max_scale)
 
 
 class ManagedSink(GuardedSink):

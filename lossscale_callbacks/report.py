@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata as importlib_metadata
 from typing import Any
 
 from lossscale_callbacks import metrics as m
-from lossscale_callbacks.health import HealthMonitor, Rule, Verdict, default_rules
+from lossscale_callbacks.health import HealthMonitor, Rule, Verdict, assess, default_rules
 from lossscale_callbacks.metrics import MetricsTracker, Snapshot
 
 Series = dict[str, list[tuple[int, float]]]
@@ -31,7 +32,38 @@ READER_GROUP = "lossscale_callbacks.readers"
 # five-metric schema, which every framework fills; these come from the policy, not the state).
 MIN_SCALE = "loss_scale/min_scale"
 MAX_SCALE = "loss_scale/max_scale"
+# The policy's growth interval, read back from the policy a run wrote (a one-point series).
+GROWTH_INTERVAL = "loss_scale/growth_interval"
 DEFAULT_MIN_SCALE = 1.0
+
+
+def policy_values_from_markdown(markdown: str) -> dict[str, str]:
+    """The ``setting -> value`` rows of the policy table the sinks write once per run."""
+    values: dict[str, str] = {}
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0] not in ("setting", "---"):
+            values[cells[0]] = cells[1]
+    return values
+
+
+def policy_bounds_from_markdown(markdown: str) -> tuple[float, float] | None:
+    """``(min_scale, max_scale)`` from the policy table the sinks write once per run, or None.
+
+    Example:
+        >>> from lossscale_callbacks.sinks import config_markdown
+        >>> policy_bounds_from_markdown(config_markdown({"type": "fixed", "scale": 8.0}))
+        (8.0, 8.0)
+    """
+    values = policy_values_from_markdown(markdown)
+    try:
+        if "min_scale" in values and "max_scale" in values:
+            return float(values["min_scale"]), float(values["max_scale"])
+        if values.get("type") == "fixed" and "scale" in values:
+            return float(values["scale"]), float(values["scale"])
+    except ValueError:
+        return None
+    return None
 
 
 class RunReadError(ValueError):
@@ -70,6 +102,37 @@ def _looks_like_wandb(path: str) -> bool:
         return any(name.endswith(".wandb") for name in os.listdir(path)) or os.path.isdir(
             os.path.join(path, "wandb"))
     return False
+
+
+def _is_regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def discover_runs(root: str) -> list[str]:
+    """The runs at or below ``root``: TensorBoard run folders and W&B offline runs, sorted.
+
+    A folder that holds event files (``*tfevents*``) directly is one TensorBoard run; an
+    ``offline-run-*``/``run-*`` folder or a ``.wandb`` file is one W&B run. Only regular files
+    count: a FIFO or socket named like an event file is ignored (opening it would block).
+    ``root`` itself, when it is a run or a file, gives ``[root]``.
+    """
+    if not os.path.isdir(root):
+        return [root] if os.path.exists(root) else []
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        base = os.path.basename(os.path.normpath(folder))
+        wandb_files = [f for f in files if f.endswith(".wandb") and _is_regular_file(os.path.join(folder, f))]
+        if base.startswith(("offline-run-", "run-")) and wandb_files:
+            found.append(folder)
+            dirs[:] = []  # its files/ and logs/ are part of it
+            continue
+        if any("tfevents" in f and _is_regular_file(os.path.join(folder, f)) for f in files):
+            found.append(folder)
+    return found
 
 
 def read_series(path: str, readers: Mapping[str, Reader] | None = None) -> tuple[str, Series]:
@@ -171,6 +234,8 @@ def snapshots_from_series(series: Mapping[str, Sequence[tuple[int, float]]],
                            "not a loss scale (a finite number > 0)")
     growth = _by_step(series.get(prefix + m.GROWTH_COUNTER, ()))
     skipped = _by_step(series.get(prefix + m.SKIPPED_STEPS, ()))
+    # Runs logged on another axis (Lightning's logging step) carry the optimizer steps as a value.
+    attempted = _by_step(series.get(prefix + m.STEPS, ()))
     if min_scale is None:
         bounds = series.get(prefix + MIN_SCALE)
         min_scale = float(bounds[-1][1]) if bounds else DEFAULT_MIN_SCALE
@@ -178,7 +243,7 @@ def snapshots_from_series(series: Mapping[str, Sequence[tuple[int, float]]],
     snapshots = []
     for step in sorted(scale):
         snapshots.append(tracker.observe({
-            "steps": step,
+            "steps": int(attempted.get(step, step)),
             "scale": scale[step],
             "growth_counter": int(growth.get(step, 0)),
             "hysteresis_left": 0,
@@ -209,6 +274,8 @@ class Report:
     verdicts: tuple[Verdict, ...]
     series: Mapping[str, Sequence[tuple[int, float]]] = dataclasses.field(repr=False, compare=False)
     snapshots: tuple[Snapshot, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    health: str = ""
+    max_scale: float | None = None
 
     @property
     def healthy(self) -> bool:
@@ -230,6 +297,9 @@ class Report:
             "log_points": self.log_points,
             "healthy": self.healthy,
             "verdicts": [dataclasses.asdict(v) for v in self.verdicts],
+            "bounds": {"min_scale": self.min_scale, "max_scale": self.max_scale},
+            "summary": self.text(),
+            "series": {tag: [[step, value] for step, value in points] for tag, points in self.series.items()},
         }
 
     def text(self) -> str:
@@ -252,12 +322,10 @@ class Report:
         if self.healthy and self.skipped_steps is None:
             lines.append("Health: no problem seen, but only the scale was logged: skipped steps and the "
                          "skip rate could not be judged.")
-        elif self.healthy:
-            lines.append("Health: OK. The loss scale behaved like a healthy dynamic scale "
-                         "(no long runs of skipped steps, a low skip rate, not stuck at the minimum).")
+        elif self.health:
+            lines.append(self.health)
         else:
-            lines.append(f"Health: {len(self.verdicts)} problem(s) found.")
-            lines.extend(f"  - [{v.rule} at step {v.step}] {v.message}" for v in self.verdicts)
+            lines.append(assess((), list(self.snapshots), self.verdicts))
         return "\n".join(lines)
 
 
@@ -275,11 +343,16 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
     snapshots, min_scale = snapshots_from_series(series, min_scale)
     if not snapshots:
         raise RunReadError(f"{path}: the {m.SCALE} series is empty")
-    skips_logged = bool(series.get(_find_prefix(series) + m.SKIPPED_STEPS))
-    monitor = HealthMonitor(default_rules("warn") if rules is None else rules)
-    verdicts: list[Verdict] = []
+    prefix = _find_prefix(series)
+    skips_logged = bool(series.get(prefix + m.SKIPPED_STEPS))
+    interval = series.get(prefix + GROWTH_INTERVAL)
+    growth_interval = int(interval[-1][1]) if interval else None
+    monitor = HealthMonitor(default_rules("warn", growth_interval) if rules is None else rules)
     for snap in snapshots:
-        verdicts.extend(monitor.observe(snap))
+        monitor.observe(snap)
+    monitor.final()
+    verdicts: list[Verdict] = list(monitor.verdicts)
+    upper = series.get(prefix + MAX_SCALE)
     last = snapshots[-1]
     scales = [s.scale for s in snapshots]
     return Report(
@@ -297,6 +370,8 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
         verdicts=tuple(verdicts),
         series=dict(series),
         snapshots=tuple(snapshots),
+        health=monitor.assessment(),
+        max_scale=float(upper[-1][1]) if upper else None,
     )
 
 
@@ -304,11 +379,12 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
 # The picture
 
 
-def write_png(report: Report, path: str) -> str:
+def write_png(report: Report, path: str, fmt: str = "png") -> str:
     """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
 
-    matplotlib is imported here only. The figure is drawn with matplotlib's object API and saved
-    by its Agg renderer: no display is needed and pyplot's global backend is left alone.
+    ``fmt`` is the picture format (``"png"``, ``"svg"``, ``"pdf"``); the CLI takes it from the file
+    name. matplotlib is imported here only. The figure is drawn with matplotlib's object API and
+    saved by its Agg renderer: no display is needed and pyplot's global backend is left alone.
 
     Raises:
         RunReadError: matplotlib is not installed.
@@ -350,5 +426,5 @@ def write_png(report: Report, path: str) -> str:
     bottom.set_ylim(0, max(0.05, max((s.skip_rate for s in snapshots), default=0.0) * 1.1))
     bottom.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    fig.savefig(path, format=fmt)
     return path

@@ -18,6 +18,10 @@ class Sink(Protocol):
     """A destination for loss-scale metrics (TensorBoard, W&B, memory, ...).
 
     ``step`` is the number of optimizer steps attempted, skipped ones included.
+
+    Two optional methods, used when a sink has them: ``write_config(config)`` receives the
+    policy once per run (without it the sink gets the policy as a markdown table through
+    ``write_text``), and ``alert_verdict(verdict)`` receives each health problem (W&B alerts).
     """
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
@@ -62,6 +66,25 @@ class InMemorySink:
         return [(step, metrics[name]) for step, metrics in self.records if name in metrics]
 
 
+POLICY_TAG = "loss_scale/policy"
+
+
+def config_markdown(config: Mapping[str, object]) -> str:
+    """A policy config as a two-column markdown table (how sinks without a config channel show it).
+
+    Example:
+        >>> print(config_markdown({"type": "fixed", "scale": 128.0}))
+        | setting | value |
+        |---|---|
+        | type | fixed |
+        | scale | 128.0 |
+    """
+    # repr keeps every digit of a float (2**24 is 16777216.0, not :g's 1.67772e+07).
+    rows = [f"| {key} | {value!r} |" if isinstance(value, float) else f"| {key} | {value} |"
+            for key, value in config.items()]
+    return "\n".join(["| setting | value |", "|---|---|", *rows])
+
+
 class SinkFailureWarning(UserWarning):
     """A sink failed and was disabled; training goes on."""
 
@@ -103,6 +126,25 @@ class GuardedSink:
     def write_text(self, tag: str, markdown: str) -> None:
         self._call("write_text", tag, markdown)
 
+    def _backend_has(self, method: str) -> bool:
+        backend = self.sink
+        # A guard around a guard (a managed sink handed to a group) asks the innermost backend.
+        while isinstance(backend, GuardedSink) and not callable(getattr(type(backend), method, None)):
+            backend = backend.sink
+        return callable(getattr(backend, method, None))
+
+    def write_config(self, config: Mapping[str, object]) -> None:
+        """The policy, once per run: the sink's own ``write_config``, else a markdown table as text."""
+        if self._backend_has("write_config"):
+            self._call("write_config", config)
+        else:
+            self._call("write_text", POLICY_TAG, config_markdown(config))
+
+    def alert_verdict(self, verdict: object) -> None:
+        """A health problem, for sinks that raise alerts (W&B); others ignore it."""
+        if self._backend_has("alert_verdict"):
+            self._call("alert_verdict", verdict)
+
     def flush(self) -> None:
         self._call("flush")
 
@@ -141,6 +183,16 @@ class SinkGroup:
     def write_text(self, tag: str, markdown: str) -> None:
         for sink in self.sinks:
             sink.write_text(tag, markdown)
+
+    def write_config(self, config: Mapping[str, object]) -> None:
+        for sink in self.sinks:
+            sink.write_config(config)
+
+    def alert_verdicts(self, verdicts: Iterable[object]) -> None:
+        verdicts = list(verdicts)
+        for sink in self.sinks:
+            for verdict in verdicts:
+                sink.alert_verdict(verdict)
 
     def flush(self) -> None:
         for sink in self.sinks:

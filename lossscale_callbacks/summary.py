@@ -22,9 +22,12 @@ def summarize(snapshot: Snapshot | None, min_scale: float | None = None) -> str:
     if snapshot is None or snapshot.step == 0:
         return "Loss scaling: no optimizer step was taken."
     rate = snapshot.skipped_steps / snapshot.step
+    scale = snapshot.scale
+    exponent = f" (2^{math.log2(scale):.1f})" if math.isfinite(scale) and scale > 0 else (
+        ": not a usable loss scale, every step with it is skipped or wrong")
     text = (
         f"Loss scaling: {snapshot.step} optimizer steps, {snapshot.skipped_steps} skipped ({rate:.2%}) "
-        f"for Inf/NaN gradients; final loss scale {snapshot.scale:g} (2^{math.log2(snapshot.scale):.1f})."
+        f"for Inf/NaN gradients; final loss scale {scale:g}{exponent}."
     )
     if snapshot.total_steps_at_min_scale or snapshot.at_min_scale:
         bound = f" ({min_scale:g})" if min_scale is not None else ""

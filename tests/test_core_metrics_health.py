@@ -30,8 +30,9 @@ def run(policy, flags, tracker, every):
 
 
 def test_metric_schema_names():
-    assert METRIC_NAMES == ("loss_scale/scale", "loss_scale/growth_counter", "loss_scale/skipped_steps",
-                            "loss_scale/skipped_in_interval", "loss_scale/skip_rate")
+    assert METRIC_NAMES == ("loss_scale/scale", "loss_scale/log2_scale", "loss_scale/growth_counter",
+                            "loss_scale/skipped_steps", "loss_scale/skipped_in_interval",
+                            "loss_scale/skip_rate", "loss_scale/steps")
 
 
 def test_tracker_intervals_and_rates():
@@ -42,10 +43,15 @@ def test_tracker_intervals_and_rates():
     assert (first.step, first.skipped_in_interval, first.skip_rate) == (10, 2, 0.2)
     assert (second.step, second.skipped_steps) == (20, 4)
     assert (second.skipped_in_interval, second.skip_rate) == (2, 0.2)
-    assert second.metrics() == {
-        "loss_scale/scale": 1024.0 / 16, "loss_scale/growth_counter": 6.0, "loss_scale/skipped_steps": 4.0,
-        "loss_scale/skipped_in_interval": 2.0, "loss_scale/skip_rate": 0.2,
+    metrics = second.metrics()
+    assert metrics == {
+        "loss_scale/scale": 1024.0 / 16, "loss_scale/log2_scale": 6.0, "loss_scale/growth_counter": 6,
+        "loss_scale/skipped_steps": 4, "loss_scale/skipped_in_interval": 2, "loss_scale/skip_rate": 0.2,
+        "loss_scale/steps": 20,
     }
+    # Counts are ints (dashboards show 4, not 4.0).
+    counts = ("loss_scale/growth_counter", "loss_scale/skipped_steps", "loss_scale/skipped_in_interval")
+    assert all(type(metrics[name]) is int for name in counts)
 
 
 def test_tracker_restarts_when_counters_go_back():
@@ -87,7 +93,7 @@ def test_skip_rate_window_ignores_warmup_and_threshold():
     snaps = run(policy, flags, MetricsTracker(policy.min_scale), every=50)
     assert SkipRate()(snaps) is None
     verdict = SkipRate(max_rate=0.03)(snaps)
-    assert verdict is not None and "4.0% of the last 1000" in verdict.message
+    assert verdict is not None and "4.00% of the last 1000" in verdict.message
     assert SkipRate(max_rate=0.03, window=5000)(snaps) is None  # not enough steps yet
 
 
@@ -116,7 +122,8 @@ def test_monitor_reports_each_problem_once_and_acts():
 @pytest.mark.parametrize("spec", ["warn", "raise", "stop", True])
 def test_health_spec_shorthands(spec):
     monitor = HealthMonitor.from_spec(spec)
-    assert len(monitor.rules) == 3
+    assert [type(r).__name__ for r in monitor.rules] == ["ConsecutiveSkips", "SkipRate", "StuckAtMinScale",
+                                                         "ScaleOnlyDecreases"]
     assert {r.action for r in monitor.rules} == {"warn" if spec is True else spec}
 
 

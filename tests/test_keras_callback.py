@@ -331,7 +331,7 @@ def test_check_alignment_report_goes_to_sinks_and_stdout(capsys):
     callback = LossScaleCallback(log_every=4, policy=POLICY, sinks=[sink], check_alignment=True)
     _fit(_compiled(), 1, [callback])
     tags = [tag for tag, _ in sink.texts]
-    assert tags == ["loss_scale/alignment", "loss_scale/summary"]
+    assert tags == ["loss_scale/alignment", "loss_scale/policy", "loss_scale/summary"]  # policy: once
     markdown = sink.texts[0][1]
     assert markdown == callback.alignment_report.to_markdown() and markdown.strip()
     out = capsys.readouterr().out

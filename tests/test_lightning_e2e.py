@@ -48,7 +48,7 @@ def test_fp16_run_with_injected_infs_read_back_from_tensorboard_and_wandb(tmp_pa
     wandb = pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lossscale_callbacks.wandb.reader import read_run, read_run_info
+    from lossscale_callbacks.wandb.reader import read_run, read_run_info, read_tables
 
     tb = pl.loggers.TensorBoardLogger(str(tmp_path / "tb"), name="run", version=0)
     wb = pl.loggers.WandbLogger(offline=True, save_dir=str(tmp_path), project="lossscale-test")
@@ -70,7 +70,9 @@ def test_fp16_run_with_injected_infs_read_back_from_tensorboard_and_wandb(tmp_pa
     assert plugin.scaler.get_state() == tuple(x.item() for x in reference[-1])
     # hysteresis=2: the first overflow (step 3) keeps the scale, the second (step 4) halves it.
     assert float(reference[3].scale) == 2.0**12 and float(reference[4].scale) == 2.0**11
-    expected = {s: reference[s - 1] for s in range(2, STEPS + 1, 2)}
+    # Logged at Lightning's own logging step (the batch index), so the rows line up with self.log's:
+    # the state after optimizer step s is logged at step s - 1.
+    expected = {s - 1: reference[s - 1] for s in range(2, STEPS + 1, 2)}
 
     # TensorBoard, with TensorBoard's own reader.
     acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})
@@ -92,7 +94,12 @@ def test_fp16_run_with_injected_infs_read_back_from_tensorboard_and_wandb(tmp_pa
     series = read_run(run_dir[0])
     assert series["loss_scale/scale"] == [(s, float(st.scale)) for s, st in expected.items()]
     assert series["loss_scale/skipped_steps"] == [(s, float(st.skipped_steps)) for s, st in expected.items()]
-    assert read_run_info(run_dir[0]).summary["loss_scale/summary"] == text
+    # The WandbLogger run gets what a WandbSink run gets: the summary as a Table, the policy in the config.
+    tables = {key: rows for key, _, _, rows in read_tables(run_dir[0])}
+    assert tables["loss_scale/summary"][0][1] == text
+    info = read_run_info(run_dir[0])
+    assert info.config["loss_scale"]["hysteresis"] == 2
+    assert info.summary["loss_scale/total_skipped_steps"] == 3
 
 
 @pytest.mark.slow

@@ -81,20 +81,22 @@ def test_logs_the_schema_through_every_logger_at_log_every_n_steps(pl):
     model = tiny.module_class(pl)(inject_inf_at=(1,), snapshots=False)
     trainer, loggers = _fit(pl, monitor, model=model, max_steps=8, log_every_n_steps=2)
     for logger in loggers:
+        # Lightning's own logging step (as LearningRateMonitor logs): rows line up with self.log's.
         steps = [s for s, _ in logger.series("loss_scale/scale")]
-        assert steps == [2, 4, 6, 8]
+        assert steps == [1, 3, 5, 7]
         last = {name: logger.series(name)[-1][1] for name in METRIC_NAMES}
         # steps 0 finite, 1 skipped (1024 -> 512), 2,3,4 finite -> growth at the 3rd (1024), 5,6,7 -> 2048
-        assert last == {"loss_scale/scale": 2048.0, "loss_scale/growth_counter": 0.0,
-                        "loss_scale/skipped_steps": 1.0, "loss_scale/skipped_in_interval": 0.0,
-                        "loss_scale/skip_rate": 0.0}
-        assert logger.series("loss_scale/skipped_in_interval")[0] == (2, 1.0)
+        assert last == {"loss_scale/scale": 2048.0, "loss_scale/log2_scale": 11.0,
+                        "loss_scale/growth_counter": 0, "loss_scale/skipped_steps": 1,
+                        "loss_scale/skipped_in_interval": 0, "loss_scale/skip_rate": 0.0,
+                        "loss_scale/steps": 8}
+        assert logger.series("loss_scale/skipped_in_interval")[0] == (1, 1)
     for name in METRIC_NAMES:
         assert name in trainer.callback_metrics
     assert monitor.summary.startswith("Loss scaling: 8 optimizer steps, 1 skipped (12.50%)")
 
 
-@pytest.mark.parametrize("interval, expected", [(3, [3, 6, 7]), ("epoch", [8, 10])])
+@pytest.mark.parametrize("interval, expected", [(3, [2, 5, 7]), ("epoch", [8, 10])])
 def test_other_logging_intervals(interval, expected):
     import lightning.pytorch as pl
 
@@ -158,7 +160,7 @@ def test_the_library_reads_the_device_only_at_the_log_interval(optimizer, per_st
     model = tiny.module_class(pl)(optimizer=optimizer, inject_inf_at=(3,), snapshots=False)
     with HostReadCounter(only_under=LIBRARY) as counter:
         trainer, loggers = _fit(pl, LossScaleMonitor(), model=model, max_steps=8, log_every_n_steps=4)
-    assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [4, 8]
+    assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [3, 7]
     interval = [("cpu", "scaler.py"), ("tolist", "scaler.py")]
     assert counter.reads == (per_step * 4 + interval) * 2
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 1
@@ -173,7 +175,7 @@ def test_the_stock_scaler_is_read_only_at_the_log_interval():
         _, loggers = _fit(pl, LossScaleMonitor(), plugin=plugin, model=model, max_steps=8,
                           log_every_n_steps=4)
     assert counter.reads == [("cpu", "stock.py"), ("tolist", "stock.py")] * 2
-    assert loggers[0].series("loss_scale/skipped_steps") == [(4, 1.0), (8, 1.0)]
+    assert loggers[0].series("loss_scale/skipped_steps") == [(3, 1), (7, 1)]
 
 
 def two_optimizer_module(pl, inject_at: int):
@@ -214,10 +216,13 @@ def test_several_optimizer_steps_per_batch_are_each_counted_once(stock):
     trainer, loggers = _fit(pl, monitor, plugin=plugin, model=two_optimizer_module(pl, inject_at=4),
                             max_steps=12)
     assert trainer.global_step == 12
-    # Two steps per batch: every multiple of 3 crossed is logged, even the odd ones never landed on.
-    assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [4, 6, 10, 12]
+    # Two steps per batch: every multiple of 3 crossed is logged, even the odd ones never landed on
+    # (optimizer steps 4, 6, 10, 12; the loggers get Lightning's logging step, the batch index 1, 2, 4, 5;
+    # the last read, at train end, comes after Lightning counted the last batch).
+    assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [1, 2, 4, 5]
+    assert monitor.loop.last.step == 12
     # One overflow (step 4, the first optimizer of batch 2); the growths after it are not skips.
-    assert loggers[0].series("loss_scale/skipped_steps")[-1] == (12, 1.0)
+    assert loggers[0].series("loss_scale/skipped_steps")[-1] == (5, 1)
     assert monitor.summary.startswith("Loss scaling: 12 optimizer steps, 1 skipped")
 
 
@@ -237,8 +242,8 @@ def test_a_resumed_run_counts_its_first_interval_from_the_checkpoint(tmp_path):
     first.save_checkpoint(str(tmp_path / "mid.ckpt"))
     _, logger = fit(8, str(tmp_path / "mid.ckpt"))
     # Steps 5 and 6 are finite: the first interval after resuming has no skip, not the run's one.
-    assert logger.series("loss_scale/skipped_in_interval")[0] == (6, 0.0)
-    assert logger.series("loss_scale/skipped_steps")[0] == (6, 1.0)
+    assert logger.series("loss_scale/skipped_in_interval")[0] == (5, 0)
+    assert logger.series("loss_scale/skipped_steps")[0] == (5, 1)
 
 
 def test_warns_when_there_is_no_scaler(pl):

@@ -47,7 +47,9 @@ def test_lightning_quickstart(tmp_path):
     (log_dir,) = glob.glob(str(tmp_path / "runs" / "quickstart" / "version_*"))
     acc = EventAccumulator(log_dir)
     acc.Reload()
-    assert [e.step for e in acc.Scalars("loss_scale/scale")] == [10, 20, 30]
+    # Lightning's logging step (batch index from 0), with the optimizer steps attempted as a value.
+    assert [e.step for e in acc.Scalars("loss_scale/scale")] == [9, 19, 29]
+    assert [e.value for e in acc.Scalars("loss_scale/steps")] == [10, 20, 30]
     assert glob.glob(str(tmp_path / "runs" / "wandb" / "offline-run-*" / "*.wandb"))
 
 

@@ -13,6 +13,7 @@ import pytest
 import wandb
 from repo_scripts import load_script
 
+from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.health import Verdict
 from lossscale_callbacks.wandb import (
@@ -61,13 +62,14 @@ def no_credentials(tmp_path, monkeypatch):
 
 def test_round_trip_every_value_step_by_step(tmp_path):
     example = load_example()
-    sink = WandbSink(project="t", dir=str(tmp_path), mode="offline", min_scale=1.0, max_scale=2.0**24)
+    sink = WandbSink(project="t", dir=str(tmp_path), mode="offline")
     written = example.train([sink], steps=1500, log_every=50)
     assert len(written) == 30 and wandb.run is None  # the sink finished the run it started
     series = read_finished(tmp_path)
     for name in m.METRIC_NAMES:
         assert series[name] == series_of(written, name), name
-    assert series["loss_scale/min_scale"] == [(step, 1.0) for step, _ in written]
+    # The policy's bounds are written once, into the config (the reader gives them back as one point).
+    assert series["loss_scale/min_scale"] == [(50, 1.0)]
     info = read_run_info(str(tmp_path / "wandb"))
     assert info.finished
     assert info.step_metrics == {"loss_scale/*": STEP_METRIC}
@@ -75,7 +77,8 @@ def test_round_trip_every_value_step_by_step(tmp_path):
     assert info.summary[FINAL_SCALE] == last[m.SCALE]
     assert info.summary[TOTAL_SKIPPED_STEPS] == last[m.SKIPPED_STEPS]
     assert info.summary[OVERALL_SKIP_RATE] == pytest.approx(last[m.SKIPPED_STEPS] / last_step)
-    assert info.config["loss_scale"] == {"min_scale": 1.0, "max_scale": 2.0**24}
+    assert info.config["loss_scale"] == {"type": "dynamic", **example.DynamicPolicy(
+        initial_scale=2.0**16, growth_interval=200).to_config()}
     ((tag, _, columns, rows),) = read_tables(str(tmp_path))
     assert (tag, columns) == ("loss_scale/summary", ["step", "markdown"])
     assert rows[0][0] == 1500 and rows[0][1].startswith("Loss scaling: 1500 optimizer steps")
@@ -186,21 +189,27 @@ def test_alerts_map_verdicts_and_a_refused_alert_costs_no_metric(tmp_path):
     assert read_finished(tmp_path)[m.SCALE] == [(1, 2.0), (2, 4.0)]
 
 
-def test_health_problems_in_the_written_metrics_raise_alerts(tmp_path):
+def test_health_problems_of_the_logging_loop_raise_alerts_once(tmp_path):
+    """The rules are the loop's (the integration's health=), judged once; the sink only alerts."""
+    from lossscale_callbacks import LoggingLoop
+
     run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
     sent = []
     run.alert = lambda **kwargs: sent.append(kwargs)
-    sink = WandbSink(run, min_scale=1.0, max_scale=2.0**24)
-    for step in range(100, 1600, 100):  # collapsed: at the minimum, every step skipped
-        sink.write(step, {m.SCALE: 1.0, m.GROWTH_COUNTER: 0.0, m.SKIPPED_STEPS: float(step)})
-    sink.close()
+    loop = LoggingLoop(DynamicPolicy(), sinks=[WandbSink(run)], health="warn", echo=None)
+    with pytest.warns(UserWarning):
+        for step in range(100, 1600, 100):  # collapsed: at the minimum, every step skipped
+            loop.observe({"steps": step, "scale": 1.0, "growth_counter": 0, "hysteresis_left": 0,
+                          "skipped_steps": step})
     titles = [a["title"] for a in sent]
     assert titles == ["Loss scale: consecutive skips at step 100", "Loss scale: skip rate at step 1100",
                       "Loss scale: stuck at min scale at step 1100"]
     assert {a["level"] for a in sent} == {"WARN"} and "bf16" in sent[0]["text"]
-    quiet = WandbSink(run, alerts=None)
     sent.clear()
-    quiet.write(100, {m.SCALE: 1.0, m.SKIPPED_STEPS: 100.0})
+    quiet = LoggingLoop(DynamicPolicy(), sinks=[WandbSink(run)], health=None, echo=None)
+    quiet.observe({"steps": 100, "scale": 1.0, "growth_counter": 0, "hysteresis_left": 0,
+                   "skipped_steps": 100})
+    loop.close()
     quiet.close()
     assert sent == []
 
@@ -223,10 +232,8 @@ def test_only_rank_zero_starts_a_run(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, kwargs, message", [
     ((object(),), {}, "run must be a wandb Run"),
     ((), {"not_an_init_argument": 1}, "init_kwargs must be arguments of wandb.init"),
-    ((), {"min_scale": 1.0}, "min_scale and max_scale must be given together"),
-    ((), {"min_scale": 8.0, "max_scale": 2.0}, "min_scale must be <= max_scale"),
-    ((), {"alerts": "loudly"}, "alerts: health must be"),
-    ((), {"summary_secs": -1}, "summary_secs must be a number >= 0"),
+    ((), {"min_scale": 1.0}, "init_kwargs must be arguments of wandb.init"),
+    ((), {"summary_secs": -1}, r"summary_secs must be in \[0, inf\]"),
 ])
 def test_bad_arguments_raise_value_error(args, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -9,15 +9,13 @@ from typing import Any
 
 import keras
 
+from lossscale_callbacks._validation import check_bool, check_int, check_policy
 from lossscale_callbacks.health import HealthMonitor
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer, wrap
-from lossscale_callbacks.metrics import MetricsTracker, Snapshot
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy
-from lossscale_callbacks.sinks import GuardedSink, Sink, SinkGroup
-from lossscale_callbacks.summary import summarize
-
-SUMMARY_TAG = "loss_scale/summary"
-ALIGNMENT_TAG = "loss_scale/alignment"
+from lossscale_callbacks.logging_loop import LoggingLoop
+from lossscale_callbacks.metrics import METRIC_NAMES, Snapshot
+from lossscale_callbacks.policy import Policy
+from lossscale_callbacks.sinks import GuardedSink, Sink
 
 
 class LossScaleCallback(keras.callbacks.Callback):
@@ -37,15 +35,16 @@ class LossScaleCallback(keras.callbacks.Callback):
     On every ``log_every``-th batch of an epoch (Keras' batch index ``0, n, 2n, ...``, the
     batches ``WandbMetricsLogger(log_freq=n)`` logs) and at the end of each epoch, the
     callback reads the state once (the only host synchronisation it adds; none happens per
-    step), puts the metrics
-    (``loss_scale/scale``, ``loss_scale/growth_counter``, ``loss_scale/skipped_steps``,
-    ``loss_scale/skipped_in_interval``, ``loss_scale/skip_rate``) into ``logs``, writes them
-    to its sinks and applies the health rules. **Put it before** ``TensorBoard``,
+    step) and hands it to the core's :class:`~lossscale_callbacks.LoggingLoop`, which writes
+    the metrics (``loss_scale/scale``, ``loss_scale/log2_scale``, ``loss_scale/growth_counter``,
+    ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``, ``loss_scale/skip_rate``)
+    to the sinks and applies the health rules; the metrics chosen by ``log_metrics`` also go
+    into ``logs`` (counts as ints). **Put it before** ``TensorBoard``,
     ``CSVLogger``, ``ModelCheckpoint``, ``EarlyStopping``, ``ReduceLROnPlateau`` and W&B's
     Keras callbacks in ``callbacks=[...]``: Keras passes one ``logs`` dict down the list, so
     only the callbacks after it see the metrics. (``BackupAndRestore`` may stand anywhere: the
     optimizer is installed before it restores.) At the end of training it prints a
-    one-paragraph summary.
+    summary with an honest health verdict.
 
     The sinks' step axis is the number of optimizer steps attempted (skipped ones
     included), ``state.steps``; only the chief worker writes to sinks under
@@ -71,6 +70,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
         health: health rules: None/False (off), True/"warn", "raise", "stop" (sets
             ``model.stop_training``), or rule objects.
+        log_metrics: which metrics go into Keras' ``logs`` (and so the progress bar, History,
+            CSVLogger, Keras' TensorBoard): ``True`` (all), ``False`` (none; the sinks still get
+            them) or names from ``lossscale_callbacks.METRIC_NAMES``.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks.
 
@@ -89,35 +91,39 @@ class LossScaleCallback(keras.callbacks.Callback):
         wandb: bool | Mapping[str, Any] | None = None,
         sinks: Iterable[Sink] = (),
         health: Any = "warn",
+        log_metrics: bool | Iterable[str] = True,
         check_alignment: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-            raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
-        if policy is not None and not isinstance(policy, (DynamicPolicy, FixedPolicy)):
-            raise ValueError(f"policy must be None, a DynamicPolicy or a FixedPolicy, got {policy!r}")
+        check_int("log_every", log_every)
+        check_policy("policy", policy)
         if tensorboard is not None and not isinstance(tensorboard, (str, os.PathLike)):
             raise ValueError(f"tensorboard must be None or a log directory path, got {tensorboard!r}")
         if not (wandb is None or isinstance(wandb, (bool, Mapping))):
             raise ValueError(f"wandb must be None, a bool, or a dict of wandb.init arguments, got {wandb!r}")
-        if not isinstance(check_alignment, bool):
-            raise ValueError(f"check_alignment must be True or False, got {check_alignment!r}")
+        check_bool("check_alignment", check_alignment)
+        HealthMonitor.from_spec(health)  # validated here, used by each fit's logging loop
         self.log_every = log_every
         self.policy = policy
         self.tensorboard = tensorboard
         self.wandb = wandb
+        self.health = health
+        self.log_metrics = _chosen_metrics(log_metrics)
         self.check_alignment = check_alignment
         self._user_sinks = [GuardedSink(s) for s in sinks]
-        self._monitor = HealthMonitor.from_spec(health)
         self.optimizer: LossScaleOptimizer | None = None
-        self.tracker: MetricsTracker | None = None
+        self.loop: LoggingLoop | None = None
         self.summary: str | None = None
         self.alignment_report: Any = None
-        self._sinks = SinkGroup()
         self._owned_sinks: list[Sink] = []
         self._primed = False
         self._is_chief = True
         self._last_batch = -1
+
+    @property
+    def tracker(self) -> Any:
+        """The logging loop's metrics tracker (its ``last`` snapshot), or None before training."""
+        return self.loop.tracker if self.loop is not None else None
 
     # ---- installation ----
 
@@ -160,38 +166,31 @@ class LossScaleCallback(keras.callbacks.Callback):
             GuardedSink(sink).close()
         self._owned_sinks = []
 
-    def _open_sinks(self) -> None:
+    def _open_loop(self) -> LoggingLoop:
         # A fit() that raised never reached on_train_end: close its sinks (a W&B run) first.
         self._close_owned_sinks()
         owned: list[Sink] = []
-        policy = self.optimizer.policy
-        bounds = {"min_scale": policy.min_scale, "max_scale": policy.max_scale}
         if self._is_chief and self.tensorboard is not None:
             from lossscale_callbacks.tensorboard import TensorBoardSink
 
-            owned.append(TensorBoardSink(os.fspath(self.tensorboard), **bounds))
+            owned.append(TensorBoardSink(os.fspath(self.tensorboard)))
         if self._is_chief and self.wandb:
             from lossscale_callbacks.wandb import WandbSink
 
-            init_kwargs = dict(self.wandb) if isinstance(self.wandb, Mapping) else {}
-            owned.append(WandbSink(**bounds, **init_kwargs))
+            owned.append(WandbSink(**(dict(self.wandb) if isinstance(self.wandb, Mapping) else {})))
         self._owned_sinks = owned
-        self._sinks = SinkGroup([*owned, *self._user_sinks] if self._is_chief else [])
+        return LoggingLoop(self.optimizer.policy, sinks=[*owned, *self._user_sinks], health=self.health,
+                           writer=self._is_chief, stop=self._stop)
 
     # ---- reading ----
 
-    def _observe(self) -> Snapshot:
-        """One host read of the state; new snapshots go to the sinks and the health rules."""
-        assert self.optimizer is not None and self.tracker is not None
-        host = self.optimizer.read_state()
-        last = self.tracker.last
-        if last is not None and int(host.steps) == last.step:
-            return last
-        snapshot = self.tracker.observe(host)
-        self._sinks.write(snapshot.step, snapshot.metrics())
-        if self._monitor is not None:
-            verdicts = self._monitor.observe(snapshot)
-            self._monitor.apply(verdicts, stop=self._stop)
+    def _observe(self, logs: dict[str, Any] | None) -> Snapshot:
+        """One host read of the state, through the logging loop; the chosen metrics into ``logs``."""
+        assert self.optimizer is not None and self.loop is not None
+        snapshot = self.loop.observe(self.optimizer.read_state())
+        if logs is not None and self.log_metrics:
+            metrics = snapshot.metrics()
+            logs.update({name: metrics[name] for name in self.log_metrics})
         return snapshot
 
     def _stop(self) -> None:
@@ -208,11 +207,8 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.optimizer = self._install()  # no-op when set_model installed it already
-        wanted = MetricsTracker.for_policy(self.optimizer.policy)
-        if self.tracker is None or self.tracker.min_scale != wanted.min_scale:
-            self.tracker = wanted
         self._is_chief = bool(getattr(self.model.distribute_strategy.extended, "should_checkpoint", True))
-        self._open_sinks()
+        self.loop = self._open_loop()
         self._primed = False
         if self.check_alignment and self.alignment_report is None:
             self._run_alignment_check()
@@ -221,10 +217,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         from lossscale_callbacks.keras.alignment import check_alignment
 
         self.alignment_report = check_alignment(self.model)
-        markdown = self.alignment_report.to_markdown()
-        if self._is_chief:
-            print(markdown)
-        self._sinks.write_text(ALIGNMENT_TAG, markdown)
+        assert self.loop is not None
+        self.loop.report_alignment(self.alignment_report.to_markdown())
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._last_batch = -1
@@ -232,7 +226,8 @@ class LossScaleCallback(keras.callbacks.Callback):
             # After every on_train_begin (BackupAndRestore restores there): the baseline
             # of the first interval is the restored state, not zero.
             self._primed = True
-            self.tracker.observe(self.optimizer.read_state())
+            assert self.loop is not None and self.optimizer is not None
+            self.loop.baseline(self.optimizer.read_state())
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # Keras' own batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
@@ -242,20 +237,27 @@ class LossScaleCallback(keras.callbacks.Callback):
         previous, self._last_batch = self._last_batch, batch
         if batch // self.log_every == previous // self.log_every:
             return
-        snapshot = self._observe()
-        if logs is not None:
-            logs.update(snapshot.metrics())
+        self._observe(logs)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        snapshot = self._observe()
-        if logs is not None:
-            logs.update(snapshot.metrics())
+        self._observe(logs)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        snapshot = self._observe()
-        self.summary = summarize(snapshot, self.optimizer.policy.min_scale)
-        if self._is_chief:
-            print(self.summary)
-        self._sinks.write_text(SUMMARY_TAG, self.summary)
-        self._sinks.flush()
+        assert self.loop is not None and self.optimizer is not None
+        self.summary = self.loop.finish(self.optimizer.read_state())
         self._close_owned_sinks()
+
+
+def _chosen_metrics(log_metrics: bool | Iterable[str]) -> tuple[str, ...]:
+    if log_metrics is True:
+        return METRIC_NAMES
+    if log_metrics is False:
+        return ()
+    if isinstance(log_metrics, str) or not isinstance(log_metrics, Iterable):
+        raise ValueError(f"log_metrics must be True, False or names from {list(METRIC_NAMES)}, "
+                         f"got {log_metrics!r}")
+    names = tuple(log_metrics)
+    unknown = [n for n in names if n not in METRIC_NAMES]
+    if unknown:
+        raise ValueError(f"log_metrics: unknown metric(s) {unknown}; allowed: {list(METRIC_NAMES)}")
+    return names

@@ -1,9 +1,22 @@
-"""Lightning loggers as core sinks, so one guarded ``SinkGroup`` writes to all of them."""
+"""Lightning loggers as core sinks, so the logging loop writes to all of them like to any sink.
+
+* ``TensorBoardLogger``: metrics through ``log_metrics`` (float32 ``simple_value``, which
+  TensorBoard's default loader reads), reports with ``add_text``, and the "Loss scale" Custom
+  Scalars section once (``add_custom_scalars``), from the same chart list as
+  :class:`~lossscale_callbacks.tensorboard.TensorBoardSink`.
+* ``WandbLogger``: a :class:`~lossscale_callbacks.wandb.WandbSink` on the logger's run, so a
+  Lightning run gets what a ``WandbSink`` run gets: the ``loss_scale/step`` axis, the run
+  summary, reports as ``wandb.Table``, the policy in the run config and health alerts.
+* Any other logger (``CSVLogger``, MLflow, ...): ``log_metrics``; no text channel.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from lossscale_callbacks.metrics import DASHBOARD_CHARTS, DASHBOARD_SECTION
+from lossscale_callbacks.sinks import Sink
 
 
 def _is(obj: Any, class_name: str) -> bool:
@@ -11,25 +24,28 @@ def _is(obj: Any, class_name: str) -> bool:
 
 
 class LoggerSink:
-    """Writes metrics with ``logger.log_metrics`` and text where the logger has a text channel.
-
-    Text goes to TensorBoard with ``SummaryWriter.add_text`` (shown under the Text tab) and to W&B
-    into the run summary (shown on the run's overview page); other loggers have no text channel
-    and skip it.
-    """
+    """Writes metrics with ``logger.log_metrics`` and text where the logger has a text channel."""
 
     def __init__(self, logger: Any) -> None:
         self.logger = logger
         self.step = 0
+        self._layout_written = False
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         self.step = int(step)
+        if not self._layout_written:
+            self._layout_written = True
+            self._write_layout()
         self.logger.log_metrics(dict(metrics), step=int(step))
 
+    def _write_layout(self) -> None:
+        experiment = getattr(self.logger, "experiment", None)
+        tensorboard = _is(self.logger, "TensorBoardLogger")
+        if tensorboard and callable(getattr(experiment, "add_custom_scalars", None)):
+            experiment.add_custom_scalars({DASHBOARD_SECTION: {
+                title: ["Multiline", [f"^{tag}$"]] for title, tag in DASHBOARD_CHARTS}})
+
     def write_text(self, tag: str, markdown: str) -> None:
-        if _is(self.logger, "WandbLogger"):
-            self.logger.experiment.summary[tag] = markdown
-            return
         # TensorBoardLogger and any logger whose experiment is a SummaryWriter-like object.
         experiment = getattr(self.logger, "experiment", None)
         if callable(getattr(experiment, "add_text", None)):
@@ -40,3 +56,12 @@ class LoggerSink:
 
     def close(self) -> None:
         """Lightning finalizes its loggers itself."""
+
+
+def logger_sink(logger: Any) -> Sink:
+    """The sink for one Lightning logger (see the module docstring)."""
+    if _is(logger, "WandbLogger"):
+        from lossscale_callbacks.wandb import WandbSink
+
+        return WandbSink(run=logger.experiment)
+    return LoggerSink(logger)

@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import importlib
-import logging
+import os
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from lossscale_callbacks._validation import check_bool
 from lossscale_callbacks.health import HealthMonitor, HealthSpec
 from lossscale_callbacks.lightning._compat import bases
-from lossscale_callbacks.lightning._loggers import LoggerSink
-from lossscale_callbacks.metrics import SCALE, SKIPPED_STEPS, MetricsTracker, Snapshot
-from lossscale_callbacks.sinks import SinkGroup
-from lossscale_callbacks.summary import summarize
+from lossscale_callbacks.lightning._loggers import logger_sink
+from lossscale_callbacks.logging_loop import LoggingLoop
+from lossscale_callbacks.metrics import SCALE, SKIPPED_STEPS, Snapshot
+from lossscale_callbacks.sinks import GuardedSink, Sink
 from lossscale_callbacks.torch.scaler import LossScaler
 from lossscale_callbacks.torch.stock import StockScalerReader
 
-log = logging.getLogger(__name__)
-
 _INTERVALS = (None, "step", "epoch")
-SUMMARY_TAG = "loss_scale/summary"
-ALIGNMENT_TAG = "loss_scale/alignment"
 
 
 class _Source:
@@ -34,11 +32,10 @@ class _Source:
         self.stock = None if self.ours else StockScalerReader(scaler)
 
     @property
-    def min_scale(self) -> float | None:
+    def policy(self) -> Any:
         # Asked for when training starts: a checkpoint restored after setup may bring its own policy.
-        # torch's GradScaler has no floor; below 1 the loss is no longer scaled up, so 1 counts as
-        # its minimum. A fixed scale (bf16) has no minimum to get stuck at.
-        return MetricsTracker.for_policy(self.scaler.policy).min_scale if self.ours else 1.0
+        # torch's GradScaler has none (the loop then counts a scale of 1 as its minimum).
+        return self.scaler.policy if self.ours else None
 
     def after_optimizer_steps(self, steps: int) -> None:
         if self.stock is not None:
@@ -64,10 +61,20 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
     ``MixedPrecision`` plugin (``Trainer(precision="16-mixed")`` on a GPU), whose skipped steps it
     counts on the device. The state is read from the device once per log interval (never per
     step), once more at the end of training, and once when training resumes from a checkpoint
-    (so the first interval counts only its own steps). Loggers are written from rank 0 only,
-    while ``callback_metrics`` and the health rules run on every rank (the state is the same on
-    all ranks), so ``EarlyStopping(monitor="loss_scale/skip_rate")`` and a ``"stop"`` rule
-    behave the same on every rank.
+    (so the first interval counts only its own steps), and handed to the core's
+    :class:`~lossscale_callbacks.LoggingLoop`, the same loop the Keras callback runs.
+
+    What goes where: every logger of the trainer (``TensorBoardLogger`` also gets the "Loss
+    scale" Custom Scalars section and the reports in its Text tab; ``WandbLogger`` gets what a
+    :class:`~lossscale_callbacks.wandb.WandbSink` run gets: the ``loss_scale/step`` axis, the
+    summary, report Tables, the policy in the config and alerts; ``CSVLogger`` rows), plus the
+    sinks of ``tensorboard=``, ``wandb=`` and ``sinks=``. Loggers write at Lightning's own logging
+    step, so their rows line up with the metrics of ``self.log``. Counts are ints. The
+    end-of-training summary (with an honest health verdict) and the alignment report are printed.
+    Loggers and sinks are written from rank 0 only, while ``callback_metrics`` and the health
+    rules run on every rank (the state is the same on all ranks), so
+    ``EarlyStopping(monitor="loss_scale/skip_rate")`` and a ``"stop"`` rule behave the same on
+    every rank.
 
     Args:
         logging_interval: ``None`` or ``"step"``: at the trainer's ``log_every_n_steps``;
@@ -76,12 +83,17 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         prog_bar: also show the scale and the skipped steps in the progress bar.
         health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
             for the default rules, or rules); ``"stop"`` sets ``trainer.should_stop``.
+        tensorboard: a log directory: also write to a
+            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
+        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
+            :class:`~lossscale_callbacks.wandb.WandbSink` (uses the active run if there is one).
+        sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
         check_alignment: run the Tensor Core alignment check
             (``lossscale_callbacks.torch.alignment.check_alignment``) once, on the first training
-            batch, and write its report as text to the loggers (TensorBoard's Text tab, the W&B run
-            summary). The model input is ``alignment_kwargs["sample"]`` if given, else the module's
-            ``example_input_array``, else the first element of an ``(inputs, targets)`` batch, else
-            the batch itself; ``dtype`` defaults to the trainer's precision (``"16-mixed"``...).
+            batch; print its report and write it to the loggers and sinks. The model input is
+            ``alignment_kwargs["sample"]`` if given, else the module's ``example_input_array``,
+            else the first element of an ``(inputs, targets)`` batch, else the batch itself;
+            ``dtype`` defaults to the trainer's precision (``"16-mixed"``...).
         alignment_kwargs: more keyword arguments for ``check_alignment`` (``sample``, ``dtype``,
             ``target``, ``forward``, ``loss_fn``...).
 
@@ -98,30 +110,49 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         health: HealthSpec = "warn",
         check_alignment: bool = False,
         alignment_kwargs: dict[str, Any] | None = None,
+        *,
+        tensorboard: str | os.PathLike[str] | None = None,
+        wandb: bool | Mapping[str, Any] | None = None,
+        sinks: Iterable[Sink] = (),
     ) -> None:
         is_count = isinstance(logging_interval, int) and not isinstance(logging_interval, bool)
         if logging_interval not in _INTERVALS and not (is_count and logging_interval >= 1):
             raise ValueError(f"logging_interval must be None, 'step', 'epoch' or an integer >= 1, "
                              f"got {logging_interval!r}")
-        if not isinstance(prog_bar, bool):
-            raise ValueError(f"prog_bar must be True or False, got {prog_bar!r}")
-        if not isinstance(check_alignment, bool):
-            raise ValueError(f"check_alignment must be True or False, got {check_alignment!r}")
+        check_bool("prog_bar", prog_bar)
+        check_bool("check_alignment", check_alignment)
         if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
             raise ValueError(f"alignment_kwargs must be None or a dict, got {alignment_kwargs!r}")
+        if tensorboard is not None and not isinstance(tensorboard, (str, os.PathLike)):
+            raise ValueError(f"tensorboard must be None or a log directory path, got {tensorboard!r}")
+        if not (wandb is None or isinstance(wandb, (bool, Mapping))):
+            raise ValueError(f"wandb must be None, a bool, or a dict of wandb.init arguments, got {wandb!r}")
+        HealthMonitor.from_spec(health)  # validated now, used by the logging loop of each fit
         self.logging_interval = logging_interval
         self.prog_bar = prog_bar
-        self.health = HealthMonitor.from_spec(health)
+        self.health_spec = health
+        self.tensorboard = tensorboard
+        self.wandb = wandb
+        self._user_sinks = [GuardedSink(s) for s in sinks]
         self.check_alignment = check_alignment
         self.alignment_kwargs = dict(alignment_kwargs or {})
-        self.tracker: MetricsTracker | None = None
+        self.loop: LoggingLoop | None = None
         self.summary: str | None = None
         self.alignment_report: Any = None
         self._source: _Source | None = None
-        self._sinks = SinkGroup()
+        self._owned_sinks: list[Sink] = []
         self._last_global_step = 0  # the trainer's step when steps were last counted
         self._observed_at = 0  # ... and when the state was last read
         self._alignment_done = False
+
+    @property
+    def tracker(self) -> Any:
+        """The logging loop's metrics tracker (its ``last`` snapshot), or None before training."""
+        return self.loop.tracker if self.loop is not None else None
+
+    @property
+    def health(self) -> HealthMonitor | None:
+        return self.loop.health if self.loop is not None else HealthMonitor.from_spec(self.health_spec)
 
     # ------------------------------------------------------------------------------- setup
 
@@ -139,8 +170,31 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             self._source = None
             return
         self._source = _Source(scaler)
-        self._sinks = SinkGroup(LoggerSink(lg) for lg in trainer.loggers) if trainer.is_global_zero \
-            else SinkGroup()
+
+    def _open_loop(self, trainer: Any) -> LoggingLoop:
+        assert self._source is not None
+        self._close_owned_sinks()
+        sinks: list[Sink] = []
+        if trainer.is_global_zero:
+            sinks += [logger_sink(lg) for lg in trainer.loggers]
+            if self.tensorboard is not None:
+                from lossscale_callbacks.tensorboard import TensorBoardSink
+
+                self._owned_sinks.append(TensorBoardSink(os.fspath(self.tensorboard)))
+            if self.wandb:
+                from lossscale_callbacks.wandb import WandbSink
+
+                self._owned_sinks.append(WandbSink(**(dict(self.wandb) if isinstance(self.wandb, Mapping)
+                                                      else {})))
+            sinks += [*self._owned_sinks, *self._user_sinks]
+        return LoggingLoop(self._source.policy, sinks=sinks, health=self.health_spec,
+                           writer=bool(trainer.is_global_zero),
+                           stop=lambda: setattr(trainer, "should_stop", True))
+
+    def _close_owned_sinks(self) -> None:
+        for sink in self._owned_sinks:
+            GuardedSink(sink).close()
+        self._owned_sinks = []
 
     # ---------------------------------------------------------------------------- training
 
@@ -152,10 +206,10 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         if self._source.stock is not None:
             # GradScaler does not checkpoint skipped steps; they are counted from this point on.
             self._source.stock.steps = trainer.global_step
-        self.tracker = MetricsTracker(self._source.min_scale)
+        self.loop = self._open_loop(trainer)
         if trainer.global_step > 0:
             # Resumed: one read now (not a step), so the first interval covers only its own steps.
-            self.tracker.observe(self._source.read())
+            self.loop.baseline(self._source.read())
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.check_alignment and not self._alignment_done:
@@ -180,21 +234,17 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             self._observe(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._source is None or self.tracker is None:
+        if self._source is None or self.loop is None:
             return
-        last = self.tracker.last
+        last = self.loop.last
+        lag = getattr(getattr(trainer.strategy, "precision_plugin", None), "lr_scheduler_lag", 0)
+        note = (f"The LR schedulers were held on skipped steps: the schedule is {lag} scheduler step(s) "
+                "behind the optimizer steps attempted." if lag else "")
         # One last read so the final values and the summary describe the whole run.
         if last is None or last.step != self._steps_now(trainer):
             self._observe(trainer)
-        self.summary = summarize(self.tracker.last, self._source.min_scale)
-        lag = getattr(getattr(trainer.strategy, "precision_plugin", None), "lr_scheduler_lag", 0)
-        if lag:
-            self.summary += (f" The LR schedulers were held on skipped steps: the schedule is {lag} "
-                             "scheduler step(s) behind the optimizer steps attempted.")
-        if trainer.is_global_zero:
-            log.info(self.summary)
-            self._sinks.write_text(SUMMARY_TAG, self.summary)
-            self._sinks.flush()
+        self.summary = self.loop.finish(note=note)
+        self._close_owned_sinks()
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -225,9 +275,12 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         return bool(every) and step % every == 0
 
     def _observe(self, trainer: Any) -> Snapshot | None:
-        assert self._source is not None and self.tracker is not None
+        assert self._source is not None and self.loop is not None
         self._observed_at = trainer.global_step
-        snapshot = self.tracker.observe(self._source.read())
+        # Lightning's own logging step: rows line up with the metrics of self.log.
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
+        snapshot = self.loop.observe(self._source.read(), sink_step=sink_step)
         metrics = snapshot.metrics()
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():
@@ -236,18 +289,6 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             progress = trainer.progress_bar_metrics
             progress[SCALE] = metrics[SCALE]
             progress[SKIPPED_STEPS] = metrics[SKIPPED_STEPS]
-        if trainer.is_global_zero:
-            self._sinks.write(snapshot.step, metrics)
-        if self.health is not None:
-            verdicts = self.health.observe(snapshot)
-            if trainer.is_global_zero:
-                self.health.apply(verdicts, stop=lambda: setattr(trainer, "should_stop", True))
-            elif any(v.action == "raise" for v in verdicts):
-                from lossscale_callbacks.health import LossScaleHealthError
-
-                raise LossScaleHealthError(next(v.message for v in verdicts if v.action == "raise"))
-            if any(v.action == "stop" for v in verdicts):
-                trainer.should_stop = True
         return snapshot
 
     def _run_alignment(self, trainer: Any, pl_module: Any, batch: Any) -> None:
@@ -278,5 +319,5 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             for param in had_no_grad:
                 param.grad = None
         self.alignment_report = report
-        if trainer.is_global_zero:
-            self._sinks.write_text(ALIGNMENT_TAG, report.to_markdown())
+        if self.loop is not None:
+            self.loop.report_alignment(report.to_markdown())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping
 
@@ -21,43 +22,21 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from lossscale_callbacks import metrics as m
-from lossscale_callbacks.process import ManagedSink, check_scale_bounds
-from lossscale_callbacks.report import MAX_SCALE, MIN_SCALE
+from lossscale_callbacks._validation import check_number
+from lossscale_callbacks.process import ManagedSink
 
 __all__ = ["LAYOUT_CATEGORY", "TensorBoardSink", "loss_scale_layout"]
 
-LAYOUT_CATEGORY = "Loss scale"
+LAYOUT_CATEGORY = m.DASHBOARD_SECTION
 _SCALAR_SHAPE = tensor_shape_pb2.TensorShapeProto()
 _file_ids = itertools.count()
 
 
-def loss_scale_layout(with_bounds: bool) -> layout_pb2.Layout:
-    """The Custom Scalars layout: one "Loss scale" section with every chart of the schema.
-
-    With ``with_bounds``, the scale is a margin chart between ``loss_scale/min_scale`` and
-    ``loss_scale/max_scale`` (the policy's bounds); without, a plain chart of the scale.
-    """
-    if with_bounds:
-        scale_chart = layout_pb2.Chart(
-            title="loss scale within [min_scale, max_scale]",
-            margin=layout_pb2.MarginChartContent(series=[
-                layout_pb2.MarginChartContent.Series(value=m.SCALE, lower=MIN_SCALE, upper=MAX_SCALE),
-            ]),
-        )
-    else:
-        scale_chart = layout_pb2.Chart(
-            title="loss scale", multiline=layout_pb2.MultilineChartContent(tag=[f"^{m.SCALE}$"]))
-
-    def line(title: str, tag: str) -> layout_pb2.Chart:
-        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[f"^{tag}$"]))
-
-    return layout_pb2.Layout(category=[layout_pb2.Category(title=LAYOUT_CATEGORY, chart=[
-        scale_chart,
-        line("skipped steps per log interval", m.SKIPPED_IN_INTERVAL),
-        line("skip rate per log interval", m.SKIP_RATE),
-        line("growth counter (steps since the scale last changed)", m.GROWTH_COUNTER),
-        line("skipped steps (cumulative)", m.SKIPPED_STEPS),
-    ])])
+def loss_scale_layout() -> layout_pb2.Layout:
+    """The Custom Scalars layout: one "Loss scale" section with a chart per metric, log2 scale first."""
+    charts = [layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[f"^{tag}$"]))
+              for title, tag in m.DASHBOARD_CHARTS]
+    return layout_pb2.Layout(category=[layout_pb2.Category(title=LAYOUT_CATEGORY, chart=charts)])
 
 
 class _EventFileWriter:
@@ -70,12 +49,13 @@ class _EventFileWriter:
     so a running TensorBoard sees the run progress one log interval late at most.
     """
 
-    def __init__(self, log_dir: str, flush_secs: float, filename_suffix: str,
-                 bounds: tuple[float, float] | None) -> None:
+    def __init__(self, log_dir: str, flush_secs: float, filename_suffix: str) -> None:
         self.log_dir = log_dir
         self.flush_secs = flush_secs
         self.filename_suffix = filename_suffix
-        self.bounds = bounds
+        # Two threads writing the first event at once (a training thread and a monitoring one)
+        # must not open two files: opening and every write hold this lock.
+        self._lock = threading.RLock()
         self.path: str | None = None
         self._file = None
         self._records: RecordWriter | None = None
@@ -95,7 +75,7 @@ class _EventFileWriter:
         self._records = RecordWriter(handle)
         self._described = set()
         self._emit(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
-        layout = loss_scale_layout(self.bounds is not None).SerializeToString()
+        layout = loss_scale_layout().SerializeToString()
         value = summary_pb2.Summary.Value(
             tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,
             metadata=custom_scalar_metadata.create_summary_metadata(),
@@ -121,30 +101,31 @@ class _EventFileWriter:
         return scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
     def _scalar(self, tag: str, value: float) -> summary_pb2.Summary.Value:
-        # float64 tensors keep every value exact (simple_value would round 0.1 to float32).
-        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE, tensor_shape=_SCALAR_SHAPE,
-                                        double_val=[value])
+        # float32, as tf.summary writes scalars: TensorBoard's default (fast, Rust) loader drops
+        # float64 ones. Loss scales are powers of two and the counts are far below 2**24, so both
+        # are exact; only the skip rate rounds (to 7 significant digits).
+        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, tensor_shape=_SCALAR_SHAPE,
+                                        float_val=[value])
         return summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=self._metadata(tag, "scalars"))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        self._open()
-        values = [self._scalar(tag, float(value)) for tag, value in metrics.items()]
-        if self.bounds is not None and m.SCALE in metrics:
-            values.append(self._scalar(MIN_SCALE, self.bounds[0]))
-            values.append(self._scalar(MAX_SCALE, self.bounds[1]))
-        self._last_step = int(step)
-        summary = summary_pb2.Summary(value=values)
-        self._emit(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
-        self._maybe_flush()
+        with self._lock:
+            self._open()
+            values = [self._scalar(tag, float(value)) for tag, value in metrics.items()]
+            self._last_step = int(step)
+            summary = summary_pb2.Summary(value=values)
+            self._emit(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+            self._maybe_flush()
 
     def write_text(self, tag: str, markdown: str) -> None:
-        self._open()
-        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, tensor_shape=_SCALAR_SHAPE,
-                                        string_val=[markdown.encode("utf-8")])
-        value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=self._metadata(tag, "text"))
-        self._emit(event_pb2.Event(wall_time=time.time(), step=self._last_step,
-                                   summary=summary_pb2.Summary(value=[value])))
-        self._maybe_flush()
+        with self._lock:
+            self._open()
+            tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, tensor_shape=_SCALAR_SHAPE,
+                                            string_val=[markdown.encode("utf-8")])
+            value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=self._metadata(tag, "text"))
+            self._emit(event_pb2.Event(wall_time=time.time(), step=self._last_step,
+                                       summary=summary_pb2.Summary(value=[value])))
+            self._maybe_flush()
 
     def _maybe_flush(self) -> None:
         now = time.monotonic()
@@ -153,25 +134,29 @@ class _EventFileWriter:
             self._last_flush = now
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
 
     def close(self) -> None:
-        handle, self._file, self._records = self._file, None, None
-        if handle is not None:
-            handle.close()  # flushes first; the next write opens a new file
+        with self._lock:
+            handle, self._file, self._records = self._file, None, None
+            if handle is not None:
+                handle.close()  # flushes first; the next write opens a new file
 
 
 class TensorBoardSink(ManagedSink):
     """Writes the loss-scale metrics to TensorBoard event files, with a ready "Loss scale" view.
 
-    Scalars use the metric schema's names (``loss_scale/scale``, ``loss_scale/growth_counter``,
-    ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``, ``loss_scale/skip_rate``)
-    against the step axis of optimizer steps *attempted* (skipped steps included). Values are
-    stored as float64 tensors, so they read back exactly. :meth:`write_text` stores markdown
-    reports for TensorBoard's Text tab. A Custom Scalars layout puts the scale (with its
-    ``min_scale``/``max_scale`` bounds when given), the skipped steps per interval, the skip
-    rate and the growth counter in one "Loss scale" section, with no clicking.
+    Scalars use the metric schema's names (``loss_scale/scale``, ``loss_scale/log2_scale``,
+    ``loss_scale/growth_counter``, ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``,
+    ``loss_scale/skip_rate``) against the step axis of optimizer steps *attempted* (skipped steps
+    included), as float32 tensors like ``tf.summary`` writes them, which TensorBoard's default
+    loader reads (it drops float64 scalars). :meth:`write_text` stores markdown reports for the
+    Text tab, among them the policy (settings and bounds), written once per run by the logging
+    loop. A Custom Scalars layout puts every metric into one "Loss scale" section, the scale's
+    exponent (``log2_scale``) first, so the scale is readable instead of hugging zero on an axis
+    up to 2**24.
 
     ``log_dir`` may be the same folder Keras' ``TensorBoard`` callback writes to (e.g.
     ``logs/train``): each writer has its own event file and TensorBoard merges them.
@@ -180,17 +165,15 @@ class TensorBoardSink(ManagedSink):
     is TensorBoard's pure-Python record checksum), paid once per log interval.
 
     Neither TensorFlow nor torch is imported. Nothing is created until the first write, and
-    only on rank 0 (see :func:`lossscale_callbacks.process.process_rank`). A failure (the folder
-    cannot be created, the disk is full) is warned once and disables the sink; training and
-    the other sinks go on. The file is flushed on :meth:`flush`, on :meth:`close`, by the first
-    write that comes ``flush_secs`` or more after the last flush (no background thread: the
-    values of the last write wait for the next write, :meth:`flush` or :meth:`close`), and
-    closed at interpreter exit.
+    only on rank 0 (see :func:`lossscale_callbacks.process.process_rank`); writes from several
+    threads go to one file. A failure (the folder cannot be created, the disk is full) is warned
+    once and disables the sink; training and the other sinks go on. The file is flushed on
+    :meth:`flush`, on :meth:`close`, by the first write that comes ``flush_secs`` or more after
+    the last flush (no background thread: the values of the last write wait for the next write,
+    :meth:`flush` or :meth:`close`), and closed at interpreter exit.
 
     Args:
         log_dir: the run folder to write into (created when needed).
-        min_scale: the policy's ``min_scale``, drawn as the lower bound of the scale chart.
-        max_scale: the policy's ``max_scale``, drawn as the upper bound.
         flush_secs: a write flushes the file when the last flush is at least this many
             seconds old (0: every write flushes).
         filename_suffix: appended to the event file's name.
@@ -198,23 +181,20 @@ class TensorBoardSink(ManagedSink):
 
     Example:
         >>> from lossscale_callbacks.tensorboard import TensorBoardSink
-        >>> sink = TensorBoardSink("runs/fp16", min_scale=1.0, max_scale=2.0**24)  # doctest: +SKIP
+        >>> sink = TensorBoardSink("runs/fp16")  # doctest: +SKIP
         >>> sink.write(100, {"loss_scale/scale": 32768.0, "loss_scale/skip_rate": 0.01})  # doctest: +SKIP
         >>> sink.close()  # doctest: +SKIP
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], *, min_scale: float | None = None,
-                 max_scale: float | None = None, flush_secs: float = 5.0, filename_suffix: str = "",
+    def __init__(self, log_dir: str | os.PathLike[str], *, flush_secs: float = 5.0, filename_suffix: str = "",
                  all_ranks: bool = False) -> None:
         if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
             raise ValueError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
-        bounds = check_scale_bounds(min_scale, max_scale)
-        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or flush_secs < 0:
-            raise ValueError(f"flush_secs must be a number >= 0, got {flush_secs!r}")
+        check_number("flush_secs", flush_secs, 0.0)
         if not isinstance(filename_suffix, str):
             raise ValueError(f"filename_suffix must be a str, got {filename_suffix!r}")
         self.log_dir = os.fspath(log_dir)
-        self._writer = _EventFileWriter(self.log_dir, float(flush_secs), filename_suffix, bounds)
+        self._writer = _EventFileWriter(self.log_dir, float(flush_secs), filename_suffix)
         super().__init__(self._writer, name=f"TensorBoard ({self.log_dir})", all_ranks=all_ranks)
 
     @property

@@ -36,7 +36,8 @@ from typing import Any
 
 from wandb.proto import wandb_internal_pb2
 
-from lossscale_callbacks.report import RunReadError
+from lossscale_callbacks.metrics import SCALE
+from lossscale_callbacks.report import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
 
 __all__ = [
     "RunInfo",
@@ -215,14 +216,19 @@ class RunInfo:
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     finished: bool = False
 
+    def step_metrics_of(self, name: str) -> list[str]:
+        """The step metrics ``define_metric`` gave ``name``, most specific first (exact name, then the
+        longest matching glob: ``loss_scale/*`` before a logger's catch-all ``*``)."""
+        found = [self.step_metrics[name]] if name in self.step_metrics else []
+        globs = [(pattern, step_metric) for pattern, step_metric in self.step_metrics.items()
+                 if any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(name, pattern)]
+        found += [step_metric for _, step_metric in sorted(globs, key=lambda g: -len(g[0]))]
+        return found
+
     def step_metric_of(self, name: str) -> str | None:
-        """The step metric ``define_metric`` gave ``name`` (exact names before globs)."""
-        if name in self.step_metrics:
-            return self.step_metrics[name]
-        for pattern, step_metric in self.step_metrics.items():
-            if any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(name, pattern):
-                return step_metric
-        return None
+        """The most specific step metric ``define_metric`` gave ``name``, or None."""
+        found = self.step_metrics_of(name)
+        return found[0] if found else None
 
 
 def read_run_info(path: str) -> RunInfo:
@@ -288,13 +294,24 @@ def read_run(path: str) -> dict[str, list[tuple[int, float]]]:
             value = _number(raw)
             if value is None:
                 continue
-            axis = info.step_metric_of(name) or _STEP
+            # The most specific axis this row carries (a row logged by our sink has loss_scale/step).
+            axis = next((a for a in info.step_metrics_of(name) if a in row), _STEP)
             step = _number(row.get(axis, row.get(_STEP)))
             if step is None or not math.isfinite(step):
                 continue
             series.setdefault(name, []).append((int(step), value))
     for points in series.values():
         points.sort(key=lambda p: p[0])  # stable: one step's values keep their order of writing
+    # The policy is in the run config (written once); older runs logged the bounds as series.
+    policy = info.config.get("loss_scale")
+    if isinstance(policy, dict) and series.get(SCALE):
+        first = series[SCALE][0][0]
+        low, high = policy.get("min_scale", policy.get("scale")), policy.get("max_scale", policy.get("scale"))
+        if _number(low) is not None and _number(high) is not None:
+            series.setdefault(MIN_SCALE, [(first, float(low))])
+            series.setdefault(MAX_SCALE, [(first, float(high))])
+        if _number(policy.get("growth_interval")) is not None:
+            series.setdefault(GROWTH_INTERVAL, [(first, float(policy["growth_interval"]))])
     return series
 
 

@@ -21,10 +21,9 @@ from urllib.parse import urlparse
 import wandb
 
 from lossscale_callbacks import metrics as m
-from lossscale_callbacks.health import HealthMonitor, HealthSpec, Verdict
-from lossscale_callbacks.metrics import MetricsTracker
-from lossscale_callbacks.process import ManagedSink, check_scale_bounds, user_stacklevel
-from lossscale_callbacks.report import DEFAULT_MIN_SCALE, MAX_SCALE, MIN_SCALE
+from lossscale_callbacks._validation import check_number
+from lossscale_callbacks.health import Verdict
+from lossscale_callbacks.process import ManagedSink, user_stacklevel
 
 __all__ = [
     "FINAL_SCALE",
@@ -94,15 +93,11 @@ def _requested_mode(init_kwargs: Mapping[str, Any]) -> str | None:
 class _WandbBackend:
     """Does the work of :class:`WandbSink`; every failure propagates to the sink's guard."""
 
-    def __init__(self, run: Any, init_kwargs: dict[str, Any], bounds: tuple[float, float] | None,
-                 summary_secs: float, alerts: HealthMonitor | None, connect_timeout: float = 3.0) -> None:
+    def __init__(self, run: Any, init_kwargs: dict[str, Any], summary_secs: float,
+                 connect_timeout: float = 3.0) -> None:
         self.run = run
         self.connect_timeout = connect_timeout
-        self.alerts = alerts
-        # The rules need the policy's min_scale; without bounds, the policy default (as the report does).
-        self._tracker = MetricsTracker(bounds[0] if bounds is not None else DEFAULT_MIN_SCALE)
         self.init_kwargs = init_kwargs
-        self.bounds = bounds
         self.owns_run = False
         self.offline_reason: str | None = None
         self._prepared: Any = None
@@ -156,10 +151,6 @@ class _WandbBackend:
             # independent of W&B's own _step, which every other log call also advances.
             self.run.define_metric(STEP_METRIC, hidden=True)
             self.run.define_metric("loss_scale/*", step_metric=STEP_METRIC)
-            if self.bounds is not None:
-                self.run.config.update({"loss_scale": {"min_scale": self.bounds[0],
-                                                       "max_scale": self.bounds[1]}},
-                                       allow_val_change=True)
             self._prepared = self.run
         return self.run
 
@@ -167,9 +158,9 @@ class _WandbBackend:
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         run = self.ensure_run()
-        row = {name: float(value) for name, value in metrics.items()}
-        if self.bounds is not None and m.SCALE in row:
-            row[MIN_SCALE], row[MAX_SCALE] = self.bounds
+        # Counts stay ints (W&B shows 3, not 3.0); the rest are floats.
+        row: dict[str, float | int] = {name: value if isinstance(value, int) else float(value)
+                                       for name, value in metrics.items()}
         row[STEP_METRIC] = int(step)
         self._last_step = int(step)
         run.log(row)
@@ -178,14 +169,6 @@ class _WandbBackend:
         if m.SKIPPED_STEPS in row:
             self._summary[TOTAL_SKIPPED_STEPS] = row[m.SKIPPED_STEPS]
             self._summary[OVERALL_SKIP_RATE] = row[m.SKIPPED_STEPS] / step if step > 0 else 0.0
-        if self.alerts is not None and m.SCALE in row and m.SKIPPED_STEPS in row:
-            # The same snapshots the integration saw, rebuilt from the metrics, judged by the rules.
-            snapshot = self._tracker.observe({
-                "steps": int(step), "scale": row[m.SCALE], "skipped_steps": int(row[m.SKIPPED_STEPS]),
-                "growth_counter": int(row.get(m.GROWTH_COUNTER, 0)), "hysteresis_left": 0,
-            })
-            for verdict in self.alerts.observe(snapshot):
-                self.alert(*verdict_alert(verdict))
         # A summary update costs more than the log call itself; send it at most every
         # summary_secs, and always on flush() and close() (which also runs at exit).
         if time.monotonic() - self._summary_sent >= self.summary_secs:
@@ -196,6 +179,14 @@ class _WandbBackend:
             self.run.summary.update(self._summary)
             self._summary = {}
         self._summary_sent = time.monotonic()
+
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        """The policy (settings and bounds) into the run config, under ``loss_scale``: once per run."""
+        run = self.ensure_run()
+        run.config.update({"loss_scale": dict(config)}, allow_val_change=True)
+
+    def alert_verdict(self, verdict: Verdict) -> None:
+        self.alert(*verdict_alert(verdict))
 
     def write_text(self, tag: str, markdown: str) -> None:
         run = self.ensure_run()
@@ -250,10 +241,11 @@ class WandbSink(ManagedSink):
     run summary holds ``loss_scale/final_scale``, ``loss_scale/total_skipped_steps`` and
     ``loss_scale/overall_skip_rate`` (updated every ``summary_secs`` and on flush/close).
     :meth:`write_text` logs a markdown report as a ``wandb.Table`` (columns ``step``,
-    ``markdown``). The health rules (``alerts=``) judge the written metrics, and each problem
-    they find raises a ``wandb.alert`` (Slack or e-mail; W&B sends alerts of online runs only;
-    a refused alert is warned about once and the metrics go on). :meth:`alert` and
-    :meth:`alert_verdict` send alerts of your own.
+    ``markdown``); :meth:`write_config` puts the policy into the run config (``loss_scale``).
+    Each health problem that the logging loop (:class:`~lossscale_callbacks.LoggingLoop`, used by
+    every integration) reports becomes a ``wandb.alert`` (Slack or e-mail; W&B sends alerts of
+    online runs only; a refused alert is warned about once and the metrics go on): the rules are
+    the integration's ``health=``, judged once. :meth:`alert` sends alerts of your own.
 
     Never blocks on the network: ``run.log`` hands each row to W&B's own service process,
     which does the uploading. The one exception is starting an online run (at the first write,
@@ -266,15 +258,8 @@ class WandbSink(ManagedSink):
 
     Args:
         run: a W&B run to log into (default: the active run, or a new one).
-        min_scale: the policy's ``min_scale``, logged as ``loss_scale/min_scale`` next to the
-            scale and stored in the run config.
-        max_scale: the policy's ``max_scale``, likewise.
         summary_secs: longest time, in seconds, between run summary updates while writing (the
             summary is always brought up to date on :meth:`flush` and :meth:`close`).
-        alerts: health rules whose verdicts on the written metrics become W&B alerts: ``True``
-            (the default rules of :mod:`lossscale_callbacks.health`), rules of your own, or
-            ``None``/``False`` for none. Each problem alerts once, as the integrations warn once.
-            "At the minimum scale" means at ``min_scale``, or at or below 1.0 when no bounds are given.
         all_ranks: log on every rank (one run per rank then).
         **init_kwargs: passed to ``wandb.init`` when the sink starts the run (``project``,
             ``dir``, ``mode``, ``config``, ...).
@@ -286,8 +271,7 @@ class WandbSink(ManagedSink):
         >>> sink.close()                                                # doctest: +SKIP
     """
 
-    def __init__(self, run: Any = None, *, min_scale: float | None = None, max_scale: float | None = None,
-                 summary_secs: float = 10.0, alerts: HealthSpec = True, all_ranks: bool = False,
+    def __init__(self, run: Any = None, *, summary_secs: float = 10.0, all_ranks: bool = False,
                  **init_kwargs: Any) -> None:
         if run is not None:
             for attr in ("log", "define_metric", "summary"):
@@ -300,14 +284,8 @@ class WandbSink(ManagedSink):
             inspect.signature(wandb.init).bind(**init_kwargs)
         except TypeError as exc:
             raise ValueError(f"init_kwargs must be arguments of wandb.init: {exc}") from None
-        bounds = check_scale_bounds(min_scale, max_scale)
-        if isinstance(summary_secs, bool) or not isinstance(summary_secs, (int, float)) or summary_secs < 0:
-            raise ValueError(f"summary_secs must be a number >= 0, got {summary_secs!r}")
-        try:
-            monitor = HealthMonitor.from_spec(alerts)
-        except ValueError as exc:
-            raise ValueError(f"alerts: {exc}") from None
-        self._backend = _WandbBackend(run, dict(init_kwargs), bounds, float(summary_secs), monitor)
+        check_number("summary_secs", summary_secs, 0.0)
+        self._backend = _WandbBackend(run, dict(init_kwargs), float(summary_secs))
         super().__init__(self._backend, name="W&B", all_ranks=all_ranks)
 
     @property
@@ -333,10 +311,7 @@ class WandbSink(ManagedSink):
         self._call("alert", str(title), str(text), level)
 
     def alert_verdict(self, verdict: Verdict) -> None:
-        """Turn a health verdict into an alert (``warn`` as WARN, ``stop``/``raise`` as ERROR).
-
-        For verdicts of rules of your own; with ``alerts=`` the sink already alerts on its own.
-        """
+        """Turn a health verdict into an alert (``warn`` as WARN, ``stop``/``raise`` as ERROR)."""
         self.alert(*verdict_alert(verdict))
 
     def __repr__(self) -> str:
