@@ -185,3 +185,12 @@ def test_raise_comes_after_the_other_verdicts_are_warned():
     with pytest.warns(LossScaleHealthWarning, match="first"), \
             pytest.raises(LossScaleHealthError, match="second"):
         monitor.apply([Verdict("a", "raise", 1, "second"), Verdict("b", "warn", 1, "first")])
+
+
+@pytest.mark.parametrize("scale", [0.0, float("nan"), float("inf")])
+def test_summarize_describes_a_broken_scale_instead_of_crashing(scale):
+    snap = MetricsTracker(1.0).observe({"steps": 10, "skipped_steps": 10, "scale": scale, "growth_counter": 0,
+                                        "hysteresis_left": 0})
+    text = summarize(snap, 1.0)
+    assert "not a usable loss scale" in text and "10 skipped (100.00%)" in text
+    assert snap.metrics()["loss_scale/log2_scale"] != snap.metrics()["loss_scale/log2_scale"]  # NaN

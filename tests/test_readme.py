@@ -53,7 +53,7 @@ def test_keras_block(tmp_path, monkeypatch):
 def test_lightning_block(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(block_after("PyTorch Lightning"), namespace)
+    exec(block_after("PyTorch and PyTorch Lightning"), namespace)
     trainer = namespace["trainer"]
     from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin
 
