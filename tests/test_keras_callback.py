@@ -351,7 +351,9 @@ def test_wandb_metrics_logger_after_the_callback_logs_the_metrics(tmp_path, monk
                               keras_integration.WandbMetricsLogger(log_freq=2)])
     finally:
         run.finish()
-    series = reader.read_run(glob.glob(str(tmp_path / "wandb" / "offline-run-*"))[0])
+    (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    reader.wait_until_finished(run_dir)  # finish() can return before W&B's writer flushed the file
+    series = reader.read_run(run_dir)
     logged = [value for _, value in series["batch/loss_scale/scale"]]
     assert logged == [recorder.states[t][0] for t in range(0, BATCHES, 2)]
     assert [v for _, v in series["epoch/loss_scale/skipped_steps"]] == [2.0]

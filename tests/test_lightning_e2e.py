@@ -48,7 +48,7 @@ def test_fp16_run_with_injected_infs_read_back_from_tensorboard_and_wandb(tmp_pa
     wandb = pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lossscale_callbacks.wandb.reader import read_run, read_run_info, read_tables
+    from lossscale_callbacks.wandb.reader import read_run, read_run_info, read_tables, wait_until_finished
 
     tb = pl.loggers.TensorBoardLogger(str(tmp_path / "tb"), name="run", version=0)
     wb = pl.loggers.WandbLogger(offline=True, save_dir=str(tmp_path), project="lossscale-test")
@@ -91,6 +91,7 @@ def test_fp16_run_with_injected_infs_read_back_from_tensorboard_and_wandb(tmp_pa
     # W&B's offline run file.
     run_dir = glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*"))
     assert len(run_dir) == 1
+    wait_until_finished(run_dir[0])  # finish() can return before W&B's writer flushed the file
     series = read_run(run_dir[0])
     assert series["loss_scale/scale"] == [(s, float(st.scale)) for s, st in expected.items()]
     assert series["loss_scale/skipped_steps"] == [(s, float(st.skipped_steps)) for s, st in expected.items()]
