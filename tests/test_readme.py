@@ -83,3 +83,40 @@ def test_alignment_block():
     exec(block_after("Tensor Core alignment"), namespace)
     findings = {(f.layer, f.dimension, f.value) for f in namespace["report"].findings}
     assert ("0", "features_in", 50) in findings
+
+
+def test_fsdp_block(monkeypatch):
+    """Built as written; ``strategy="fsdp"`` needs CUDA, so the device count is mocked (nothing runs)."""
+    pytest.importorskip("lightning")
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import lightning.pytorch.accelerators.cuda as pl_cuda
+    import torch
+
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 8)
+    monkeypatch.setattr(pl_cuda, "num_cuda_devices", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    namespace: dict = {}
+    exec(block_after("FSDP"), namespace)
+    from lossscale_callbacks.lightning import LossScaleFSDPPlugin
+
+    trainer = namespace["trainer"]
+    assert type(trainer.strategy).__name__ == "FSDPStrategy" and trainer.num_devices == 8
+    assert isinstance(trainer.strategy.precision_plugin, LossScaleFSDPPlugin)
+
+
+def test_fabric_block(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("lightning")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    model = torch.nn.Linear(8, 1)
+    namespace = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+                 "loader": [torch.randn(4, 8) for _ in range(5)], "path": str(tmp_path / "ckpt.pt")}
+    code = block_after("Lightning Fabric").replace("...;", "loss = model(batch).float().pow(2).mean();")
+    exec(code, namespace)
+    monitor = namespace["monitor"]
+    assert monitor.summary.startswith("Loss scaling: 5 optimizer steps")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert saved["loss_scale"]["steps"] == 5
+    assert saved["loss_scale"]["scaler"]["scale"] == monitor.scaler.get_scale()
+    assert any((tmp_path / "runs").rglob("events.out.tfevents.*"))

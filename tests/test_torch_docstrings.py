@@ -13,7 +13,9 @@ pytest.importorskip("lightning")
 
 MODULES = ["lossscale_callbacks.torch", "lossscale_callbacks.torch.ops", "lossscale_callbacks.torch.scaler",
            "lossscale_callbacks.torch.stock", "lossscale_callbacks.lightning",
-           "lossscale_callbacks.lightning.plugin", "lossscale_callbacks.lightning.monitor"]
+           "lossscale_callbacks.torch.deepspeed_reader", "lossscale_callbacks.lightning.plugin",
+           "lossscale_callbacks.lightning.monitor", "lossscale_callbacks.lightning.fsdp",
+           "lossscale_callbacks.lightning.fabric"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,6 +1,7 @@
-"""PyTorch Lightning: ``LossScalePlugin`` and ``LossScaleMonitor``; re-exports ``LossScaler``.
+"""PyTorch Lightning: ``LossScalePlugin``, ``LossScaleFSDPPlugin`` and ``LossScaleMonitor``.
 
-The plugin and the monitor need ``lightning`` or ``pytorch_lightning`` (either namespace, or
+Lightning Fabric's plugins and monitor are in :mod:`lossscale_callbacks.lightning.fabric`.
+The plugins and the monitor need ``lightning`` or ``pytorch_lightning`` (either namespace, or
 both) and are imported on first use. ``LossScaler``, ``TorchOps``, ``StockScalerReader`` and
 ``check_alignment`` live in :mod:`lossscale_callbacks.torch` (they need only torch) and are
 re-exported here.
@@ -22,12 +23,14 @@ from lossscale_callbacks.torch.stock import StockScalerReader
 
 _LAZY = {
     "LossScalePlugin": "lossscale_callbacks.lightning.plugin",
+    "LossScaleFSDPPlugin": "lossscale_callbacks.lightning.fsdp",
     "LossScaleMonitor": "lossscale_callbacks.lightning.monitor",
     "check_alignment": "lossscale_callbacks.torch.alignment",
 }
 
 __all__ = [
-    "LossScaleMonitor", "LossScalePlugin", "LossScaler", "StockScalerReader", "TorchOps", "check_alignment",
+    "LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin", "LossScaler", "StockScalerReader",
+    "TorchOps", "check_alignment",
 ]
 
 

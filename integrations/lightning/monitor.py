@@ -17,6 +17,7 @@ from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks.sinks import GuardedSink, Sink
+from lossscale_callbacks.torch.deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
 from lossscale_callbacks.torch.scaler import LossScaler
 from lossscale_callbacks.torch.stock import StockScalerReader
 
@@ -24,25 +25,44 @@ _INTERVALS = (None, "step", "epoch")
 
 
 class _Source:
-    """Where the state comes from: our LossScaler, or a stock GradScaler read through StockScalerReader."""
+    """Where the state comes from: our LossScaler, a stock GradScaler read through StockScalerReader,
+    or DeepSpeed's own loss scaler (found once the engine exists, when training starts)."""
 
-    def __init__(self, scaler: Any) -> None:
+    def __init__(self, scaler: Any = None, deepspeed_strategy: Any = None) -> None:
         self.ours = isinstance(scaler, LossScaler)
         self.scaler = scaler
-        self.stock = None if self.ours else StockScalerReader(scaler)
+        self.stock = None if self.ours or scaler is None else StockScalerReader(scaler)
+        self.deepspeed_strategy = deepspeed_strategy
+        self.deepspeed: DeepSpeedScalerReader | None = None
+
+    def start(self) -> bool:
+        """At training start; False when there is nothing to read after all."""
+        if self.deepspeed_strategy is None:
+            return True
+        engine = getattr(self.deepspeed_strategy, "deepspeed_engine", None)
+        if engine is None or not has_deepspeed_scaler(engine):
+            return False
+        self.deepspeed = DeepSpeedScalerReader(engine)
+        return True
 
     @property
     def policy(self) -> Any:
         # Asked for when training starts: a checkpoint restored after setup may bring its own policy.
         # torch's GradScaler has none (the loop then counts a scale of 1 as its minimum).
+        if self.deepspeed is not None:
+            return self.deepspeed.policy()
         return self.scaler.policy if self.ours else None
 
     def after_optimizer_steps(self, steps: int) -> None:
         if self.stock is not None:
             self.stock.after_optimizer_step(steps)
+        elif self.deepspeed is not None:
+            self.deepspeed.after_optimizer_step(steps)
 
     def read(self) -> Any:
-        """The one host read of an interval."""
+        """The one host read of an interval (DeepSpeed's numbers are on the host already)."""
+        if self.deepspeed is not None:
+            return self.deepspeed.read()
         return self.scaler.get_state() if self.ours else self.stock.read()  # type: ignore[union-attr]
 
 
@@ -54,15 +74,27 @@ def _find_scaler(trainer: Any) -> Any:
     return None
 
 
+def _deepspeed_fp16(trainer: Any) -> Any:
+    """Lightning's DeepSpeedStrategy with fp16 (DeepSpeed scales the loss itself), else None."""
+    strategy = getattr(trainer, "strategy", None)
+    if not hasattr(type(strategy), "deepspeed_engine"):
+        return None
+    precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", ""))
+    return strategy if precision.startswith("16") else None
+
+
 class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
     """Logs ``loss_scale/*`` through every trainer logger and into ``trainer.callback_metrics``.
 
-    Works with :class:`~lossscale_callbacks.lightning.LossScalePlugin` and with Lightning's stock
-    ``MixedPrecision`` plugin (``Trainer(precision="16-mixed")`` on a GPU), whose skipped steps it
-    counts on the device. The state is read from the device once per log interval (never per
-    step), once more at the end of training, and once when training resumes from a checkpoint
-    (so the first interval counts only its own steps), and handed to the core's
-    :class:`~lossscale_callbacks.LoggingLoop`, the same loop the Keras callback runs.
+    Works with :class:`~lossscale_callbacks.lightning.LossScalePlugin` and
+    :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`, with Lightning's stock
+    ``MixedPrecision`` and ``FSDPPrecision`` plugins (``precision="16-mixed"`` on a GPU), whose
+    skipped steps it counts on the device, and with ``DeepSpeedStrategy`` in fp16, whose own loss
+    scaler and skipped-step count it reads from the engine. The state is read from the device
+    once per log interval (never per step), once more at the end of training, and once when
+    training resumes from a checkpoint (so the first interval counts only its own steps), and
+    handed to the core's :class:`~lossscale_callbacks.LoggingLoop`, the same loop the Keras
+    callback runs.
 
     What goes where: every logger of the trainer (``TensorBoardLogger`` also gets the "Loss
     scale" Custom Scalars section and the reports in its Text tab; ``WandbLogger`` gets what a
@@ -160,16 +192,21 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         if stage != "fit":
             return
         scaler = _find_scaler(trainer)
-        if scaler is None:
-            if trainer.is_global_zero:
-                warnings.warn(
-                    "[lossscale-callbacks] LossScaleMonitor found no loss scaler: use "
-                    "plugins=[LossScalePlugin(...)] or precision='16-mixed' on a GPU. Nothing will be "
-                    "logged.",
-                    UserWarning, stacklevel=2)
+        deepspeed = _deepspeed_fp16(trainer) if scaler is None else None
+        if scaler is None and deepspeed is None:
+            self._warn_no_scaler(trainer)
             self._source = None
             return
-        self._source = _Source(scaler)
+        self._source = _Source(scaler, deepspeed_strategy=deepspeed)
+
+    @staticmethod
+    def _warn_no_scaler(trainer: Any) -> None:
+        if trainer.is_global_zero:
+            warnings.warn(
+                "[lossscale-callbacks] LossScaleMonitor found no loss scaler: use "
+                "plugins=[LossScalePlugin(...)], precision='16-mixed' on a GPU, or DeepSpeed with fp16. "
+                "Nothing will be logged.",
+                UserWarning, stacklevel=3)
 
     def _open_loop(self, trainer: Any) -> LoggingLoop:
         assert self._source is not None
@@ -202,6 +239,10 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         # After a checkpoint was restored: count steps from here.
         self._last_global_step = self._observed_at = trainer.global_step
         if self._source is None:
+            return
+        if not self._source.start():
+            self._warn_no_scaler(trainer)
+            self._source = None
             return
         if self._source.stock is not None:
             # GradScaler does not checkpoint skipped steps; they are counted from this point on.

@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.optim import LBFGS
 
-from lossscale_callbacks._validation import check_bool, check_choice, check_policy
+from lossscale_callbacks._validation import check_bool
 from lossscale_callbacks.lightning._compat import bases, namespace_of, precision_base
+from lossscale_callbacks.lightning._settings import autocast_available, resolve_scaling
 from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
 from lossscale_callbacks.torch.scaler import LossScaler
 
-_PRECISIONS = ("16-mixed", "bf16-mixed")
 _SHARDED_STRATEGIES = ("ModelParallelStrategy",)
-
-
-def _autocast_available(device: str) -> bool:
-    try:
-        return torch.amp.is_autocast_available(torch.device(device).type)
-    except (RuntimeError, ValueError):
-        return False
-
-
-def _is_policy(value: Any) -> bool:
-    return hasattr(value, "constants") and callable(getattr(value, "to_config", None))
 
 
 def _handles_unscaling(optimizer: Any) -> bool:
@@ -33,108 +23,22 @@ def _handles_unscaling(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: ignore[misc]
-    """Mixed-precision training whose loss scale follows the core's rule, for ``Trainer(plugins=[...])``.
+class _LossScaling:
+    """What every precision plugin of this package does: the core's scaler, autocast on any device,
+    unscaling before clipping, held LR schedulers, checkpoints. Mixed in before Lightning's class."""
 
-    It is a subclass of Lightning's ``MixedPrecision`` plugin in every installed namespace
-    (``lightning.pytorch`` and ``pytorch_lightning``), so either Trainer accepts it.
+    _STOCK_KEY = "MixedPrecision"  # where the stock plugin of the same strategy checkpoints its scaler
 
-    * ``"16-mixed"`` runs ``torch.autocast(device, dtype=torch.float16)``, also on CPU (where
-      ``Trainer(precision="16-mixed")`` would switch to bfloat16), with a dynamic loss scale.
-    * ``"bf16-mixed"`` runs bfloat16 autocast with the scale fixed at 1: no scaling, but
-      non-finite steps are still skipped and counted.
-
-    Gradients are unscaled right after the backward pass (before ``on_before_optimizer_step`` and
-    gradient clipping), except for fused optimizers, which unscale in their own kernel (clipping
-    is then refused, as in Lightning). Host syncs: none per step with fused optimizers (except
-    before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
-    otherwise; see :mod:`lossscale_callbacks.torch.scaler`.
-
-    The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
-    optimization and several optimizers, give each optimizer its own ``manual_backward`` before
-    its ``step()``: gradients from one backward stepped by two optimizers would be unscaled by
-    two different scales when the first step changed it.
-
-    Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
-        device: the autocast device type (``"cpu"``, ``"cuda"``); default: the type of the device
-            the Trainer puts the model on (until the Trainer has set it up: ``"cuda"`` when
-            available, else ``"cpu"``).
-        scaler: a :class:`~lossscale_callbacks.torch.LossScaler` to use (as
-            ``MixedPrecision(scaler=...)`` takes a GradScaler); default: a new one with ``policy``.
-        policy: the loss-scale policy of the scaler the plugin makes (default: GradScaler's
-            settings, ``DynamicPolicy(initial_scale=2**16)`` in ``[1, 2**24]``; bf16 only allows
-            ``None`` or ``FixedPolicy(1.0)``). Not together with ``scaler``.
-        sync_found_inf: passed to :class:`LossScaler`. ``"auto"`` also turns it on under
-            Lightning's ``ModelParallelStrategy``. (Lightning's ``FSDPStrategy`` accepts only its
-            own ``FSDPPrecision`` plugin, so it cannot run this one; with FSDP use
-            :class:`LossScaler` in a PyTorch loop.)
-        hold_lr_schedulers: do not advance step-interval LR schedulers on a skipped step, so the
-            schedule follows the updates actually applied. Only where the skip decision is
-            already on the host (non-fused optimizers): no extra sync is ever added, and with a
-            fused optimizer schedulers step as usual. Only the schedulers Lightning steps itself
-            (automatic optimization; with manual optimization you call ``scheduler.step()``
-            and can ask ``plugin.scaler.last_step_skipped()``). :attr:`lr_scheduler_lag` counts
-            the scheduler steps held back (how far the schedule lags the steps attempted); it
-            is saved in checkpoints with the scaler.
-
-    Example:
-        >>> from lossscale_callbacks import DynamicPolicy
-        >>> plugin = LossScalePlugin(policy=DynamicPolicy(hysteresis=2), device="cpu")
-        >>> plugin.precision, plugin.autocast_dtype
-        ('16-mixed', torch.float16)
-    """
-
-    def __init__(
-        self,
-        precision: str = "16-mixed",
-        device: str | None = None,
-        scaler: LossScaler | None = None,
-        policy: Policy | None = None,
-        *,
-        sync_found_inf: bool | str = "auto",
-        hold_lr_schedulers: bool = False,
-    ) -> None:
-        check_choice("precision", precision, _PRECISIONS)
-        if _is_policy(scaler):
-            raise ValueError("LossScalePlugin's third argument is the scaler, as in Lightning's "
-                             f"MixedPrecision; pass the policy by keyword: "
-                             f"LossScalePlugin(policy={scaler!r})")
-        check_policy("policy", policy)
+    def _init_scaling(self, precision: str, device: str | None, scaler: LossScaler | None,
+                      policy: Policy | None, sync_found_inf: bool | str, hold_lr_schedulers: bool) -> None:
+        """Validate the arguments and set what Lightning's base ``__init__`` would (it is not called:
+        ``MixedPrecision``'s would build a torch GradScaler, ``FSDPPrecision``'s a ShardedGradScaler)."""
         hold_lr_schedulers = check_bool("hold_lr_schedulers", hold_lr_schedulers)
+        device, scaler = resolve_scaling(type(self).__name__, precision, device, scaler, policy,
+                                         sync_found_inf)
         # None: follow the Trainer's device once it is known (see ``connect``).
         self._device_from_trainer = device is None
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not isinstance(device, str) or not _autocast_available(device):
-            raise ValueError("device must be None or a device type string with autocast support such as "
-                             f"'cpu' or 'cuda', got {device!r}")
-        bf16_policy = FixedPolicy(1.0)
-        if scaler is not None:
-            if not isinstance(scaler, LossScaler):
-                raise ValueError(
-                    "scaler must be a lossscale_callbacks.torch.LossScaler, got "
-                    f"{type(scaler).__name__}; for a stock torch.amp.GradScaler use Lightning's own "
-                    "MixedPrecision(precision, device, scaler=...) (LossScaleMonitor reads it too)")
-            if policy is not None:
-                raise ValueError(f"pass either scaler or policy, not both; got scaler={scaler!r} and "
-                                 f"policy={policy!r} (give the policy to the scaler: "
-                                 "LossScaler(policy=...))")
-            if sync_found_inf != "auto":
-                check_choice("sync_found_inf", sync_found_inf, (True, False, "auto"))
-                scaler.sync_found_inf = sync_found_inf
-            if precision == "bf16-mixed" and scaler.policy != bf16_policy:
-                raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: the scaler's policy "
-                                 f"must be FixedPolicy(1.0), got {scaler.policy!r}")
-        else:
-            if precision == "bf16-mixed":
-                if policy is not None and policy != bf16_policy:
-                    raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: policy must be None "
-                                     f"or FixedPolicy(1.0), got {policy!r}")
-                policy = bf16_policy
-            scaler = LossScaler(policy=policy, enabled=True, sync_found_inf=sync_found_inf)
-        # Lightning's MixedPrecision.__init__ would build a torch GradScaler (and refuses one for
-        # bf16), so the attributes it sets are set here instead.
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.precision = precision
         self.device = device
         self.scaler = scaler
@@ -153,6 +57,12 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
 
     def autocast_context_manager(self) -> torch.autocast:
         return torch.autocast(self.device, dtype=self.autocast_dtype, cache_enabled=False)
+
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Autocast on the plugin's device type (``FSDPPrecision``'s own always says ``"cuda"``)."""
+        with self.autocast_context_manager():
+            yield
 
     # The base hooks call into their own namespace's trainer internals: dispatch them by the
     # namespace of the Trainer in use.
@@ -197,7 +107,7 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
         """Lightning calls this after moving the model to its device, before the first forward pass."""
         if self._device_from_trainer:
             param = next(iter(model.parameters()), None)
-            if param is not None and _autocast_available(param.device.type):
+            if param is not None and autocast_available(param.device.type):
                 self.device = param.device.type
         return super().connect(model, optimizers, lr_schedulers)
 
@@ -283,18 +193,86 @@ class LossScalePlugin(*bases("plugins.precision", "MixedPrecision")):  # type: i
         self.lr_scheduler_lag = int(state_dict.get("lr_scheduler_lag", 0))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Resuming a run of Lightning's own ``MixedPrecision`` plugin: start from its ``GradScaler``.
+        """Resuming a run of Lightning's own plugin: start from its ``GradScaler``.
 
-        Lightning restores this plugin from the checkpoint's ``"LossScalePlugin"`` entry; a
-        checkpoint written with the stock plugin has only ``"MixedPrecision"``, whose scale and
-        growth tracker are taken over here (see :meth:`LossScaler.load_state_dict`).
+        Lightning restores this plugin from the checkpoint's entry under this class's name; a
+        checkpoint written with the stock plugin has only ``"MixedPrecision"`` (or
+        ``"FSDPPrecision"``), whose scale and growth tracker are taken over here (see
+        :meth:`LossScaler.load_state_dict`; a collapsed scale is refused with what to do).
         """
-        if type(self).__qualname__ not in checkpoint and checkpoint.get("MixedPrecision"):
-            self.load_state_dict(checkpoint["MixedPrecision"])
+        if type(self).__qualname__ not in checkpoint and checkpoint.get(self._STOCK_KEY):
+            self.load_state_dict(checkpoint[self._STOCK_KEY])
 
     def __repr__(self) -> str:
-        return (f"LossScalePlugin(precision={self.precision!r}, device={self.device!r}, "
+        return (f"{type(self).__name__}(precision={self.precision!r}, device={self.device!r}, "
                 f"policy={self.policy!r})")
+
+
+
+
+class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision")):  # type: ignore[misc]
+    """Mixed-precision training whose loss scale follows the core's rule, for ``Trainer(plugins=[...])``.
+
+    It is a subclass of Lightning's ``MixedPrecision`` plugin in every installed namespace
+    (``lightning.pytorch`` and ``pytorch_lightning``), so either Trainer accepts it.
+
+    * ``"16-mixed"`` runs ``torch.autocast(device, dtype=torch.float16)``, also on CPU (where
+      ``Trainer(precision="16-mixed")`` would switch to bfloat16), with a dynamic loss scale.
+    * ``"bf16-mixed"`` runs bfloat16 autocast with the scale fixed at 1: no scaling, but
+      non-finite steps are still skipped and counted.
+
+    Gradients are unscaled right after the backward pass (before ``on_before_optimizer_step`` and
+    gradient clipping), except for fused optimizers, which unscale in their own kernel (clipping
+    is then refused, as in Lightning). Host syncs: none per step with fused optimizers (except
+    before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
+    otherwise; see :mod:`lossscale_callbacks.torch.scaler`.
+
+    The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
+    optimization and several optimizers, give each optimizer its own ``manual_backward`` before
+    its ``step()``: gradients from one backward stepped by two optimizers would be unscaled by
+    two different scales when the first step changed it.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: the autocast device type (``"cpu"``, ``"cuda"``); default: the type of the device
+            the Trainer puts the model on (until the Trainer has set it up: ``"cuda"`` when
+            available, else ``"cpu"``).
+        scaler: a :class:`~lossscale_callbacks.torch.LossScaler` to use (as
+            ``MixedPrecision(scaler=...)`` takes a GradScaler); default: a new one with ``policy``.
+        policy: the loss-scale policy of the scaler the plugin makes (default: GradScaler's
+            settings, ``DynamicPolicy(initial_scale=2**16)`` in ``[1, 2**24]``; bf16 only allows
+            ``None`` or ``FixedPolicy(1.0)``). Not together with ``scaler``.
+        sync_found_inf: passed to :class:`LossScaler`. ``"auto"`` also turns it on under
+            Lightning's ``ModelParallelStrategy``. (``strategy="fsdp"`` accepts only
+            ``FSDPPrecision`` plugins: use :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`
+            there.)
+        hold_lr_schedulers: do not advance step-interval LR schedulers on a skipped step, so the
+            schedule follows the updates actually applied. Only where the skip decision is
+            already on the host (non-fused optimizers): no extra sync is ever added, and with a
+            fused optimizer schedulers step as usual. Only the schedulers Lightning steps itself
+            (automatic optimization; with manual optimization you call ``scheduler.step()``
+            and can ask ``plugin.scaler.last_step_skipped()``). :attr:`lr_scheduler_lag` counts
+            the scheduler steps held back (how far the schedule lags the steps attempted); it
+            is saved in checkpoints with the scaler.
+
+    Example:
+        >>> from lossscale_callbacks import DynamicPolicy
+        >>> plugin = LossScalePlugin(policy=DynamicPolicy(hysteresis=2), device="cpu")
+        >>> plugin.precision, plugin.autocast_dtype
+        ('16-mixed', torch.float16)
+    """
+
+    def __init__(
+        self,
+        precision: str = "16-mixed",
+        device: str | None = None,
+        scaler: LossScaler | None = None,
+        policy: Policy | None = None,
+        *,
+        sync_found_inf: bool | str = "auto",
+        hold_lr_schedulers: bool = False,
+    ) -> None:
+        self._init_scaling(precision, device, scaler, policy, sync_found_inf, hold_lr_schedulers)
 
 
 __all__ = ["LossScalePlugin", "namespace_of"]

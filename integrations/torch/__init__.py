@@ -21,9 +21,10 @@ from lossscale_callbacks.torch.stock import StockScalerReader
 _LAZY = {
     # The alignment checker imports torch's dispatch machinery; only when asked for.
     "check_alignment": "lossscale_callbacks.torch.alignment",
+    "DeepSpeedScalerReader": "lossscale_callbacks.torch.deepspeed_reader",
 }
 
-__all__ = ["LossScaler", "StockScalerReader", "TorchOps", "check_alignment"]
+__all__ = ["DeepSpeedScalerReader", "LossScaler", "StockScalerReader", "TorchOps", "check_alignment"]
 
 
 def __getattr__(name: str) -> Any:

@@ -36,6 +36,7 @@ class StockScalerReader:
         self.steps = 0
         self._skipped: torch.Tensor | None = None
         self._prev_scale: torch.Tensor | None = None
+        self._restored_skipped = 0
 
     def after_optimizer_step(self, steps: int = 1) -> None:
         """Count ``steps`` optimizer steps and whether the last one overflowed, on the device. No host sync.
@@ -62,10 +63,34 @@ class StockScalerReader:
         """Scale, growth tracker and skipped steps as host numbers: one host sync."""
         scale = self.scaler._get_scale_async()
         if scale is None:
-            return {"scale": float(self.scaler._init_scale), "growth_counter": 0, "hysteresis_left": 1,
-                    "skipped_steps": 0, "steps": self.steps}
+            # Not stepped yet: the configured or checkpoint-restored values GradScaler will start from.
+            tracker = int(getattr(self.scaler, "_init_growth_tracker", 0))
+            return {"scale": float(self.scaler._init_scale), "growth_counter": tracker, "hysteresis_left": 1,
+                    "skipped_steps": self._restored_skipped, "steps": self.steps}
         skipped = self._skipped if self._skipped is not None else torch.zeros((), device=scale.device)
         values = torch.stack([scale.double(), self.scaler._growth_tracker.double(),
                               skipped.double()]).cpu().tolist()
         return {"scale": values[0], "growth_counter": int(values[1]), "hysteresis_left": 1,
-                "skipped_steps": int(values[2]), "steps": self.steps}
+                "skipped_steps": self._restored_skipped + int(values[2]), "steps": self.steps}
+
+    def state_dict(self) -> dict[str, int]:
+        """The counts kept beside the scaler (``GradScaler`` checkpoints neither). One host read."""
+        return {"steps": self.steps, "skipped_steps": int(self.read()["skipped_steps"])}
+
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise ``ValueError`` unless ``state`` is a :meth:`state_dict` this reader can load."""
+        steps = state.get("steps") if isinstance(state, dict) else None
+        skipped = state.get("skipped_steps") if isinstance(state, dict) else None
+        if not (type(steps) is int and type(skipped) is int and 0 <= skipped <= steps):
+            raise ValueError("state: expected {'steps': int, 'skipped_steps': int} with "
+                             f"0 <= skipped_steps <= steps, got {state!r}")
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue counting from a :meth:`state_dict`; load the scaler's own state first."""
+        self.check_state(state)
+        steps, skipped = state["steps"], state["skipped_steps"]
+        self.steps = steps
+        self._skipped = None  # the device count restarts at the restored scale; the host offset adds the rest
+        self._prev_scale = None
+        self._restored_skipped = skipped

@@ -1,0 +1,69 @@
+"""The arguments every precision plugin of this package takes, checked once (Trainer and Fabric alike)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lossscale_callbacks._validation import check_choice, check_policy
+from lossscale_callbacks.policy import FixedPolicy, Policy
+from lossscale_callbacks.torch.scaler import LossScaler
+
+PRECISIONS = ("16-mixed", "bf16-mixed")
+BF16_POLICY = FixedPolicy(1.0)
+
+
+def autocast_available(device: str) -> bool:
+    try:
+        return torch.amp.is_autocast_available(torch.device(device).type)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _is_policy(value: Any) -> bool:
+    return hasattr(value, "constants") and callable(getattr(value, "to_config", None))
+
+
+def resolve_scaling(owner: str, precision: str, device: str | None, scaler: Any, policy: Policy | None,
+                    sync_found_inf: bool | str) -> tuple[str | None, LossScaler]:
+    """Check a plugin's ``precision``/``device``/``scaler``/``policy``; return the device and the scaler.
+
+    ``device=None`` stays ``None`` (the plugin follows the model's device); a given one must be a
+    device type with autocast. A given scaler must be our ``LossScaler`` (a stock GradScaler belongs
+    in Lightning's own plugins, which ``LossScaleMonitor`` reads too) and excludes ``policy``;
+    ``"bf16-mixed"`` keeps the scale at 1 (``FixedPolicy(1.0)``).
+
+    Raises:
+        ValueError: naming the argument and what is allowed.
+    """
+    check_choice("precision", precision, PRECISIONS)
+    if _is_policy(scaler):
+        raise ValueError(f"{owner}'s third argument is the scaler, as in Lightning's precision plugins; pass "
+                         f"the policy by keyword: {owner}(policy={scaler!r})")
+    check_policy("policy", policy)
+    check_choice("sync_found_inf", sync_found_inf, (True, False, "auto"))
+    if device is not None and (not isinstance(device, str) or not autocast_available(device)):
+        raise ValueError("device must be None or a device type string with autocast support such as "
+                         f"'cpu' or 'cuda', got {device!r}")
+    if scaler is not None:
+        if not isinstance(scaler, LossScaler):
+            raise ValueError(
+                "scaler must be a lossscale_callbacks.torch.LossScaler, got "
+                f"{type(scaler).__name__}; for a stock torch.amp.GradScaler use Lightning's own "
+                "MixedPrecision(precision, device, scaler=...) (LossScaleMonitor reads it too)")
+        if policy is not None:
+            raise ValueError(f"pass either scaler or policy, not both; got scaler={scaler!r} and "
+                             f"policy={policy!r} (give the policy to the scaler: LossScaler(policy=...))")
+        if sync_found_inf != "auto":
+            scaler.sync_found_inf = sync_found_inf
+        if precision == "bf16-mixed" and scaler.policy != BF16_POLICY:
+            raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: the scaler's policy "
+                             f"must be FixedPolicy(1.0), got {scaler.policy!r}")
+        return device, scaler
+    if precision == "bf16-mixed":
+        if policy is not None and policy != BF16_POLICY:
+            raise ValueError("precision='bf16-mixed' keeps the loss scale at 1: policy must be None "
+                             f"or FixedPolicy(1.0), got {policy!r}")
+        policy = BF16_POLICY
+    return device, LossScaler(policy=policy, enabled=True, sync_found_inf=sync_found_inf)
