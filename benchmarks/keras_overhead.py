@@ -1,6 +1,7 @@
 """Overhead of lossscale-callbacks in Keras 3 ``fit``: ours vs ``keras.optimizers.LossScaleOptimizer``.
 
     python benchmarks/keras_overhead.py [--rounds 7] [--steps 300]
+    KERAS_BACKEND=jax python benchmarks/keras_overhead.py      # or torch: any Keras 3 backend
 
 Four arms train the same mixed_float16 MLP (same initial weights, same data) in one process:
 
@@ -33,7 +34,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
 
@@ -64,7 +64,18 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * 16, features)).astype("float32")
     y = rng.integers(0, 10, size=(args.batch * 16,))
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat().prefetch(4)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat().prefetch(4)
+        versions = f"TensorFlow {tf.__version__}"
+    else:
+        # The same batches as NumPy arrays (Keras' array adapter): enough for the longest fit.
+        repeats = -(-args.steps * args.batch // len(x))
+        data = (np.concatenate([x] * repeats), np.concatenate([y] * repeats))
+        module = __import__(backend)
+        versions = f"{backend} {module.__version__}"
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     arms: dict[str, tuple[keras.Model, list[keras.callbacks.Callback]]] = {}
@@ -88,7 +99,12 @@ def main() -> None:
         model, callbacks = arms[name]
         with contextlib.redirect_stdout(io.StringIO()):
             wall, cpu = time.perf_counter(), time.process_time()
-            model.fit(data, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0, callbacks=callbacks)
+            if isinstance(data, tuple):
+                model.fit(data[0][:steps * args.batch], data[1][:steps * args.batch], batch_size=args.batch,
+                          epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+            else:
+                model.fit(data, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0,
+                          callbacks=callbacks)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         return wall / steps, cpu / steps
 
@@ -107,7 +123,7 @@ def main() -> None:
     def ratios(times: dict[str, list[float]], a: str, b: str) -> list[float]:
         return [x / y for x, y in zip(times[a], times[b], strict=True)]
 
-    print(f"\nKeras {keras.__version__}, TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores; MLP "
+    print(f"\nKeras {keras.__version__} on {versions}, {os.cpu_count()} CPU cores; MLP "
           f"{features}->{args.width}x3->10, batch {args.batch}, mixed_float16, {args.rounds} rounds x "
           f"{args.steps} steps\n")
     print(f"{'arm':<10} {'wall ms/step':>13} {'steps/s':>9} {'CPU ms/step':>12}")

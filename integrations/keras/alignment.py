@@ -31,7 +31,12 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+
+try:
+    import tensorflow as tf
+except ImportError as exc:  # a JAX or torch install without TensorFlow
+    raise ImportError("the Keras alignment check traces TensorFlow graphs and needs tensorflow, which is not "
+                      "installed; the loss scaling itself runs on every Keras backend") from exc
 
 from lossscale_callbacks.alignment import (
     BACKWARD,
@@ -59,6 +64,16 @@ from lossscale_callbacks.alignment import (
     matmul_gemm,
 )
 from lossscale_callbacks.alignment.targets import get_target
+
+_ONLY_TENSORFLOW = (
+    "the Keras alignment check traces TensorFlow graphs and supports KERAS_BACKEND='tensorflow' only. "
+    "Loss scaling (LossScaleOptimizer, LossScaleCallback) runs on every backend; to check alignment, "
+    "build the same model under the TensorFlow backend (for example `KERAS_BACKEND=tensorflow "
+    "lossscale-callbacks check your_model.py`), or, on the torch backend, call "
+    "lossscale_callbacks.torch.check_alignment(model, sample, dtype='float16'), which sees the GEMMs "
+    "but not the Keras layer that owns each one"
+)
+
 
 __all__ = ["capture", "check_alignment", "check_model_file"]
 
@@ -351,8 +366,7 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
     if not isinstance(model, keras.Model):
         raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
     if keras.backend.backend() != "tensorflow":
-        raise ValueError("the Keras alignment check traces TensorFlow graphs: it needs KERAS_BACKEND="
-                         f"'tensorflow', not {keras.backend.backend()!r}")
+        raise ValueError(f"{_ONLY_TENSORFLOW} (this process runs {keras.backend.backend()!r})")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if sample is None:

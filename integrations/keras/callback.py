@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -74,7 +75,8 @@ class LossScaleCallback(keras.callbacks.Callback):
             CSVLogger, Keras' TensorBoard): ``True`` (all), ``False`` (none; the sinks still get
             them) or names from ``lossscale_callbacks.METRIC_NAMES``.
         check_alignment: run the Tensor Core alignment checker once at the first
-            ``on_train_begin``, print its report and write it to the sinks.
+            ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend;
+            on JAX and torch it warns and training goes on).
 
     Example:
         >>> keras.mixed_precision.set_global_policy("mixed_float16")  # doctest: +SKIP
@@ -147,7 +149,7 @@ class LossScaleCallback(keras.callbacks.Callback):
                 "lossscale_callbacks.keras.LossScaleOptimizer that the loop steps, got "
                 f"{type(current).__name__}"
             )
-        with model.distribute_strategy.scope():
+        with _strategy_scope(model):
             ours = wrap(current, self.policy)
             if model.built and model.trainable_variables:
                 ours.build(model.trainable_variables)
@@ -184,10 +186,19 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     # ---- reading ----
 
+    def _read_state(self) -> Any:
+        # On JAX, fit() keeps the variables' values in its own state during an epoch; a callback
+        # that reads variables syncs them back first (Keras' documented way; no copy of the arrays).
+        sync = getattr(self.model, "jax_state_sync", None)
+        if keras.backend.backend() == "jax" and callable(sync):
+            sync()
+        assert self.optimizer is not None
+        return self.optimizer.read_state()
+
     def _observe(self, logs: dict[str, Any] | None) -> Snapshot:
         """One host read of the state, through the logging loop; the chosen metrics into ``logs``."""
         assert self.optimizer is not None and self.loop is not None
-        snapshot = self.loop.observe(self.optimizer.read_state())
+        snapshot = self.loop.observe(self._read_state())
         if logs is not None and self.log_metrics:
             metrics = snapshot.metrics()
             logs.update({name: metrics[name] for name in self.log_metrics})
@@ -207,16 +218,25 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.optimizer = self._install()  # no-op when set_model installed it already
-        self._is_chief = bool(getattr(self.model.distribute_strategy.extended, "should_checkpoint", True))
+        self._is_chief = _is_chief(self.model)
         self.loop = self._open_loop()
         self._primed = False
         if self.check_alignment and self.alignment_report is None:
             self._run_alignment_check()
 
     def _run_alignment_check(self) -> None:
-        from lossscale_callbacks.keras.alignment import check_alignment
+        try:
+            from lossscale_callbacks.keras.alignment import check_alignment
 
-        self.alignment_report = check_alignment(self.model)
+            self.alignment_report = check_alignment(self.model)
+        except (ImportError, ValueError) as exc:
+            if keras.backend.backend() == "tensorflow":
+                raise
+            # Training goes on: the check is an extra, and its limits are not the run's fault.
+            warnings.warn(f"[lossscale-callbacks] check_alignment=True skipped: {exc}", UserWarning,
+                          stacklevel=3)
+            self.alignment_report = False  # not asked again at the next fit()
+            return
         assert self.loop is not None
         self.loop.report_alignment(self.alignment_report.to_markdown())
 
@@ -227,7 +247,7 @@ class LossScaleCallback(keras.callbacks.Callback):
             # of the first interval is the restored state, not zero.
             self._primed = True
             assert self.loop is not None and self.optimizer is not None
-            self.loop.baseline(self.optimizer.read_state())
+            self.loop.baseline(self._read_state())
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # Keras' own batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
@@ -244,8 +264,26 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         assert self.loop is not None and self.optimizer is not None
-        self.summary = self.loop.finish(self.optimizer.read_state())
+        self.summary = self.loop.finish(self._read_state())
         self._close_owned_sinks()
+
+
+def _strategy_scope(model: keras.Model) -> Any:
+    """The model's ``tf.distribute`` scope on TensorFlow; nothing to enter elsewhere."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
+def _is_chief(model: keras.Model) -> bool:
+    """Whether this process writes the sinks: the chief worker (TensorFlow) or JAX process 0."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is not None:
+        return bool(getattr(strategy.extended, "should_checkpoint", True))
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.process_index() == 0
+    return True
 
 
 def _chosen_metrics(log_metrics: bool | Iterable[str]) -> tuple[str, ...]:

@@ -4,6 +4,14 @@ It subclasses ``keras.optimizers.LossScaleOptimizer`` only so that Keras treats 
 scale optimizer everywhere (``compile()`` under ``mixed_float16`` does not wrap it a second
 time, ``MultiOptimizer`` refuses it, the TensorBoard callback finds ``inner_optimizer``); all
 of the loss-scaling behaviour is its own, built on :mod:`lossscale_callbacks.update`.
+
+It runs on every Keras 3 backend. TensorFlow: the rule in TensorFlow ops, the skip a ``tf.cond``
+inside the traced step, the overflow flag reduced across ``tf.distribute`` replicas. JAX: the
+rule in ``keras.ops`` inside Keras' jitted ``stateless_apply``, the skip a ``lax.cond`` (under
+``keras.distribution`` the gradients are global arrays, so every device decides alike). torch:
+the rule in ``keras.ops`` on the device, the skip a Python branch on the flag, one host read per
+step, as in Keras' own ``LossScaleOptimizer`` (torch has no traced conditional for Keras' step).
+TensorFlow is imported only on its backend.
 """
 
 from __future__ import annotations
@@ -17,13 +25,22 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from lossscale_callbacks._validation import check_int, check_number, check_policy, validate_state
-from lossscale_callbacks.keras.tf_ops import TF_OPS, all_finite, replicas_agree_finite, unscale
+from lossscale_callbacks.keras import keras_ops
 from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks.update import next_state
+
+_BACKEND = keras.backend.backend()
+if _BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    from lossscale_callbacks.keras import tf_ops
+else:  # JAX or torch: no TensorFlow needed
+    tf = None
+    tf_ops = None
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _DEFAULT_INITIAL_SCALE = 2.0**15
@@ -140,10 +157,36 @@ _NO_MARK = object()
 
 
 def _current_context() -> Any:
-    """Where code runs now: ``None`` when eager, else (a weak reference to) the graph being traced."""
-    if tf.executing_eagerly():
+    """Where code runs now: ``None`` when eager, else (a weak reference to) the graph being traced.
+
+    Only TensorFlow traces graphs that an eager call could leak into; elsewhere ``None``.
+    """
+    if tf is None or tf.executing_eagerly():
         return None
     return weakref.ref(tf.compat.v1.get_default_graph())
+
+
+def _gradients_of_callable(fn: Any, variables: list[Any]) -> list[Any]:
+    """Gradients of ``fn()`` (a scalar) with respect to Keras ``variables``, on JAX or torch."""
+    if _BACKEND == "jax":
+        import jax
+
+        def of_values(values: list[Any]) -> Any:
+            with keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True))):
+                return fn()
+
+        return list(jax.grad(of_values)([v.value for v in variables]))
+    if _BACKEND == "torch":
+        import torch
+
+        values = [v.value for v in variables]
+        return list(torch.autograd.grad(fn(), values, allow_unused=True))
+    raise ValueError(f"minimize() is not supported on the {_BACKEND!r} Keras backend; compute the gradients "
+                     "of get_scaled_loss(loss) yourself and call apply_gradients()")
+
+
+def _unscale(grad: Any, scale: Any) -> Any:
+    return tf_ops.unscale(grad, scale) if tf is not None else keras_ops.unscale(grad, scale)
 
 
 def _check_base_optimizer_kwargs(kwargs: dict[str, Any]) -> None:
@@ -209,9 +252,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.25))
-        >>> var = tf.Variable(1.0)
+        >>> var = keras.Variable(1.0)
         >>> _ = opt.minimize(lambda: var**2, var_list=var)
-        >>> float(var.numpy())
+        >>> float(keras.ops.convert_to_numpy(var))
         0.5
     """
 
@@ -225,11 +268,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                f"lossscale_callbacks.keras needs the TensorFlow backend of Keras 3, got "
-                f"KERAS_BACKEND={keras.backend.backend()!r}"
-            )
         if isinstance(inner_optimizer, _KerasLossScaleOptimizer):
             raise LossScaleOptimizerArgumentError(
                 f"LossScaleOptimizer cannot wrap another LossScaleOptimizer, but got: {inner_optimizer!r}")
@@ -258,11 +296,13 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         constants = resolved.constants
         # "only_first_replica": every replica computes the same new state (the finite flag
         # is all-reduced first), so any replica's value is the right one to keep.
+        # int64 counters, int32 on JAX without x64 (see keras_ops.counter_dtype).
+        counter = "int64" if tf is not None else keras_ops.counter_dtype()
         self._ls_scale = self._state_variable("loss_scale", "float32", resolved.initial_scale)
-        self._ls_growth_counter = self._state_variable("growth_counter", "int64", 0)
-        self._ls_hysteresis_left = self._state_variable("hysteresis_left", "int64", constants.hysteresis)
-        self._ls_skipped_steps = self._state_variable("skipped_steps", "int64", 0)
-        self._ls_steps = self._state_variable("steps", "int64", 0)
+        self._ls_growth_counter = self._state_variable("growth_counter", counter, 0)
+        self._ls_hysteresis_left = self._state_variable("hysteresis_left", counter, constants.hysteresis)
+        self._ls_skipped_steps = self._state_variable("skipped_steps", counter, 0)
+        self._ls_steps = self._state_variable("steps", counter, 0)
 
     def _state_variable(self, name: str, dtype: str, value: float) -> keras.Variable:
         return self.add_variable(shape=(), dtype=dtype, initializer=keras.initializers.Constant(value),
@@ -337,9 +377,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         return self._ls_growth_counter if self._policy.dynamic else None
 
     @property
-    def loss_scale(self) -> tf.Tensor:
-        """The current loss scale, a float32 scalar tensor."""
-        return tf.convert_to_tensor(self._ls_scale.value)
+    def loss_scale(self) -> Any:
+        """The current loss scale, a float32 scalar tensor (not the variable)."""
+        if tf is not None:
+            return tf.convert_to_tensor(self._ls_scale.value)
+        return ops.convert_to_tensor(self._ls_scale.value)
 
     # Names of Keras' own LossScaleOptimizer, for code written against it.
     @property
@@ -366,6 +408,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
         Call it at a log interval, never per step.
         """
+        # Variable.numpy() on every backend (also a tf.distribute MirroredVariable's).
         values = [np.asarray(v.numpy()) for v in self.state_variables]
         return LossScaleState(*values)
 
@@ -384,7 +427,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         current = {} if len(fields) == len(STATE_FIELDS) else self.read_state()._asdict()
         checked = validate_state(self._policy, {**current, **fields}, source="assign_state")
         for value, var in zip(checked, self.state_variables, strict=True):
-            var.assign(tf.cast(value, var.dtype))
+            var.assign(ops.cast(value, var.dtype))
 
     # ---- building and loss/gradient scaling ----
 
@@ -399,13 +442,14 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         finally:
             self.__dict__["_building_own_variables"] = False
 
-    def _scaled(self, loss: Any) -> tf.Tensor:
-        loss = tf.convert_to_tensor(loss)
-        if loss.dtype in (tf.float16, tf.bfloat16):
-            loss = tf.cast(loss, tf.float32)
-        return loss * tf.cast(self._ls_scale.value, loss.dtype)
+    def _scaled(self, loss: Any) -> Any:
+        loss = ops.convert_to_tensor(loss)
+        dtype = keras.backend.standardize_dtype(loss.dtype)
+        if dtype in ("float16", "bfloat16"):
+            loss, dtype = ops.cast(loss, "float32"), "float32"
+        return ops.multiply(loss, ops.cast(self._ls_scale.value, dtype))
 
-    def scale_loss(self, loss: Any) -> tf.Tensor:
+    def scale_loss(self, loss: Any) -> Any:
         """``loss * scale`` (Keras 3's API). Half-precision losses are promoted to float32 first.
 
         Keras' trainer calls this in every ``train_step`` and then passes *scaled* gradients to
@@ -434,15 +478,16 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         """
         scale = self._ls_scale.value
         self._unscaled_marks.context = _current_context()
-        return [unscale(g, scale) for g in grads]
+        return [_unscale(g, scale) for g in grads]
 
     def _take_unscaled_mark(self) -> bool:
         mark = getattr(self._unscaled_marks, "context", _NO_MARK)
         self._unscaled_marks.context = _NO_MARK
         return mark is not _NO_MARK and mark == _current_context()
 
-    def check_finite(self, grads: Iterable[Any]) -> tf.Tensor:
-        return all_finite(grads)
+    def check_finite(self, grads: Iterable[Any]) -> Any:
+        """A scalar bool tensor: every gradient finite (this replica's only; no host read)."""
+        return tf_ops.all_finite(grads) if tf is not None else keras_ops.all_finite(list(grads))
 
     # ---- applying ----
 
@@ -455,7 +500,10 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None, *,
               unscaled: bool | None = None) -> None:
-        """Check, unscale, apply or skip, and update the loss scale. No host read under tf.function.
+        """Check, unscale, apply or skip, and update the loss scale.
+
+        No host read under ``tf.function`` (TensorFlow) or ``jax.jit`` (JAX); on torch the skip
+        decision reads the overflow flag once (see the module docstring).
 
         Args:
             grads: the gradients, *scaled* (Keras 3: ``fit``, or a loop with :meth:`scale_loss`)
@@ -480,15 +528,15 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                     self.build(trainable_variables)
         elif not self.built:
             raise ValueError("pass trainable_variables on the first apply(), or build() the optimizer first")
+        if tf is None:
+            self._apply_keras_backend(grads, trainable_variables, already_unscaled)
+            return
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context (inside strategy.run)")
 
-        finite = replicas_agree_finite(all_finite(grads))
+        finite = tf_ops.replicas_agree_finite(tf_ops.all_finite(grads))
         if not already_unscaled:
-            scale = self._ls_scale.value
-            variables = trainable_variables or self._trainable_variables
-            grads = [g if getattr(v, "overwrite_with_gradient", False) else unscale(g, scale)
-                     for g, v in zip(grads, variables, strict=False)]
+            grads = self._unscaled_grads(grads, trainable_variables)
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             self._apply_or_skip(finite, grads, trainable_variables)
@@ -499,50 +547,141 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             tf.distribute.get_replica_context().merge_call(
                 self._apply_or_skip_cross_replica, args=(finite, grads, trainable_variables))
 
-    def _apply_or_skip(self, finite: tf.Tensor, grads: list[Any], variables: list[Any] | None) -> None:
-        def apply_inner() -> tf.Tensor:
+    def _unscaled_grads(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
+        scale = self._ls_scale.value
+        variables = variables or self._trainable_variables
+        return [g if getattr(v, "overwrite_with_gradient", False) else _unscale(g, scale)
+                for g, v in zip(grads, variables, strict=False)]
+
+    def _apply_or_skip(self, finite: Any, grads: list[Any], variables: list[Any] | None) -> None:
+        def apply_inner() -> Any:
             self.inner_optimizer.apply(grads, variables)
             return tf.constant(True)
 
         tf.cond(finite, apply_inner, lambda: tf.constant(False))
         self._update_state(finite)
 
-    def _apply_or_skip_cross_replica(self, distribution: tf.distribute.Strategy, finite: Any,
-                                     grads: Any, variables: Any) -> None:
+    def _apply_or_skip_cross_replica(self, distribution: Any, finite: Any, grads: Any,
+                                     variables: Any) -> None:
         # Every replica holds the same (all-reduced) flag; take the first.
         finite = distribution.experimental_local_results(finite)[0]
 
-        def apply_inner() -> tf.Tensor:
+        def apply_inner() -> Any:
             distribution.extended.call_for_each_replica(self.inner_optimizer.apply, args=(grads, variables))
             return tf.constant(True)
 
         tf.cond(finite, apply_inner, lambda: tf.constant(False))
         self._update_state(finite)
 
-    def _update_state(self, finite: tf.Tensor) -> None:
-        # The core's rule, traced with TensorFlow ops: no growth/backoff logic lives here.
-        new = next_state(self._policy, self.state, finite, TF_OPS)
+    def _rule_ops(self) -> Any:
+        """The ops the core's rule runs with: TensorFlow's, torch's own (5x fewer Python calls than
+        ``keras.ops`` per step, the same bits), or ``keras.ops`` (JAX, traced once)."""
+        if tf is not None:
+            return tf_ops.TF_OPS
+        if _BACKEND == "torch":
+            cached = self.__dict__.get("_torch_ops")
+            device = self._ls_scale.value.device
+            if cached is None or cached.device != device:
+                from lossscale_callbacks.torch.ops import TorchOps
+
+                cached = self.__dict__["_torch_ops"] = TorchOps(device)
+            return cached
+        return keras_ops.KERAS_OPS
+
+    def _update_state(self, finite: Any) -> None:
+        # The core's rule, traced with the backend's ops: no growth/backoff logic lives here.
+        new = next_state(self._policy, self.state, finite, self._rule_ops())
         for var, value in zip(self.state_variables, new, strict=False):
             var.assign(value)
 
-    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
-        raise ValueError("stateless_apply is not supported with the TensorFlow backend (tf.distribute needs "
-                         "stateful variables)")
+    def _apply_keras_backend(self, grads: list[Any], variables: list[Any] | None,
+                             already_unscaled: bool) -> None:
+        """JAX and torch, stateful (a custom loop, or Keras' torch trainer)."""
+        if _BACKEND == "jax":
+            # One code path for JAX: the stateless step, on the current values, written back.
+            variables = variables or self._trainable_variables
+            new_trainable, new_optimizer = self._stateless_step(
+                [v.value for v in self.variables], grads, [v.value for v in variables], already_unscaled)
+            for var, value in zip(variables, new_trainable, strict=True):
+                var.assign(value)
+            for var, value in zip(self.variables, new_optimizer, strict=True):
+                var.assign(value)
+            return
+        variables = variables or self._trainable_variables
+        keep = range(len(grads)) if already_unscaled else [
+            i for i, v in enumerate(variables) if getattr(v, "overwrite_with_gradient", False)]
+        finite, grads = keras_ops.check_and_unscale(grads, self._ls_scale.value, keep)
+        # torch: the branch reads the flag (one host sync), as Keras' own LossScaleOptimizer does.
+        ops.cond(finite, lambda: self.inner_optimizer.apply(grads, variables), lambda: None)
+        self._update_state(finite)
 
-    def minimize(self, loss: Any, var_list: Any, tape: tf.GradientTape | None = None) -> keras.Variable:
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        """Keras' functional step (what the JAX trainer jits): new trainable and optimizer values.
+
+        The inner optimizer's ``stateless_apply`` runs in a ``lax.cond`` on the overflow flag, so a
+        skipped step returns every trainable and optimizer value unchanged; the state moves by the
+        core's rule. ``grads`` are *scaled*, as in ``fit``. No host read.
+        """
+        if tf is not None:
+            raise ValueError("stateless_apply is not supported with the TensorFlow backend (tf.distribute "
+                             "needs stateful variables); use apply()")
+        if not self.built:
+            raise ValueError(f"To call `stateless_apply`, {type(self).__name__} must be built: call "
+                             "optimizer.build(trainable_variables) first")
+        return self._stateless_step(list(optimizer_variables), list(grads), list(trainable_variables),
+                                    already_unscaled=self._take_unscaled_mark())
+
+    def _stateless_step(self, optimizer_values: list[Any], grads: list[Any], trainable_values: list[Any],
+                        already_unscaled: bool) -> tuple[list[Any], list[Any]]:
+        own = self._variables
+        if len(optimizer_values) != len(self.variables):
+            raise ValueError(f"optimizer_variables: expected {len(self.variables)} values (this optimizer's "
+                             f"`variables`), got {len(optimizer_values)}")
+        own_values, inner_values = optimizer_values[:len(own)], optimizer_values[len(own):]
+        by_variable = {id(v): value for v, value in zip(own, own_values, strict=True)}
+        state = LossScaleState(*(by_variable[id(v)] for v in self.state_variables))
+        finite = keras_ops.all_finite(grads)
+        if not already_unscaled:
+            variables = self._trainable_variables
+            grads = [g if getattr(v, "overwrite_with_gradient", False) else keras_ops.unscale(g, state.scale)
+                     for g, v in zip(grads, variables, strict=False)]
+
+        def apply_inner() -> tuple[list[Any], list[Any]]:
+            new = self.inner_optimizer.stateless_apply(inner_values, grads, trainable_values)
+            return list(new[0]), list(new[1])
+
+        def skip() -> tuple[list[Any], list[Any]]:
+            return list(trainable_values), list(inner_values)
+
+        new_trainable, new_inner = ops.cond(finite, apply_inner, skip)
+        new_state = next_state(self._policy, state, finite, keras_ops.KERAS_OPS)
+        for var, value in zip(self.state_variables, new_state, strict=True):
+            by_variable[id(var)] = ops.cast(value, var.dtype)
+        return new_trainable, [by_variable[id(v)] for v in own] + new_inner
+
+    def minimize(self, loss: Any, var_list: Any, tape: Any = None) -> keras.Variable:
         """Scale the loss, differentiate, unscale, apply (or skip), and update the scale.
 
+        On every backend with a callable ``loss`` (TensorFlow: ``tf.GradientTape``; torch:
+        ``torch.autograd``; JAX: ``jax.grad`` of the loss with the variables as its inputs).
+
         Args:
-            loss: a zero-argument callable returning the loss, or a loss tensor computed
-                under ``tape``.
+            loss: a zero-argument callable returning the loss, or (TensorFlow) a loss tensor
+                computed under ``tape``.
             var_list: a variable, a list of variables, or a callable returning them.
-            tape: the ``tf.GradientTape`` that recorded a tensor ``loss``.
+            tape: the ``tf.GradientTape`` that recorded a tensor ``loss`` (TensorFlow only).
         """
         if callable(var_list):
             var_list = var_list()
         if not isinstance(var_list, (list, tuple)):
             var_list = [var_list]
         var_list = list(var_list)
+        if tf is None:
+            if not callable(loss):
+                raise ValueError(f"loss must be a zero-argument callable on the {_BACKEND} backend (a loss "
+                                 "tensor with a tape is TensorFlow's form)")
+            grads = _gradients_of_callable(lambda: self.scale_loss(loss()), var_list)
+            return self.apply_gradients(zip(grads, var_list, strict=True))
         if callable(loss):
             with tf.GradientTape() as tape:
                 scaled = self.scale_loss(loss())

@@ -1,0 +1,203 @@
+"""The Keras integration on one Keras backend, as a user runs it; prints one JSON line of results.
+
+Run by ``tests/test_keras_backends.py`` once per backend, each in its own process (Keras picks its
+backend at import): ``KERAS_BACKEND=jax python backend_checks.py OUT_DIR``.
+
+Checks: the core rule in ``keras.ops`` against the NumPy reference (all conformance cases; jitted on
+JAX), the tf.keras documentation's ``minimize`` (0.5) and tape-style (0.25) examples, ``fit`` with
+``LossScaleCallback`` and a batch holding an Inf (the step skipped, weights and optimizer slots
+bit-identical, the metrics in ``logs`` and TensorBoard), ``model.save``/``load_model`` resuming the
+state, and the alignment check's answer on this backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import keras
+import numpy as np
+from keras import ops
+
+from lossscale_callbacks.conformance import assert_conforms, conformance_cases
+from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
+from lossscale_callbacks.keras.keras_ops import KERAS_OPS
+from lossscale_callbacks.state import LossScaleState
+from lossscale_callbacks.update import initial_state, next_state
+
+BACKEND = keras.backend.backend()
+
+
+def conformance() -> int:
+    cases = conformance_cases()
+    for case in cases:
+        if BACKEND == "jax":
+            import jax
+
+            policy = case.policy
+
+            @jax.jit
+            def run(finite, policy=policy):
+                def body(carry, bit):
+                    new = next_state(policy, carry, bit, KERAS_OPS)
+                    return new, new
+
+                return jax.lax.scan(body, initial_state(policy, KERAS_OPS), finite)[1]
+
+            states = run(np.asarray(case.finite))
+            actual = LossScaleState(*(np.asarray(x) for x in states))
+        else:
+            state, rows = initial_state(case.policy, KERAS_OPS), []
+            for flag in case.finite:
+                state = next_state(case.policy, state, bool(flag), KERAS_OPS)
+                rows.append([np.asarray(ops.convert_to_numpy(x)) for x in state])
+            actual = LossScaleState(*(np.stack(col) for col in zip(*rows, strict=True)))
+        assert_conforms(case, actual)
+    return len(cases)
+
+
+def seed_examples() -> list[float]:
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.25))
+    var = keras.Variable(1.0)
+
+    def loss_fn():
+        return var**2
+
+    opt.minimize(loss_fn, var_list=var)
+    after_minimize = float(ops.convert_to_numpy(var))
+    # The tape-style example, with this backend's way to differentiate.
+    if BACKEND == "jax":
+        import jax
+
+        def scaled(value):
+            with keras.StatelessScope(state_mapping=[(var, value)]):
+                return opt.get_scaled_loss(loss_fn())
+
+        scaled_grad = jax.grad(scaled)(var.value)
+    elif BACKEND == "torch":
+        import torch
+
+        (scaled_grad,) = torch.autograd.grad(opt.get_scaled_loss(loss_fn()), [var.value])
+    else:
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            scaled_loss = opt.get_scaled_loss(loss_fn())
+        scaled_grad = tape.gradient(scaled_loss, var)
+    (grad,) = opt.get_unscaled_gradients([scaled_grad])
+    opt.apply_gradients([(grad, var)])
+    return [after_minimize, float(ops.convert_to_numpy(var))]
+
+
+def _values(variables) -> list[np.ndarray]:
+    return [np.array(ops.convert_to_numpy(v.value)) for v in variables]
+
+
+def fit_with_inf_batch(out: str) -> dict:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(4, activation="softmax", dtype="float32")])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.integers(0, 4, size=64)
+    callback = LossScaleCallback(log_every=1, tensorboard=os.path.join(out, "ls"), health=None,
+                                 check_alignment=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                            callbacks=[callback, keras.callbacks.TensorBoard(os.path.join(out, "keras_tb"),
+                                                                             update_freq="batch")])
+    opt = model.optimizer
+    assert isinstance(opt, LossScaleOptimizer), type(opt)
+    weights, slots, state = _values(model.trainable_variables), _values(opt.inner_optimizer.variables), \
+        opt.read_state()
+    poisoned = x[:16].copy()
+    poisoned[3, 5] = np.inf
+    model.fit(poisoned, y[:16], batch_size=16, epochs=1, verbose=0, callbacks=[callback])
+    after = opt.read_state()
+    result = {
+        "optimizer": type(opt).__name__,
+        "logged": sorted(k for k in history.history if k.startswith("loss_scale/")),
+        "skipped_before": int(state.skipped_steps), "skipped_after": int(after.skipped_steps),
+        "steps_after": int(after.steps),
+        "scale_before": float(state.scale), "scale_after": float(after.scale),
+        "weights_identical": all(np.array_equal(a, b) for a, b in
+                                 zip(weights, _values(model.trainable_variables), strict=True)),
+        "slots_identical": all(np.array_equal(a, b) for a, b in
+                               zip(slots, _values(opt.inner_optimizer.variables), strict=True)),
+        "summary": callback.summary,
+        "alignment_in_fit": ("report" if hasattr(callback.alignment_report, "to_markdown") else
+                             [str(w.message) for w in caught if "check_alignment" in str(w.message)]),
+    }
+    # Resume: save, load in this process, and the state and the slots come back.
+    path = os.path.join(out, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    result["loaded_optimizer"] = type(loaded.optimizer).__name__
+    result["loaded_state_equal"] = repr(loaded.optimizer.read_state()._asdict()) == repr(after._asdict())
+    loaded_slots = _values(loaded.optimizer.inner_optimizer.variables)
+    result["loaded_slots_equal"] = all(np.array_equal(a, b) for a, b in zip(
+        _values(opt.inner_optimizer.variables), loaded_slots, strict=True))
+    loaded.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0, callbacks=[LossScaleCallback(health=None)])
+    result["resumed_steps"] = int(loaded.optimizer.read_state().steps)
+    keras.mixed_precision.set_global_policy("float32")
+    return result
+
+
+def jax_data_parallel() -> dict:
+    """``keras.distribution.DataParallel`` over the host's CPU devices (XLA_FLAGS gives it two): an
+    Inf in the rows of the second device only. The gradients are global arrays, so the flag is too."""
+    devices = keras.distribution.list_devices("cpu")
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(4)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(32, 16)).astype("float32")
+        y = rng.normal(size=(32, 4)).astype("float32")
+        callback = LossScaleCallback(log_every=1, health=None)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback])
+        inner = model.optimizer.inner_optimizer
+        weights, slots = _values(model.trainable_variables), _values(inner.variables)
+        poisoned = x[:16].copy()
+        poisoned[12, 0] = np.inf  # a row of the second device's shard
+        model.fit(poisoned, y[:16], batch_size=16, epochs=1, verbose=0, callbacks=[callback])
+        state = model.optimizer.read_state()
+        return {"devices": len(devices), "skipped": int(state.skipped_steps), "steps": int(state.steps),
+                "weights_identical": all(np.array_equal(a, b) for a, b in
+                                         zip(weights, _values(model.trainable_variables), strict=True)),
+                "slots_identical": all(np.array_equal(a, b) for a, b in
+                                       zip(slots, _values(inner.variables), strict=True)),
+                "kernel_sharding": str(model.trainable_variables[0].value.sharding)}
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def alignment() -> str:
+    from lossscale_callbacks.keras.alignment import check_alignment
+
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1001), keras.layers.Dense(10)])
+    try:
+        report = check_alignment(model)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    return f"findings: {len(report.findings)}"
+
+
+def main() -> None:
+    out = sys.argv[1]
+    result = {"backend": BACKEND, "conformance_cases": conformance(), "seed": seed_examples(),
+              "fit": fit_with_inf_batch(out), "alignment": alignment()}
+    if BACKEND == "jax":
+        result["data_parallel"] = jax_data_parallel()
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
