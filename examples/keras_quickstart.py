@@ -9,7 +9,9 @@ A small regression model trains on synthetic data under ``mixed_float16``. Its t
 large, so with the default initial scale of 2**15 the float16 gradients overflow: the
 callback skips those steps, backs the scale off until they fit, and grows it again after
 ``growth_interval`` clean steps. Everything it logs goes to Keras' progress bar/History
-(``logs``), to TensorBoard and to an offline W&B run under ``runs/``.
+(``logs``), to TensorBoard and to an offline W&B run under ``runs/``. ``diagnose=True`` adds the
+overflow forensics: the summary names the layer whose gradients overflowed and the cause, and the
+sinks get the report (TensorBoard's Text tab) and a histogram of the scaled gradients.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def main() -> None:
         tensorboard="runs/keras_quickstart",
         wandb={"project": "lossscale-callbacks-demo", "dir": "runs", "mode": "offline"},
         sinks=[trajectory],
+        diagnose=True,  # overflow forensics: which layer overflowed, and why (no host read per step)
+        headroom_every=64,
     )
     # LossScaleCallback first: the callbacks after it (CSVLogger here) see its metrics in logs.
     model.fit(x, y, batch_size=64, epochs=4, verbose=2,

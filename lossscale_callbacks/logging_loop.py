@@ -9,11 +9,19 @@ decided here, once.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lossscale_callbacks._validation import check_bool, check_int, check_number, check_policy
+from lossscale_callbacks.forensics import (
+    FORENSICS_TAG,
+    HISTOGRAM_EDGES,
+    HISTOGRAM_TAG,
+    ForensicsTotals,
+    IntervalForensics,
+)
 from lossscale_callbacks.health import HealthMonitor, HealthSpec, Verdict
 from lossscale_callbacks.metrics import ALIGNMENT_TAG, SUMMARY_TAG, MetricsTracker, Snapshot
 from lossscale_callbacks.process import is_rank_zero
@@ -99,6 +107,8 @@ class LoggingLoop:
         self.echo = echo
         self._writer = writer
         self.summary: str | None = None
+        self.forensics = ForensicsTotals()
+        self._loss_verdict_given = False
         self._config_written = False
         self._policy: Any = None
         self.set_policy(policy)
@@ -162,21 +172,29 @@ class LoggingLoop:
             return self.clock() - self._last_read_time >= self.every_seconds
         return False
 
-    def maybe_observe(self, step: int, read: Callable[[], Any],
-                      sink_step: int | None = None) -> Snapshot | None:
+    def maybe_observe(self, step: int, read: Callable[[], Any], sink_step: int | None = None,
+                      read_forensics: Callable[[], IntervalForensics | None] | None = None,
+                      ) -> Snapshot | None:
         """:meth:`observe` ``read()`` if an interval ends at ``step``; ``read`` (the host read) runs only
-        then."""
+        then, and so does ``read_forensics`` (the scaler's ``read_forensics`` with ``diagnose=True``)."""
         if not self.due(step):
             return None
-        return self.observe(read(), sink_step=sink_step)
+        return self.observe(read(), sink_step=sink_step,
+                            forensics=read_forensics() if read_forensics is not None else None)
 
-    def observe(self, state: Any, sink_step: int | None = None) -> Snapshot:
+    def observe(self, state: Any, sink_step: int | None = None,
+                forensics: IntervalForensics | None = None) -> Snapshot:
         """One host read of the state: a new snapshot goes to the sinks and through the health rules.
 
         A read at the step of the previous one (a second read at train end) adds nothing and
         writes nothing. ``sink_step`` is the step the sinks write the metrics at (default: the
         snapshot's, the optimizer steps attempted); Lightning passes its own logging step so its
         loggers line the rows up with the rest of the run.
+
+        ``forensics`` (what a ``diagnose=True`` scaler accumulated over the interval) adds the skip
+        causes to the metrics, a report (``loss_scale/forensics``) and a gradient histogram to the
+        sinks when the interval skipped steps or sampled the headroom, and its plain words to the
+        health verdicts; a non-finite loss is a verdict of its own (``NonFiniteLoss``, once a run).
 
         Raises:
             LossScaleHealthError: a ``"raise"`` rule fired.
@@ -185,15 +203,50 @@ class LoggingLoop:
         last = self.tracker.last
         step = int(state["steps"] if isinstance(state, Mapping) else state.steps)
         if last is not None and step == last.step:
+            if forensics is not None:
+                self._add_forensics(forensics, last.step if sink_step is None else int(sink_step))
             return last
         snapshot = self.tracker.observe(state)
+        at = snapshot.step if sink_step is None else int(sink_step)
         if self.writer:
-            self.sinks.write(snapshot.step if sink_step is None else int(sink_step), snapshot.metrics())
+            metrics = snapshot.metrics()
+            if forensics is not None:
+                metrics.update(forensics.metrics())
+            self.sinks.write(at, metrics)
             self._write_config_once()  # after the first metrics: a text lands at their step
+        if forensics is not None:
+            self._add_forensics(forensics, at, metrics_written=True)
         if self.health is not None:
             verdicts = self.health.observe(snapshot)
-            self._act(verdicts)
+            self._act(self._with_forensics(verdicts, forensics, snapshot.step))
         return snapshot
+
+    def _add_forensics(self, forensics: IntervalForensics, at: int, metrics_written: bool = False) -> None:
+        self.forensics.add(forensics)
+        if not self.writer:
+            return
+        if not metrics_written and forensics.skipped:
+            self.sinks.write(at, forensics.metrics())
+        if forensics.skipped or forensics.headroom:
+            self.sinks.write_text(FORENSICS_TAG, forensics.to_markdown())
+        if forensics.histogram is not None:
+            self.sinks.write_histogram(at, HISTOGRAM_TAG, HISTOGRAM_EDGES, forensics.histogram)
+
+    def _with_forensics(self, verdicts: list[Verdict], forensics: IntervalForensics | None,
+                        step: int) -> list[Verdict]:
+        """The rules' verdicts with the interval's diagnosis in plain words, and a non-finite loss's own."""
+        if forensics is None:
+            return verdicts
+        words = forensics.sentences()
+        layer_words = [s for s in words if s.startswith("Layer ")]
+        if layer_words:
+            verdicts = [dataclasses.replace(v, message=f"{v.message} {layer_words[0]}") for v in verdicts]
+        loss_bad = bool(forensics.causes.get("loss_nonfinite"))
+        if loss_bad and not self._loss_verdict_given and self.health is not None:
+            self._loss_verdict_given = True
+            action = self.health.rules[0].action if self.health.rules else "warn"
+            verdicts = [*verdicts, Verdict("NonFiniteLoss", action, step, words[0])]
+        return verdicts
 
     def _act(self, verdicts: list[Verdict]) -> None:
         if not verdicts:
@@ -239,6 +292,9 @@ class LoggingLoop:
         text = summarize(self.tracker.last, min_scale)
         if self.health is not None:
             text += "\n" + self.health.assessment()
+        diagnosis = self.forensics.sentences()
+        if diagnosis:
+            text += "\nForensics: " + " ".join(diagnosis)
         if note:
             text += "\n" + note
         self.summary = text

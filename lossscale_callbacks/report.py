@@ -20,6 +20,7 @@ from importlib import metadata as importlib_metadata
 from typing import Any
 
 from lossscale_callbacks import metrics as m
+from lossscale_callbacks.forensics import totals_from_series
 from lossscale_callbacks.health import HealthMonitor, Rule, Verdict, assess, default_rules
 from lossscale_callbacks.metrics import MetricsTracker, Snapshot
 
@@ -276,6 +277,7 @@ class Report:
     snapshots: tuple[Snapshot, ...] = dataclasses.field(default=(), repr=False, compare=False)
     health: str = ""
     max_scale: float | None = None
+    forensics: Any = None
 
     @property
     def healthy(self) -> bool:
@@ -299,6 +301,8 @@ class Report:
             "verdicts": [dataclasses.asdict(v) for v in self.verdicts],
             "bounds": {"min_scale": self.min_scale, "max_scale": self.max_scale},
             "summary": self.text(),
+            "forensics": None if self.forensics is None else {
+                "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips)},
             "series": {tag: [[step, value] for step, value in points] for tag, points in self.series.items()},
         }
 
@@ -326,6 +330,17 @@ class Report:
             lines.append(self.health)
         else:
             lines.append(assess((), list(self.snapshots), self.verdicts))
+        if self.forensics is not None:
+            causes = self.forensics.causes
+            named = {"loss_nonfinite": "non-finite loss", "grad_inf": "Inf gradients",
+                     "grad_nan": "NaN gradients", "grad_nonfinite": "non-finite gradients (kind not told)"}
+            parts = [f"{count} {named[c]}" for c, count in causes.items() if count]
+            lines.append("Skip causes (overflow forensics): " + (", ".join(parts) or "none recorded"))
+            ranked = sorted(self.forensics.layer_skips.items(), key=lambda item: -item[1])
+            if ranked:
+                lines.append("Layers with non-finite gradients in skipped steps: "
+                             + ", ".join(f"`{layer}` ({count})" for layer, count in ranked[:5]))
+            lines.extend(self.forensics.sentences())
         return "\n".join(lines)
 
 
@@ -354,6 +369,10 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
     verdicts: list[Verdict] = list(monitor.verdicts)
     upper = series.get(prefix + MAX_SCALE)
     last = snapshots[-1]
+    forensics = totals_from_series({tag[len(prefix):]: points for tag, points in series.items()
+                                    if tag.startswith(prefix)})
+    if forensics is not None and forensics.causes["loss_nonfinite"]:
+        verdicts.append(Verdict("NonFiniteLoss", "warn", last.step, forensics.sentences()[0]))
     scales = [s.scale for s in snapshots]
     return Report(
         path=path,
@@ -372,6 +391,7 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
         snapshots=tuple(snapshots),
         health=monitor.assessment(),
         max_scale=float(upper[-1][1]) if upper else None,
+        forensics=forensics,
     )
 
 

@@ -9,7 +9,7 @@ other sinks and the training run go on.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 
@@ -19,9 +19,10 @@ class Sink(Protocol):
 
     ``step`` is the number of optimizer steps attempted, skipped ones included.
 
-    Two optional methods, used when a sink has them: ``write_config(config)`` receives the
+    Three optional methods, used when a sink has them: ``write_config(config)`` receives the
     policy once per run (without it the sink gets the policy as a markdown table through
-    ``write_text``), and ``alert_verdict(verdict)`` receives each health problem (W&B alerts).
+    ``write_text``), ``alert_verdict(verdict)`` receives each health problem (W&B alerts), and
+    ``write_histogram(step, tag, edges, counts)`` the overflow forensics' gradient histogram.
     """
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
@@ -46,6 +47,7 @@ class InMemorySink:
     def __init__(self) -> None:
         self.records: list[tuple[int, dict[str, float]]] = []
         self.texts: list[tuple[str, str]] = []
+        self.histograms: list[tuple[int, str, tuple[float, ...], tuple[int, ...]]] = []
         self.flushes = 0
         self.closed = False
 
@@ -54,6 +56,10 @@ class InMemorySink:
 
     def write_text(self, tag: str, markdown: str) -> None:
         self.texts.append((tag, markdown))
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        entry = (int(step), tag, tuple(float(e) for e in edges), tuple(int(c) for c in counts))
+        self.histograms.append(entry)
 
     def flush(self) -> None:
         self.flushes += 1
@@ -140,6 +146,11 @@ class GuardedSink:
         else:
             self._call("write_text", POLICY_TAG, config_markdown(config))
 
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        """A histogram (``len(edges) == len(counts) + 1``), for sinks that draw them; others ignore it."""
+        if self._backend_has("write_histogram"):
+            self._call("write_histogram", step, tag, edges, counts)
+
     def alert_verdict(self, verdict: object) -> None:
         """A health problem, for sinks that raise alerts (W&B); others ignore it."""
         if self._backend_has("alert_verdict"):
@@ -187,6 +198,10 @@ class SinkGroup:
     def write_config(self, config: Mapping[str, object]) -> None:
         for sink in self.sinks:
             sink.write_config(config)
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        for sink in self.sinks:
+            sink.write_histogram(step, tag, edges, counts)
 
     def alert_verdicts(self, verdicts: Iterable[object]) -> None:
         verdicts = list(verdicts)

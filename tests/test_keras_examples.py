@@ -28,6 +28,9 @@ def test_keras_quickstart(tmp_path):
     out = _run("keras_quickstart.py", tmp_path)
     assert "Loss scaling: 256 optimizer steps" in out
     assert "Loss-scale trajectory" in out and "loss_scale/scale" in out  # progress bar shows the metrics
+    # Overflow forensics: the demo's model overflows in its first Dense layer (Keras' default name).
+    assert "Forensics: Layer `dense` had non-finite gradients in" in out
+    assert "skipped steps had Inf gradients" in out
     assert glob.glob(str(tmp_path / "runs" / "keras_quickstart" / "events.out.tfevents.*"))
     assert glob.glob(str(tmp_path / "runs" / "wandb" / "offline-run-*" / "*.wandb"))
     with open(tmp_path / "runs" / "keras_quickstart.csv") as f:

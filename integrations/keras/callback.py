@@ -11,6 +11,7 @@ from typing import Any
 import keras
 
 from lossscale_callbacks._validation import check_bool, check_int, check_policy
+from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.health import HealthMonitor
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer, wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
@@ -74,6 +75,13 @@ class LossScaleCallback(keras.callbacks.Callback):
         log_metrics: which metrics go into Keras' ``logs`` (and so the progress bar, History,
             CSVLogger, Keras' TensorBoard): ``True`` (all), ``False`` (none; the sinks still get
             them) or names from ``lossscale_callbacks.METRIC_NAMES``.
+        diagnose: overflow forensics on the installed optimizer (TensorFlow backend; ``True`` or
+            ``"every_step"``, see :mod:`lossscale_callbacks.forensics`): the skip causes per
+            interval join the sinks' metrics, the report (which layer overflowed, and why, in plain
+            words) and the gradient histogram go to the sinks, the health warnings and the summary
+            name the layer. Layers are named by the model's layer objects. No host read is added to
+            the step.
+        headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend;
             on JAX and torch it warns and training goes on).
@@ -95,6 +103,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         health: Any = "warn",
         log_metrics: bool | Iterable[str] = True,
         check_alignment: bool = False,
+        diagnose: bool | str = False,
+        headroom_every: int = 1000,
     ) -> None:
         super().__init__()
         check_int("log_every", log_every)
@@ -104,6 +114,12 @@ class LossScaleCallback(keras.callbacks.Callback):
         if not (wandb is None or isinstance(wandb, (bool, Mapping))):
             raise ValueError(f"wandb must be None, a bool, or a dict of wandb.init arguments, got {wandb!r}")
         check_bool("check_alignment", check_alignment)
+        self.diagnose = check_diagnose(diagnose)
+        check_int("headroom_every", headroom_every)
+        if diagnose and keras.backend.backend() != "tensorflow":
+            raise ValueError("diagnose (overflow forensics) needs the TensorFlow backend of Keras for now, "
+                             f"got KERAS_BACKEND={keras.backend.backend()!r}")
+        self.headroom_every = headroom_every
         HealthMonitor.from_spec(health)  # validated here, used by each fit's logging loop
         self.log_every = log_every
         self.policy = policy
@@ -136,6 +152,11 @@ class LossScaleCallback(keras.callbacks.Callback):
             raise ValueError("LossScaleCallback needs a compiled model: call model.compile(optimizer=...) "
                              "first")
         if isinstance(current, LossScaleOptimizer):
+            if self.diagnose and current.forensics is None:
+                with _strategy_scope(model):
+                    current.set_diagnose(self.diagnose, self.headroom_every)
+                    current.watch(model)
+                model.make_train_function(force=True)  # the step now carries the forensics
             if self.policy is not None and current.policy != self.policy:
                 warnings.warn(
                     f"[lossscale-callbacks] the model's LossScaleOptimizer already runs {current.policy}; "
@@ -151,6 +172,9 @@ class LossScaleCallback(keras.callbacks.Callback):
             )
         with _strategy_scope(model):
             ours = wrap(current, self.policy)
+            if self.diagnose:
+                ours.set_diagnose(self.diagnose, self.headroom_every)
+                ours.watch(model)
             if model.built and model.trainable_variables:
                 ours.build(model.trainable_variables)
         model.optimizer = ours
@@ -198,7 +222,8 @@ class LossScaleCallback(keras.callbacks.Callback):
     def _observe(self, logs: dict[str, Any] | None) -> Snapshot:
         """One host read of the state, through the logging loop; the chosen metrics into ``logs``."""
         assert self.optimizer is not None and self.loop is not None
-        snapshot = self.loop.observe(self._read_state())
+        state = self._read_state()
+        snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics())
         if logs is not None and self.log_metrics:
             metrics = snapshot.metrics()
             logs.update({name: metrics[name] for name in self.log_metrics})
@@ -264,7 +289,11 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         assert self.loop is not None and self.optimizer is not None
-        self.summary = self.loop.finish(self._read_state())
+        state = self._read_state()
+        last = self.loop.last
+        if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
+            self.loop.observe(state, forensics=self.optimizer.read_forensics())
+        self.summary = self.loop.finish(state)
         self._close_owned_sinks()
 
 

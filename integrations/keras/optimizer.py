@@ -28,6 +28,7 @@ import numpy as np
 from keras import ops
 
 from lossscale_callbacks._validation import check_int, check_number, check_policy, validate_state
+from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.keras import keras_ops
 from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
@@ -43,6 +44,8 @@ else:  # JAX or torch: no TensorFlow needed
     tf_ops = None
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+_DIAGNOSE_TF_ONLY = ("diagnose (overflow forensics) is built for the TensorFlow backend of Keras for now; on "
+                     f"{_BACKEND!r} the optimizer and the callback run without it")
 _DEFAULT_INITIAL_SCALE = 2.0**15
 _DEFAULT_GROWTH_STEPS = 2000
 # Keras 3 releases up to 3.3 wrote these base-optimizer settings into every LossScaleOptimizer
@@ -249,6 +252,12 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         policy: any core policy (hysteresis, min/max scale, factors) instead of the three
             seed arguments.
         name: the optimizer's name.
+        diagnose: overflow forensics (TensorFlow backend; see :mod:`lossscale_callbacks.forensics`):
+            ``True`` records on the device why each skipped step was skipped and which layers'
+            gradients were non-finite, and samples the float16 headroom every ``headroom_every``
+            steps; ``"every_step"`` samples every step. Read with :meth:`read_forensics`;
+            :meth:`watch` names the layers by the model's layer objects. Not in the config.
+        headroom_every: steps between headroom samples.
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.25))
@@ -266,8 +275,15 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         dynamic_growth_steps: int | None = None,
         policy: Policy | None = None,
         name: str | None = None,
+        *,
+        diagnose: bool | str = False,
+        headroom_every: int = 1000,
         **kwargs: Any,
     ) -> None:
+        check_diagnose(diagnose)
+        check_int("headroom_every", headroom_every)
+        if diagnose and tf is None:
+            raise ValueError(_DIAGNOSE_TF_ONLY)
         if isinstance(inner_optimizer, _KerasLossScaleOptimizer):
             raise LossScaleOptimizerArgumentError(
                 f"LossScaleOptimizer cannot wrap another LossScaleOptimizer, but got: {inner_optimizer!r}")
@@ -303,6 +319,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self._ls_hysteresis_left = self._state_variable("hysteresis_left", counter, constants.hysteresis)
         self._ls_skipped_steps = self._state_variable("skipped_steps", counter, 0)
         self._ls_steps = self._state_variable("steps", counter, 0)
+        # Overflow forensics: settings here, variables at build (outside Keras' tracking, so a saved
+        # model does not depend on them).
+        self.__dict__["_diagnose"] = (diagnose, headroom_every)
+        self.__dict__["_forensics"] = None
+        self.__dict__["_forensics_model"] = None
 
     def _state_variable(self, name: str, dtype: str, value: float) -> keras.Variable:
         return self.add_variable(shape=(), dtype=dtype, initializer=keras.initializers.Constant(value),
@@ -441,9 +462,61 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             super(_KerasLossScaleOptimizer, self).build(var_list)
         finally:
             self.__dict__["_building_own_variables"] = False
+        self._build_forensics()
+
+    # ---- overflow forensics (TensorFlow) ----
+
+    @property
+    def forensics(self) -> Any:
+        """The forensics accumulators (``KerasForensics``); ``None`` with ``diagnose=False`` or unbuilt."""
+        return self.__dict__.get("_forensics")
+
+    def set_diagnose(self, diagnose: bool | str, headroom_every: int = 1000) -> None:
+        """Switch the overflow forensics on or off (see ``diagnose``); retrace the train function after it."""
+        check_diagnose(diagnose)
+        check_int("headroom_every", headroom_every)
+        if diagnose and tf is None:
+            raise ValueError(_DIAGNOSE_TF_ONLY)
+        if self.__dict__["_diagnose"] != (diagnose, headroom_every) or (diagnose and self.forensics is None):
+            self.__dict__["_diagnose"] = (diagnose, headroom_every)
+            self.__dict__["_forensics"] = None
+            if self.built:
+                self._build_forensics()
+
+    def watch(self, model: Any) -> LossScaleOptimizer:
+        """Name the report's layers by the model's layer objects (paths in nested models); returns self."""
+        self.__dict__["_forensics_model"] = model
+        if self.forensics is not None:
+            self.__dict__["_forensics"] = None
+            self._build_forensics()
+        return self
+
+    def _build_forensics(self) -> None:
+        mode, every = self.__dict__.get("_diagnose", (False, 1000))
+        if not mode or tf is None or self.forensics is not None:
+            return
+        from lossscale_callbacks.keras.tf_forensics import KerasForensics, variable_layers
+
+        variables = list(self._trainable_variables)
+        names = variable_layers(variables, self.__dict__.get("_forensics_model"))
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        # Variables made while a tf.function traces the first apply must be made eagerly.
+        with tf.init_scope():
+            self.__dict__["_forensics"] = KerasForensics(mode, every, names, sizes)
+
+    def read_forensics(self) -> Any:
+        """The forensics since the last call as an ``IntervalForensics`` (``None`` when off). Host reads:
+        call it at the log interval."""
+        forensics = self.forensics
+        if forensics is None:
+            return None
+        state = self.read_state()
+        return forensics.read(int(state.steps), float(state.scale))
 
     def _scaled(self, loss: Any) -> Any:
         loss = ops.convert_to_tensor(loss)
+        if self.forensics is not None:
+            self.forensics.on_loss(loss)
         dtype = keras.backend.standardize_dtype(loss.dtype)
         if dtype in ("float16", "bfloat16"):
             loss, dtype = ops.cast(loss, "float32"), "float32"
@@ -534,7 +607,14 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context (inside strategy.run)")
 
-        finite = tf_ops.replicas_agree_finite(tf_ops.all_finite(grads))
+        forensics = self.forensics
+        if forensics is None:
+            finite = tf_ops.replicas_agree_finite(tf_ops.all_finite(grads))
+        else:
+            per_grad = tf_ops.finite_flags(grads)
+            finite = tf_ops.replicas_agree_finite(tf.reduce_all(per_grad))
+            state = self.state
+            forensics.on_step(grads, per_grad, finite, state.scale, state.steps, already_unscaled)
         if not already_unscaled:
             grads = self._unscaled_grads(grads, trainable_variables)
 

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lossscale_callbacks.metrics import DASHBOARD_CHARTS, DASHBOARD_SECTION
@@ -50,6 +50,21 @@ class LoggerSink:
         experiment = getattr(self.logger, "experiment", None)
         if callable(getattr(experiment, "add_text", None)):
             experiment.add_text(tag, markdown, global_step=self.step)
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        # SummaryWriter.add_histogram_raw (torch's and tensorboardX's); other loggers have no histograms.
+        experiment = getattr(self.logger, "experiment", None)
+        add = getattr(experiment, "add_histogram_raw", None)
+        if not callable(add) or not any(counts):
+            return
+        nonzero = [i for i, c in enumerate(counts) if c]
+        lo, hi = nonzero[0], nonzero[-1] + 1
+        values = [(edges[i] + edges[i + 1]) / 2 for i in range(lo, hi)]
+        total = sum(counts[lo:hi])
+        pairs = list(zip(values, counts[lo:hi], strict=True))
+        add(tag, min=edges[lo], max=edges[hi], num=total, sum=sum(v * c for v, c in pairs),
+            sum_squares=sum(v * v * c for v, c in pairs), bucket_limits=list(edges[lo + 1:hi + 1]),
+            bucket_counts=list(counts[lo:hi]), global_step=int(step))
 
     def flush(self) -> None:
         self.logger.save()

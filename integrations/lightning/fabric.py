@@ -149,7 +149,11 @@ class FabricLossScaleMonitor:
         self._steps += 1
         if self._stock is not None:
             self._stock.after_optimizer_step()  # device ops only, no host sync
-        return self.loop.maybe_observe(self._steps, self._read)
+        return self.loop.maybe_observe(self._steps, self._read, read_forensics=self._read_forensics)
+
+    def _read_forensics(self) -> Any:
+        # A LossScaler(diagnose=True) in the plugin: its forensics join each interval.
+        return self.scaler.read_forensics() if self._stock is None else None
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the monitor's counts, for ``fabric.save(path, {"loss_scale": monitor})``.

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lossscale_callbacks._validation import check_bool
+from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.health import HealthMonitor, HealthSpec
 from lossscale_callbacks.lightning._compat import bases
 from lossscale_callbacks.lightning._loggers import logger_sink
@@ -58,6 +59,10 @@ class _Source:
             self.stock.after_optimizer_step(steps)
         elif self.deepspeed is not None:
             self.deepspeed.after_optimizer_step(steps)
+
+    def read_forensics(self) -> Any:
+        """Our scaler's overflow forensics of the interval (``diagnose``), else ``None``."""
+        return self.scaler.read_forensics() if self.ours else None
 
     def read(self) -> Any:
         """The one host read of an interval (DeepSpeed's numbers are on the host already)."""
@@ -128,6 +133,13 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             ``dtype`` defaults to the trainer's precision (``"16-mixed"``...).
         alignment_kwargs: more keyword arguments for ``check_alignment`` (``sample``, ``dtype``,
             ``target``, ``forward``, ``loss_fn``...).
+        diagnose: overflow forensics (``True`` or ``"every_step"``; see
+            :mod:`lossscale_callbacks.forensics`): switches them on in the plugin's
+            :class:`~lossscale_callbacks.torch.LossScaler` (``LossScalePlugin`` or
+            ``LossScaleFSDPPlugin``; a stock scaler has none, and the monitor warns), which names
+            the layers after the LightningModule's modules. Each interval then also logs the skip
+            causes, writes the report and the gradient histogram, and the summary says which layer
+            overflowed and why. No host read is added to the training step.
 
     Example:
         >>> monitor = LossScaleMonitor(logging_interval=50, health="stop")
@@ -146,6 +158,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         tensorboard: str | os.PathLike[str] | None = None,
         wandb: bool | Mapping[str, Any] | None = None,
         sinks: Iterable[Sink] = (),
+        diagnose: bool | str = False,
     ) -> None:
         is_count = isinstance(logging_interval, int) and not isinstance(logging_interval, bool)
         if logging_interval not in _INTERVALS and not (is_count and logging_interval >= 1):
@@ -160,6 +173,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         if not (wandb is None or isinstance(wandb, (bool, Mapping))):
             raise ValueError(f"wandb must be None, a bool, or a dict of wandb.init arguments, got {wandb!r}")
         HealthMonitor.from_spec(health)  # validated now, used by the logging loop of each fit
+        self.diagnose = check_diagnose(diagnose)
         self.logging_interval = logging_interval
         self.prog_bar = prog_bar
         self.health_spec = health
@@ -198,6 +212,15 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             self._source = None
             return
         self._source = _Source(scaler, deepspeed_strategy=deepspeed)
+        if self.diagnose:
+            if self._source.ours:
+                if scaler.forensics is None or scaler.forensics.mode != self.diagnose:
+                    scaler.set_diagnose(self.diagnose)
+            elif trainer.is_global_zero:
+                warnings.warn("[lossscale-callbacks] LossScaleMonitor(diagnose=...) needs the "
+                              "lossscale-callbacks scaler (plugins=[LossScalePlugin()]); Lightning's own "
+                              "scaler has no forensics. Logging goes on without them.", UserWarning,
+                              stacklevel=2)
 
     @staticmethod
     def _warn_no_scaler(trainer: Any) -> None:
@@ -321,7 +344,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         # Lightning's own logging step: rows line up with the metrics of self.log.
         epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
-        snapshot = self.loop.observe(self._source.read(), sink_step=sink_step)
+        snapshot = self.loop.observe(self._source.read(), sink_step=sink_step,
+                                     forensics=self._source.read_forensics())
         metrics = snapshot.metrics()
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():

@@ -109,6 +109,8 @@ class _LossScaling:
             param = next(iter(model.parameters()), None)
             if param is not None and autocast_available(param.device.type):
                 self.device = param.device.type
+        if isinstance(self.scaler, LossScaler):  # names the layers for LossScaleMonitor(diagnose=True)
+            self.scaler.watch(model)
         return super().connect(model, optimizers, lr_schedulers)
 
     def _maybe_enable_sync(self, model: Any) -> None:

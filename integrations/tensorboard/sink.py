@@ -12,11 +12,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
+from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
@@ -98,6 +99,8 @@ class _EventFileWriter:
         self._described.add(tag)
         if plugin == "text":
             return text_metadata.create_summary_metadata(display_name=None, description=None)
+        if plugin == "histograms":
+            return histogram_metadata.create_summary_metadata(display_name=None, description=None)
         return scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
     def _scalar(self, tag: str, value: float) -> summary_pb2.Summary.Value:
@@ -124,6 +127,22 @@ class _EventFileWriter:
                                             string_val=[markdown.encode("utf-8")])
             value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=self._metadata(tag, "text"))
             self._emit(event_pb2.Event(wall_time=time.time(), step=self._last_step,
+                                       summary=summary_pb2.Summary(value=[value])))
+            self._maybe_flush()
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        # tf.summary.histogram's format: a [k, 3] float64 tensor of (left edge, right edge, count),
+        # which TensorBoard's default loader reads.
+        with self._lock:
+            self._open()
+            rows = [(float(edges[i]), float(edges[i + 1]), float(c)) for i, c in enumerate(counts)]
+            dim = tensor_shape_pb2.TensorShapeProto.Dim
+            shape = tensor_shape_pb2.TensorShapeProto(dim=[dim(size=len(rows)), dim(size=3)])
+            tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE, tensor_shape=shape,
+                                            double_val=[v for row in rows for v in row])
+            metadata = self._metadata(tag, "histograms")
+            value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)
+            self._emit(event_pb2.Event(wall_time=time.time(), step=int(step),
                                        summary=summary_pb2.Summary(value=[value])))
             self._maybe_flush()
 
@@ -201,6 +220,10 @@ class TensorBoardSink(ManagedSink):
     def path(self) -> str | None:
         """The event file being written (None before the first write or on other ranks)."""
         return self._writer.path
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        """A histogram for the Histograms/Distributions tabs (``len(edges) == len(counts) + 1``)."""
+        self._call("write_histogram", step, tag, edges, counts)
 
     def __repr__(self) -> str:
         return f"TensorBoardSink({self.log_dir!r})"

@@ -10,9 +10,10 @@ Where the host synchronises (and nowhere else):
 * ``step(optimizer)`` with any other optimizer: **one** read, the skip decision (``found_inf``),
   exactly like ``torch.amp.GradScaler``.
 * ``scale``, ``unscale_`` and ``update``: never (the update rule is ``next_state`` on the device).
-* ``get_scale``, ``get_state``, ``state_dict``, ``last_step_skipped(sync=True)`` read the device (one
-  copy each); call them at the log interval, not per step. ``update(new_scale=<tensor>)`` reads the
-  tensor once to check it.
+* ``get_scale``, ``get_state``, ``state_dict``, ``last_step_skipped(sync=True)`` and
+  ``read_forensics`` read the device (one copy each); call them at the log interval, not per step.
+* ``diagnose=True`` adds no host read to a step (see :mod:`lossscale_callbacks.torch.forensics`).
+* ``update(new_scale=<tensor>)`` reads the tensor once to check it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from enum import Enum
@@ -27,9 +29,11 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_bool, check_choice, check_policy, validate_state
+from lossscale_callbacks._validation import check_bool, check_choice, check_int, check_policy, validate_state
+from lossscale_callbacks.forensics import IntervalForensics, check_diagnose
 from lossscale_callbacks.policy import Policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
+from lossscale_callbacks.torch.forensics import GradForensics
 from lossscale_callbacks.torch.grad_scaler_compat import (
     GRAD_SCALER_KEYS,
     from_grad_scaler_state_dict,
@@ -132,6 +136,14 @@ class LossScaler(torch.amp.GradScaler):
             always does it when more than one rank runs (use it for FSDP v1 with
             ``use_orig_params=True``, whose sharded parameters look like plain ones).
         process_group: the group for that all-reduce (default: the world).
+        diagnose: overflow forensics (:mod:`lossscale_callbacks.forensics`): ``True`` records, on the
+            device and without a host read in the step, why each skipped step was skipped (a
+            non-finite loss, Inf or NaN gradients) and which parameters' gradients were non-finite
+            (name them with :meth:`watch`), and samples the float16 headroom every
+            ``headroom_every`` steps; ``"every_step"`` samples every step and tells Inf from NaN
+            also for fused optimizers (more passes over the gradients). Read with
+            :meth:`read_forensics` at the log interval. Off by default.
+        headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
 
     Raises:
         ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.
@@ -161,6 +173,8 @@ class LossScaler(torch.amp.GradScaler):
         policy: Policy | None = None,
         sync_found_inf: bool | str = "auto",
         process_group: Any = None,
+        diagnose: bool | str = False,
+        headroom_every: int = 1000,
     ) -> None:
         # GradScaler.__init__ is not called: it would set up GradScaler's own scale and tracker.
         if hasattr(device, "constants") and hasattr(device, "to_config"):
@@ -168,6 +182,8 @@ class LossScaler(torch.amp.GradScaler):
                              f"the policy by keyword: LossScaler(policy={device!r})")
         enabled = check_bool("enabled", enabled)
         check_choice("sync_found_inf", sync_found_inf, _SYNC_CHOICES)
+        check_diagnose(diagnose)
+        check_int("headroom_every", headroom_every)
         settings = {"init_scale": init_scale, "growth_factor": growth_factor,
                     "backoff_factor": backoff_factor, "growth_interval": growth_interval}
         if policy is not None:
@@ -200,6 +216,46 @@ class LossScaler(torch.amp.GradScaler):
         self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
         self._last_found_inf: torch.Tensor | None = None
         self._last_skipped_on_host: bool | None = None
+        self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
+        self._watched: weakref.ref | None = None
+
+    # ------------------------------------------------------------------------------- forensics
+
+    def watch(self, model: torch.nn.Module) -> LossScaler:
+        """Name the parameters for ``diagnose``'s per-layer report after ``model``'s modules; returns self.
+
+        Without it layers are called ``param0``, ``param1``... in the optimizer's order. The
+        Lightning plugin watches the LightningModule itself. With ``diagnose=False`` the model is
+        remembered (weakly) and named when :meth:`set_diagnose` switches the forensics on.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._watched = weakref.ref(model)
+        if self.forensics is not None:
+            self.forensics.watch(model)
+        return self
+
+    def set_diagnose(self, diagnose: bool | str, headroom_every: int = 1000) -> None:
+        """Switch the overflow forensics on (``True``/``"every_step"``) or off (``False``) from now on."""
+        check_diagnose(diagnose)
+        check_int("headroom_every", headroom_every)
+        if not diagnose:
+            self.forensics = None
+        elif self.forensics is None or self.forensics.mode != diagnose:
+            self.forensics = GradForensics(diagnose, headroom_every)
+            model = self._watched() if self._watched is not None else None
+            if model is not None:
+                self.forensics.watch(model)
+        else:
+            self.forensics.headroom_every = headroom_every
+
+    def read_forensics(self) -> IntervalForensics | None:
+        """The forensics accumulated since the last call (``None`` with ``diagnose=False``). One host read
+        (plus :meth:`get_state`'s): call it at the log interval."""
+        if self.forensics is None:
+            return None
+        state = self.get_state()
+        return self.forensics.read(int(state.steps), float(state.scale))
 
     # ----------------------------------------------------------------------------------- state
 
@@ -291,6 +347,8 @@ class LossScaler(torch.amp.GradScaler):
         if isinstance(outputs, torch.Tensor):
             if self._state is None:
                 self._lazy_init(outputs.device)
+            if self.forensics is not None:
+                self.forensics.on_scale([outputs])
             scale = self._state.scale  # type: ignore[union-attr]
             return outputs * scale.to(device=outputs.device, non_blocking=True)
         copies: dict[torch.device, torch.Tensor] = {}
@@ -299,6 +357,8 @@ class LossScaler(torch.amp.GradScaler):
             if isinstance(value, torch.Tensor):
                 if self._state is None:
                     self._lazy_init(value.device)
+                if self.forensics is not None:
+                    self.forensics.on_scale([value])
                 scale = copies.get(value.device)
                 if scale is None:
                     scale = self._state.scale.to(device=value.device, non_blocking=True)  # type: ignore
@@ -319,6 +379,7 @@ class LossScaler(torch.amp.GradScaler):
         home = self._ops.device  # type: ignore[union-attr]
         groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list))
+        params_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -333,7 +394,14 @@ class LossScaler(torch.amp.GradScaler):
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     groups[grad.device][grad.dtype].append(grad)
+                    params_grads.append((param, grad))
             found_inf = torch.zeros((), dtype=torch.float32, device=home)
+            if self.forensics is not None:
+                # The same single pass, one call per parameter: each writes its own flag.
+                # Only unscale_ refuses fp16 gradients; the check-only callers (fused optimizers) allow them.
+                self.forensics.check(params_grads, inv_scale, found_inf, self._state.scale,  # type: ignore
+                                     unscaling=not allow_fp16)
+                groups.clear()
             for device, by_dtype in groups.items():
                 local_inf = found_inf if device == home else torch.zeros_like(found_inf, device=device)
                 local_inv = inv_scale if device == home else inv_scale.to(device, non_blocking=True)
@@ -344,9 +412,11 @@ class LossScaler(torch.amp.GradScaler):
             if self._should_sync(optimizer):
                 torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
                                              group=self.process_group)
+                if self.forensics is not None:
+                    self.forensics.reduce_flags(self.process_group)
         opt_state = self._per_optimizer[id(optimizer)]
         opt_state.found_inf = found_inf
-        opt_state.checked = bool(groups)
+        opt_state.checked = bool(params_grads)
 
     def _should_sync(self, optimizer: torch.optim.Optimizer) -> bool:
         if self.sync_found_inf is False:
@@ -455,6 +525,12 @@ class LossScaler(torch.amp.GradScaler):
         # The one host read of a non-fused step: Python must decide whether to call step().
         skipped = bool(opt_state.found_inf.item())
         opt_state.skipped_on_host = skipped
+        if self.forensics is not None:
+            if skipped:
+                self.forensics.on_host_skip([p.grad for g in optimizer.param_groups for p in g["params"]
+                                             if p.grad is not None and not p.grad.is_sparse])
+            else:
+                self.forensics.on_host_applied()
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
         return retval
@@ -489,6 +565,8 @@ class LossScaler(torch.amp.GradScaler):
             # In place, so references to the state tensors stay valid; one foreach launch on CUDA.
             torch._foreach_copy_(list(state), list(new))
             self._last_found_inf = found_inf
+            if self.forensics is not None:
+                self.forensics.on_update(found_inf)
             host = [s.skipped_on_host for s in self._per_optimizer.values() if s.found_inf is not None]
             self._last_skipped_on_host = any(host) if all(h is not None for h in host) else None
         if new_scale is not None:
@@ -625,13 +703,14 @@ class LossScaler(torch.amp.GradScaler):
                                  "iteration, or at the end after scaler.update().")
         state = self.__dict__.copy()
         state.update(_pending=self.get_state() if self._enabled else None, _state=None, _ops=None,
-                     _per_optimizer=None, _last_found_inf=None)
+                     _per_optimizer=None, _last_found_inf=None, _watched=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.get("_pending")
         if pending is not None:  # a pickle is input from outside too
             pending = validate_state(state["_policy"], pending, source="unpickling")
+        state.setdefault("_watched", None)
         self.__dict__.update(state, _pending=pending, _per_optimizer=defaultdict(_OptimizerState))
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -194,6 +194,11 @@ class _WandbBackend:
         # No loss_scale/step here: W&B fills the step metric in from the last row (step_sync).
         run.log({tag: table})
 
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        run = self.ensure_run()
+        histogram = wandb.Histogram(np_histogram=(list(counts), list(edges)))
+        run.log({tag: histogram, STEP_METRIC: int(step)})
+
     def flush(self) -> None:
         # Rows are not buffered here (run.log handed each to W&B's service process); the summary is.
         self._send_summary()
@@ -309,6 +314,10 @@ class WandbSink(ManagedSink):
         if level not in _LEVELS:
             raise ValueError(f"level must be one of {list(_LEVELS)}, got {level!r}")
         self._call("alert", str(title), str(text), level)
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        """A ``wandb.Histogram`` (``len(edges) == len(counts) + 1``) at ``loss_scale/step`` ``step``."""
+        self._call("write_histogram", step, tag, edges, counts)
 
     def alert_verdict(self, verdict: Verdict) -> None:
         """Turn a health verdict into an alert (``warn`` as WARN, ``stop``/``raise`` as ERROR)."""

@@ -1,0 +1,153 @@
+"""What overflow forensics cost per step: ``diagnose=True`` and ``"every_step"`` against ``diagnose=False``.
+
+    python benchmarks/forensics_overhead.py [--rounds 11] [--steps 20] [--json out.json]
+
+Two frameworks, each with three arms of the same model in one process, the arms alternating round by
+round (the order reversed every other round):
+
+* torch: ``LossScaler`` around an MLP (256 -> 2048 x 3 -> 256, 8.9M parameters, batch 256) with
+  ``AdamW(foreach)`` and with ``AdamW(fused=True)``; the process's CPU time per step. The forward runs
+  in float32: torch's CPU float16 matmuls are emulated (about 15 s a step for this model here, 100x
+  the float32 step), which would hide any overhead. The forensics work on the gradients whatever their
+  dtype, and a faster step makes the ratio larger, not smaller.
+* Keras (TensorFlow): ``fit`` with ``LossScaleCallback`` on the mixed_float16 MLP of
+  ``keras_overhead.py``; wall time per step.
+
+Arms: ``off`` (``diagnose=False``), ``on`` (``diagnose=True``, the headroom sampled every 1000 steps:
+never inside a timed round, as in a real run where it is one step in a thousand) and ``every`` (the
+headroom and the Inf/NaN kind on every step, what a sampled step costs). The table gives the median
+of the per-round ratios against ``off``. Target: ``on`` / ``off`` <= 1.01.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ARMS = ("off", "on", "every")
+MODES = {"off": False, "on": True, "every": "every_step"}
+
+
+def torch_rounds(rounds: int, steps: int, fused: bool) -> dict[str, list[float]]:
+    import torch
+
+    from lossscale_callbacks import DynamicPolicy
+    from lossscale_callbacks.torch import LossScaler
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 256)
+    arms = {}
+    for name in ARMS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048),
+                                    torch.nn.GELU(), torch.nn.Linear(2048, 2048), torch.nn.GELU(),
+                                    torch.nn.Linear(2048, 256))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
+        scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**10), diagnose=MODES[name])
+        if MODES[name]:
+            scaler.watch(model)
+        arms[name] = (model, opt, scaler)
+
+    def step(name: str) -> None:
+        model, opt, scaler = arms[name]
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for name in ARMS:  # warm up; the "on" arm takes its step-0 headroom sample here
+        for _ in range(3):
+            step(name)
+        if arms[name][2].forensics is not None:
+            arms[name][2].read_forensics()
+    times: dict[str, list[float]] = {name: [] for name in ARMS}
+    for r in range(rounds):
+        for name in ARMS if r % 2 == 0 else tuple(reversed(ARMS)):
+            start = time.process_time()
+            for _ in range(steps):
+                step(name)
+            times[name].append((time.process_time() - start) / steps)
+    return times
+
+
+def keras_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
+    import keras
+    import numpy as np
+
+    from lossscale_callbacks.keras import LossScaleCallback
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128 * steps, 64)).astype("float32")
+    y = rng.integers(0, 10, size=(128 * steps,))
+    arms = {}
+    for name in ARMS:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(10, dtype="float32")])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callback = LossScaleCallback(log_every=100, health=None, diagnose=MODES[name])
+        arms[name] = (model, callback)
+
+    def run(name: str, n: int) -> float:
+        model, callback = arms[name]
+        with contextlib.redirect_stdout(io.StringIO()):
+            start = time.perf_counter()
+            model.fit(x[:n * 128], y[:n * 128], batch_size=128, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[callback])
+            return (time.perf_counter() - start) / n
+
+    for name in ARMS:
+        run(name, 20)
+    times: dict[str, list[float]] = {name: [] for name in ARMS}
+    for r in range(rounds):
+        for name in ARMS if r % 2 == 0 else tuple(reversed(ARMS)):
+            times[name].append(run(name, steps))
+    return times
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, float]:
+    out = {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in ARMS}
+    for name in ("on", "every"):
+        out[f"{name}/off"] = statistics.median(a / b for a, b in zip(times[name], times["off"], strict=True))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=20, help="steps per arm and round (torch)")
+    parser.add_argument("--keras-steps", type=int, default=300)
+    parser.add_argument("--only", choices=("torch", "keras"), default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    if args.rounds < 3:
+        parser.error("--rounds must be >= 3")
+    results = {}
+    if args.only in (None, "torch"):
+        results["torch_adamw_foreach"] = summarize(torch_rounds(args.rounds, args.steps, fused=False))
+        results["torch_adamw_fused"] = summarize(torch_rounds(args.rounds, args.steps, fused=True))
+    if args.only in (None, "keras"):
+        results["keras_fit"] = summarize(keras_rounds(args.rounds, args.keras_steps))
+    print(f"{os.cpu_count()} CPU cores, {args.rounds} alternating rounds\n")
+    print(f"{'setup':<22} {'off ms':>9} {'on ms':>9} {'every ms':>9} {'on/off':>8} {'every/off':>10}")
+    for name, r in results.items():
+        print(f"{name:<22} {r['off_ms']:>9.3f} {r['on_ms']:>9.3f} {r['every_ms']:>9.3f} {r['on/off']:>8.3f} "
+              f"{r['every/off']:>10.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
