@@ -1,8 +1,11 @@
 """``lossscale-callbacks check MODEL.keras --batch-size N [--json] [--target GPU]``: the alignment check.
 
-Loads the model file (without compiling it), traces one training step at the given batch size and
-prints the findings table (or the whole report as JSON). Exit status: 0 when nothing is at least as
-severe as ``--fail-on`` (default ``high``), 1 when something is, 2 when the file cannot be checked.
+Loads the model file (without compiling it), traces one training step at the given batch size (shapes
+only: no batch is allocated, so ``--batch-size 1000000000`` costs what 8 does) and prints a header (model,
+target, precision, batch size, TF32), the findings table and a line explaining the exit status (or the
+whole report as JSON). Exit status: 0 when nothing is at least as severe as ``--fail-on`` (default
+``high``), 1 when something is, 2 when the file cannot be checked. TensorFlow's own start-up logging
+is silenced.
 
 Example:
     >>> import argparse
@@ -16,6 +19,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +69,39 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence what TensorFlow's C++ start-up writes to file descriptor 2 (oneDNN, CPU features, absl)
+    while it is imported; Python's own errors are raised after it, not lost."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        saved = os.dup(2)
+    except OSError:  # no real stderr (embedded interpreters): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            sys.stderr.flush()
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _status_line(report: Report, fail_on: str) -> tuple[int, str]:
+    if fail_on == "never":
+        return 0, "Exit status 0: --fail-on never."
+    bad = report.at_least(fail_on)
+    if bad:
+        return 1, (f"Exit status 1: {len(bad)} finding(s) at or above --fail-on {fail_on}; fix them or "
+                   "raise --fail-on.")
+    below = len(report.findings) + len([a for a in report.audit if a.severity != "info"])
+    return 0, (f"Exit status 0: nothing at or above --fail-on {fail_on}"
+               + (f" ({below} less severe finding(s) listed)." if below else "."))
+
+
 def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None,
               check_file: Callable[..., Report] | None = None) -> int:
     """Run the ``check`` command; returns the exit status.
@@ -73,18 +111,29 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
     out = out or sys.stdout
     err = err or sys.stderr
     path = Path(args.model)
-    if not path.is_file():
+    if path.is_dir():
+        return _fail(err, f"{path} is a directory: give a saved model file (.keras or .h5), for example "
+                          "`lossscale-callbacks check model.keras --batch-size 64`")
+    if not path.exists():
         return _fail(err, f"{path}: no such file")
+    if not path.is_file():
+        return _fail(err, f"{path} is not a regular file: give a saved model file (.keras or .h5)")
     try:
         if check_file is None:
-            check_file = load_checker(framework_of_file(path)).check_model_file
+            framework = framework_of_file(path)
+            with _quiet_native_stderr():
+                check_file = load_checker(framework).check_model_file
     except (ValueError, ImportError) as exc:
         return _fail(err, str(exc))
     try:
         report = check_file(str(path), batch_size=args.batch_size, target=args.target, tf32=_TF32[args.tf32])
     except Exception as exc:  # a corrupt or unloadable model file is bad input, not a crash
-        return _fail(err, f"{path}: cannot be checked ({type(exc).__name__}: {exc})")
-    print(report.to_json() if args.json else str(report), file=out)
-    if args.fail_on == "never":
-        return 0
-    return 1 if report.at_least(args.fail_on) else 0
+        return _fail(err, f"{path} is not a model this check can read ({type(exc).__name__}: {exc})")
+    status, line = _status_line(report, args.fail_on)
+    if args.json:
+        print(report.to_json(), file=out)
+    else:
+        print(f"{report.header()} (from {path.name})", file=out)
+        print(report, file=out)
+        print(line, file=out)
+    return status

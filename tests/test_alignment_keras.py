@@ -136,7 +136,12 @@ def test_check_command_on_a_saved_model(tmp_path, policy):
     _mlp().save(path)
     out, err = io.StringIO(), io.StringIO()
     assert run_check(_cli(["check", str(path), "--batch-size", "32"]), out=out, err=err) == 1
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("Tensor Core alignment check: model ")
+    assert "precision mixed_float16" in lines[0]
+    assert "batch size 32" in lines[0] and "(from model.keras)" in lines[0]
     assert "features_in" in out.getvalue() and "fc" in out.getvalue()
+    assert lines[-1] == "Exit status 1: 1 finding(s) at or above --fail-on high; fix them or raise --fail-on."
     out = io.StringIO()
     args = _cli(["check", str(path), "--batch-size", "30", "--json", "--fail-on", "never"])
     assert run_check(args, out=out) == 0
@@ -158,6 +163,9 @@ def test_check_command_on_a_saved_model(tmp_path, policy):
     assert run_check(_cli(["check", str(corrupt)]), err=err) == 2
     lines = err.getvalue().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lossscale-callbacks check: error: ")
-    assert "cannot be checked" in lines[0] and "Traceback" not in err.getvalue()
+    assert "is not a model this check can read" in lines[0] and "Traceback" not in err.getvalue()
+    err = io.StringIO()
+    assert run_check(_cli(["check", str(tmp_path)]), err=err) == 2  # `check .`
+    assert "is a directory: give a saved model file" in err.getvalue()
     with pytest.raises(SystemExit):
         _cli(["check", str(path), "--batch-size", "eight"])

@@ -80,10 +80,26 @@ def test_the_random_stream_of_training_is_not_shifted():
 def test_dtype_auto_follows_active_autocast_or_parameters():
     model = nn.Linear(50, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert {f.dtype for f in check_alignment(model, torch.randn(32, 50)).findings} == {"bfloat16"}
-    assert check_alignment(model, torch.randn(32, 50), tf32=False).findings == []  # plain float32
-    half = check_alignment(nn.Linear(50, 64).half(), torch.randn(32, 50).half())
+        auto = check_alignment(model, torch.randn(32, 50), dtype="auto")
+        assert {f.dtype for f in auto.findings} == {"bfloat16"}
+    half = check_alignment(nn.Linear(50, 64).half(), torch.randn(32, 50).half(), dtype="auto")
     assert {f.dtype for f in half.findings} == {"float16"}
+
+
+def test_dtype_is_required_and_a_check_where_no_rule_applies_warns():
+    from lossscale_callbacks.alignment import NoRuleAppliedWarning
+
+    model = nn.Linear(50, 64)
+    with pytest.raises(ValueError, match="dtype is required"):
+        check_alignment(model, torch.randn(32, 50))
+    # The torch fixture's old silent pass: float32 without TF32 finds nothing, and now says why.
+    with pytest.warns(NoRuleAppliedWarning, match="float32 with TF32 off"):
+        report = check_alignment(model, torch.randn(32, 50), dtype="float32", tf32=False)
+    assert report.findings == [] and report.context["precision"] == "float32"
+    report = check_alignment(model, torch.randn(32, 50), dtype="16-mixed")
+    assert report.context == {"model": "Linear", "framework": "torch", "parameters": 50 * 64 + 64,
+                              "precision": "float16", "batch_size": 32, "tf32": False}
+    assert report.header().startswith("Tensor Core alignment check: model Linear, 3,264 parameters")
 
 
 def test_lightning_module_example_input_array_is_the_default_sample():
@@ -104,7 +120,7 @@ def test_lightning_module_example_input_array_is_the_default_sample():
 
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="sample is required"):
-        check_alignment(nn.Linear(8, 8))
+        check_alignment(nn.Linear(8, 8), dtype="float16")
     with pytest.raises(ValueError, match="dtype must be one of"):
         check_alignment(nn.Linear(8, 8), torch.zeros(8, 8), dtype="float12")
     with pytest.raises(ValueError, match="target must be one of"):
@@ -125,7 +141,7 @@ class SoftmaxNet(nn.Module):
 
 
 def test_audit_flags_a_half_model_with_float16_output_softmax():
-    report = check_alignment(SoftmaxNet().half(), torch.randn(32, 64).half())
+    report = check_alignment(SoftmaxNet().half(), torch.randn(32, 64).half(), dtype="auto")
     checks = {(a.check, a.layer, a.severity) for a in report.audit}
     assert checks == {("variable_dtype", "fc", "high"), ("variable_dtype", "norm", "high"),
                       ("variable_dtype", "out", "high"), ("float16_normalization", "norm", "high"),
@@ -135,7 +151,7 @@ def test_audit_flags_a_half_model_with_float16_output_softmax():
 def test_audit_is_silent_under_autocast_and_flags_a_float16_loss():
     assert check_alignment(SoftmaxNet(), torch.randn(32, 64), dtype="float16").audit == []
     model = nn.Linear(64, 16).half()
-    report = check_alignment(model, torch.randn(32, 64).half(),
+    report = check_alignment(model, torch.randn(32, 64).half(), dtype="float16",
                              loss_fn=lambda y: torch.log_softmax(y, -1).mean())
     assert ("float16_loss", "", "high") in {(a.check, a.layer, a.severity) for a in report.audit}
     assert report.op_categories["allow"] == {"float16": 2}

@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -62,6 +64,7 @@ from lossscale_callbacks.alignment import (
     analyze,
     einsum_gemm,
     matmul_gemm,
+    warn_if_nothing_checked,
 )
 from lossscale_callbacks.alignment.targets import get_target
 
@@ -206,12 +209,45 @@ def _layer_infos(model) -> tuple[dict[str, LayerInfo], tuple[ModelDim, ...]]:
 # ---- graph --------------------------------------------------------------------------------------------
 
 
-def _scope_matches(component: str, name: str) -> bool:
-    return component == name or re.fullmatch(re.escape(name) + r"_\d+", component) is not None
+# Every layer's call runs inside a name scope of its own while the step is traced: ``lsc_layer_<i>``
+# (``lsc_layer_<i>_<n>`` when TensorFlow makes a repeated scope unique, as for a shared layer).
+# Attribution reads that token, never the layer names: Keras' default names (``dense``, ``dense_1``)
+# are the very names TensorFlow gives to repeated scopes, so matching names picks the wrong layer.
+_TOKEN = "lsc_layer_"
+_TOKEN_RE = re.compile(re.escape(_TOKEN) + r"(\d+)(?:_\d+)?")
 
 
-def _attribute(op_name: str, model) -> tuple[str, str, bool]:
-    """``(layer path, pass, in loss scope)`` from a graph op name."""
+@contextlib.contextmanager
+def _layer_scopes(model):
+    """Wrap each layer's ``call`` (on the instance, undone on exit) in its identity token's name scope;
+    yields ``{token index: layer path}``. A layer reached twice (shared) keeps its first path."""
+    paths: dict[int, str] = {}
+    wrapped: list = []
+    seen: set[int] = set()
+    try:
+        for path, layer in _walk_layers(model):
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
+            index = len(paths)
+            paths[index] = path
+            original = layer.call
+
+            def call(*args, __original=original, __scope=f"{_TOKEN}{index}", **kwargs):
+                with tf.name_scope(__scope):
+                    return __original(*args, **kwargs)
+
+            functools.update_wrapper(call, original)
+            object.__setattr__(layer, "call", call)
+            wrapped.append(layer)
+        yield paths
+    finally:
+        for layer in wrapped:
+            object.__delattr__(layer, "call")
+
+
+def _attribute(op_name: str, paths: dict[int, str]) -> tuple[str, str, bool]:
+    """``(layer path, pass, in loss scope)`` from a graph op name: the innermost layer token in it."""
     parts = op_name.split("/")
     backward = parts[0] == "gradient_tape" or "gradients" in parts
     if "gradients" in parts:
@@ -219,16 +255,12 @@ def _attribute(op_name: str, model) -> tuple[str, str, bool]:
     elif parts[0] == "gradient_tape":
         parts = parts[1:]
     in_loss = bool(parts) and parts[0].startswith(_LOSS_SCOPE)
-    start = 1 if parts and _scope_matches(parts[0], model.name) else 0
-    node, path = model, []
-    for comp in parts[start:-1]:
-        kids = _children(node)
-        child = next((c for c in kids if c.name == comp), None) or next(
-            (c for c in kids if _scope_matches(comp, c.name)), None)
-        if child is not None:
-            node = child
-            path.append(child.name)
-    return "/".join(path), (BACKWARD if backward else FORWARD), in_loss
+    path = ""
+    for comp in parts[:-1]:
+        match = _TOKEN_RE.fullmatch(comp)
+        if match is not None:
+            path = paths.get(int(match.group(1)), path)
+    return path, (BACKWARD if backward else FORWARD), in_loss
 
 
 def _walk_ops(graph):
@@ -284,11 +316,15 @@ def _record(op, layer: str, pass_: str, tf32: bool, transposed: bool = False) ->
         if gemm is None or min(gemm[1:]) <= 1:
             return []  # a GEMV/outer product is memory-bound
         _, m, n, k = gemm
-        return [OpRecord.gemm(kind, layer, pass_, dtype, m=m, n=n, k=k)]
+        out = _shape(op.outputs[0])
+        batch = math.prod(out) // (m * n) if out is not None and None not in out and m * n else 1
+        return [OpRecord.gemm(kind, layer, pass_, dtype, m=m, n=n, k=k, batch=max(batch, 1))]
     if kind in _CONVS or kind in _DEPTHWISE:
         dtype = _dtype_name(op.get_attr("T"), tf32)
         fmt = op.get_attr("data_format").decode()
-        # A backprop op in the forward pass is a transposed convolution (Conv2DTranspose).
+        # A backprop op in the forward pass is a transposed convolution (Conv2DTranspose). The
+        # convolution's own output (for the FLOP count) is the backprops' out_backprop input.
+        conv_out = _shape(op.inputs[2]) if "Backprop" in kind else _shape(op.outputs[0])
         if "BackpropInput" in kind:
             inp, filt = _shape(op.outputs[0]), _shape(op.inputs[1])
             pass_ = INPUT_GRADIENT if pass_ == BACKWARD else pass_
@@ -305,14 +341,21 @@ def _record(op, layer: str, pass_: str, tf32: bool, transposed: bool = False) ->
         if kind in _DEPTHWISE:
             return [OpRecord.conv(kind, layer, pass_, dtype, in_channels=channels,
                                   out_channels=channels * filt[-1], groups=channels, kernel_elems=spatial,
-                                  layout=layout)]
+                                  layout=layout, output_elems=_elems(conv_out))]
         groups = max(channels // filt[-2], 1) if channels else 1
         in_channels, out_channels = channels, filt[-1]
         if transposed:
             in_channels, out_channels = out_channels * groups, in_channels // groups
+        if transposed:  # the layer's output is the op's input side: count the work at the larger end
+            conv_out = inp
         return [OpRecord.conv(kind, layer, pass_, dtype, in_channels=in_channels, out_channels=out_channels,
-                              groups=groups, kernel_elems=spatial, layout=layout)]
+                              groups=groups, kernel_elems=spatial, layout=layout,
+                              output_elems=_elems(conv_out))]
     return []
+
+
+def _elems(shape: tuple | None) -> int:
+    return 0 if shape is None or None in shape else math.prod(shape)
 
 
 def _op_dtype(op) -> str | None:
@@ -331,7 +374,9 @@ def _op_dtype(op) -> str | None:
 # ---- sample and tracing ------------------------------------------------------------------------------
 
 
-def _zero_sample(model, batch_size: int):
+def _input_specs(model, batch_size: int):
+    """``tf.TensorSpec`` s of the model's inputs at ``batch_size``: shapes only, no array is allocated
+    (a batch of a billion costs what a batch of eight does)."""
     inputs = getattr(model, "_inputs_struct", None)
     if inputs is None:
         inputs = getattr(model, "inputs", None)
@@ -341,18 +386,20 @@ def _zero_sample(model, batch_size: int):
         raise ValueError("sample is required for a model without symbolic inputs (build it with keras.Input, "
                          "or pass a sample batch)")
 
-    def zeros(tensor):
+    def spec(tensor):
         shape = tuple(tensor.shape)[1:]
         if any(s is None for s in shape):
             raise ValueError(f"input {tensor.name!r} has an unknown size in {tensor.shape}; "
                              "pass a sample batch")
-        return np.zeros((batch_size, *shape), dtype=tensor.dtype)
+        return tf.TensorSpec((batch_size, *shape), tf.as_dtype(tensor.dtype))
 
-    return keras.tree.map_structure(zeros, inputs)
+    return keras.tree.map_structure(spec, inputs)
 
 
 def _spec(array) -> tf.TensorSpec:
     """The TensorSpec of one input: only shapes and dtypes are traced, nothing is executed."""
+    if isinstance(array, tf.TensorSpec):
+        return array
     dtype = getattr(array, "dtype", None)
     if dtype is None:
         array = np.asarray(array)
@@ -370,7 +417,7 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if sample is None:
-        sample = _zero_sample(model, batch_size)
+        sample = _input_specs(model, batch_size)
     if tf32 is None:
         tf32 = bool(tf.config.experimental.tensor_float_32_execution_enabled())
     specs = tf.nest.map_structure(_spec, sample)
@@ -386,20 +433,21 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
         return tape.gradient(value, model.trainable_variables)
 
     traced = tf.function(step, autograph=False)
-    graph = traced.get_concrete_function(specs).graph
+    with _layer_scopes(model) as paths:
+        graph = traced.get_concrete_function(specs).graph
     layers, global_dims = _layer_infos(model)
     transposed = {path for path, layer in _walk_layers(model) if isinstance(layer, _TRANSPOSED_CONVS)}
     records: list[OpRecord] = []
     ops: list[OpPrecision] = []
     outputs = set(output_names)
     for op, callers in _walk_ops(graph):
-        layer, pass_, in_loss = _attribute(op.name, model)
+        layer, pass_, in_loss = _attribute(op.name, paths)
         for caller in reversed(callers):
             # Ops of a nested function (Keras' grouped convolution, its gradient) may carry no layer
             # scope of their own: the calling op, or the ops feeding it, have it.
-            outer_layer, outer_pass, outer_loss = _attribute(caller.name, model)
+            outer_layer, outer_pass, outer_loss = _attribute(caller.name, paths)
             if not outer_layer:
-                outer_layer = next((lay for lay in (_attribute(t.op.name, model)[0] for t in caller.inputs)
+                outer_layer = next((lay for lay in (_attribute(t.op.name, paths)[0] for t in caller.inputs)
                                     if lay), "")
             layer = layer or outer_layer
             pass_ = BACKWARD if BACKWARD in (pass_, outer_pass) else FORWARD
@@ -412,7 +460,8 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
             is_output = any(out.name in outputs for out in op.outputs)
             ops.append(OpPrecision(op.type, dtype, layer, pass_, in_loss=in_loss, is_output=is_output))
     precision = PrecisionInfo("tensorflow", keras.config.dtype_policy().name, _layer_precisions(model), ops)
-    return Capture("keras", records, layers, global_dims, precision)
+    outputs_of = {p.layer for p in precision.layers if p.is_output}
+    return Capture("keras", records, layers, global_dims, precision, output_layers=tuple(sorted(outputs_of)))
 
 
 def _layer_precisions(model) -> list[LayerPrecision]:
@@ -433,6 +482,14 @@ def _layer_precisions(model) -> list[LayerPrecision]:
             is_output=id(layer) in output_layers, activation=act_name,
             kind="normalization" if isinstance(layer, _NORM_TYPES) else None))
     return result
+
+
+def _model_policy(model) -> str:
+    """The dtype policy most of the model's weighted layers use (a loaded model keeps its own)."""
+    names = [getattr(getattr(layer, "dtype_policy", None), "name", None)
+             for _, layer in _walk_layers(model) if layer.weights]
+    names = [n for n in names if n]
+    return max(set(names), key=names.count) if names else keras.config.dtype_policy().name
 
 
 def check_alignment(model, sample: Any = None, *, batch_size: int = 8, target: str | None = None,
@@ -456,7 +513,16 @@ def check_alignment(model, sample: Any = None, *, batch_size: int = 8, target: s
         A :class:`~lossscale_callbacks.alignment.Report`.
     """
     get_target(target)
-    return analyze(capture(model, sample, batch_size=batch_size, tf32=tf32, loss=loss), target=target)
+    if tf32 is None and keras.backend.backend() == "tensorflow":
+        tf32 = bool(tf.config.experimental.tensor_float_32_execution_enabled())
+    cap = capture(model, sample, batch_size=batch_size, tf32=tf32, loss=loss)
+    report = analyze(cap, target=target)
+    first = tf.nest.flatten(sample)[0] if sample is not None else None
+    batch = int(first.shape[0]) if first is not None and first.shape and first.shape[0] else batch_size
+    report.context = {"model": model.name, "framework": "keras", "parameters": int(model.count_params()),
+                      "precision": _model_policy(model), "batch_size": batch, "tf32": tf32}
+    return warn_if_nothing_checked(report, "build the model under keras.config.set_dtype_policy("
+                                   "'mixed_float16') (or 'mixed_bfloat16'), as you train it")
 
 
 def check_model_file(path: str, *, batch_size: int = 8, target: str | None = None,

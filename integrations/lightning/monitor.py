@@ -370,8 +370,10 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         if sample is None:
             sample = batch[0] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else batch
         precision = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
-        if "dtype" not in kwargs and getattr(precision, "precision", None) in ("16-mixed", "bf16-mixed"):
-            kwargs["dtype"] = precision.precision
+        if "dtype" not in kwargs:  # the Trainer's precision is the one the model trains in
+            name = str(getattr(precision, "precision", "auto"))
+            kwargs["dtype"] = name if name in ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "32-true",
+                                               "32") else "auto"
         had_no_grad = [p for p in pl_module.parameters() if p.grad is None]
         try:
             report = module.check_alignment(pl_module, sample, **kwargs)

@@ -61,6 +61,7 @@ from lossscale_callbacks.alignment import (
     PrecisionInfo,
     Report,
     analyze,
+    warn_if_nothing_checked,
 )
 from lossscale_callbacks.alignment.targets import get_target
 
@@ -224,7 +225,7 @@ class _Recorder(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         layer, pass_ = self._where()
         try:
-            self._record(name, args, layer, pass_)
+            self._record(name, args, layer, pass_, out)
         except (IndexError, AttributeError, TypeError, ValueError):
             pass  # an overload this parser does not know: it is simply not checked
         if self.phase == "quiet":
@@ -242,26 +243,27 @@ class _Recorder(TorchDispatchMode):
                 self.softmax_outputs.append((len(self.ops) - 1, first))
         return out
 
-    def _record(self, name: str, args: tuple, layer: str, pass_: str) -> None:
+    def _record(self, name: str, args: tuple, layer: str, pass_: str, out: Any = None) -> None:
         if name in _GEMM_OPS:
             ia, ib = _GEMM_OPS[name]
             a, b = args[ia], args[ib]
             dtype = self._eff(a.dtype, "gemm")
-            self.records.append(OpRecord.gemm(name, layer, pass_, dtype, m=a.shape[-2], n=b.shape[-1],
-                                              k=a.shape[-1]))
+            m, k = a.shape[-2], a.shape[-1]
+            self.records.append(OpRecord.gemm(name, layer, pass_, dtype, m=m, n=b.shape[-1], k=k,
+                                              batch=max(a.numel() // max(m * k, 1), 1)))
         elif name == "convolution":
-            self._conv(name, args[0], args[1], args[6], args[8], layer, (pass_,))
+            self._conv(name, args[0], args[1], args[6], args[8], layer, (pass_,), out.numel())
         elif name == "convolution_backward":
             mask = args[10]
             passes = tuple(p for p, on in zip((INPUT_GRADIENT, WEIGHT_GRADIENT), mask[:2], strict=True) if on)
-            self._conv(name, args[1], args[2], args[7], args[9], layer, passes)
+            self._conv(name, args[1], args[2], args[7], args[9], layer, passes, args[0].numel())
         elif name in _ATTENTION_OPS or (name.endswith("_backward") and name[:-9] in _ATTENTION_OPS):
             q, k, v = (args[1], args[2], args[3]) if name.endswith("_backward") else args[:3]
             self._attention(name, q, k, v, layer, pass_)
         elif name in _RNN_OPS:
             self._rnn(name, args, layer, pass_)
 
-    def _conv(self, name, inp, weight, transposed, groups, layer, passes) -> None:
+    def _conv(self, name, inp, weight, transposed, groups, layer, passes, out_elems: int = 0) -> None:
         if inp.dim() < 3:
             return
         if transposed:
@@ -275,15 +277,16 @@ class _Recorder(TorchDispatchMode):
         for p in passes:
             self.records.append(OpRecord.conv(name, layer, p, dtype, in_channels=in_ch, out_channels=out_ch,
                                               groups=groups, kernel_elems=math.prod(weight.shape[2:]),
-                                              layout=layout))
+                                              layout=layout, output_elems=out_elems))
 
     def _attention(self, name, q, k, v, layer, pass_) -> None:
         dtype = self._eff(q.dtype, "gemm")
         length, src, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+        heads = max(q.numel() // max(length * d, 1), 1)  # batch x heads
         self.records.append(OpRecord.gemm(name + ":qk", layer, pass_, dtype, m=length, n=src, k=d, roles={
-            "M": (TOKENS, None), "N": (TOKENS, None), "K": (HEAD_DIM, None)}))
+            "M": (TOKENS, None), "N": (TOKENS, None), "K": (HEAD_DIM, None)}, batch=heads))
         self.records.append(OpRecord.gemm(name + ":pv", layer, pass_, dtype, m=length, n=dv, k=src, roles={
-            "M": (TOKENS, None), "N": (HEAD_DIM, None), "K": (TOKENS, None)}))
+            "M": (TOKENS, None), "N": (HEAD_DIM, None), "K": (TOKENS, None)}, batch=heads))
 
     def _rnn(self, name, args, layer, pass_) -> None:
         inp = args[0]
@@ -319,7 +322,16 @@ class _Recorder(TorchDispatchMode):
 # ---- running one pass ------------------------------------------------------------------------------
 
 
+_DTYPE_REQUIRED = (
+    "dtype is required: the precision you train in, one of 'float16'/'16-mixed', 'bfloat16'/'bf16-mixed', "
+    "'float32'/'32-true', a torch dtype, or 'auto' (the active autocast dtype, else the parameters' dtype). "
+    "A torch module does not say which precision it will train in, and float32 without TF32 runs on "
+    "CUDA cores, where no Tensor Core rule applies")
+
+
 def _normalize_dtype(dtype: Any) -> str:
+    if dtype is None:
+        raise ValueError(_DTYPE_REQUIRED)
     if isinstance(dtype, torch.dtype):
         dtype = _dtype_name(dtype)
     key = str(dtype).lower()
@@ -356,7 +368,7 @@ def _autocast_on(device: torch.device) -> bool:
         return False
 
 
-def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto", tf32: bool | None = None,
+def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = None, tf32: bool | None = None,
             forward: Callable[[torch.nn.Module, Any], Any] | None = None,
             loss_fn: Callable[[Any], torch.Tensor] | None = None, backward: bool = True) -> Capture:
     """Run one forward and backward pass and return what it executed (see :func:`check_alignment`)."""
@@ -389,6 +401,8 @@ def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto", 
     recorder = _Recorder(simulate, tf32_matmul, tf32_conv)
     names = {id(m): n for n, m in model.named_modules()}
     outputs_by_layer: dict[str, str] = {}
+    produced: dict[int, str] = {}  # id of a module output -> the innermost module that returned it
+    keep_alive: list[torch.Tensor] = []  # ids stay unique while the pass runs
 
     def pre_hook(module, _args):
         recorder.stack.append((names[id(module)], torch._C._autograd._get_sequence_nr()))
@@ -399,6 +413,9 @@ def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto", 
             if t.is_floating_point():
                 outputs_by_layer[name] = _dtype_name(t.dtype)
                 break
+        for t in _tensors(output):
+            produced.setdefault(id(t), name)
+            keep_alive.append(t)
         _label(output, name, start)
 
     handles = []
@@ -437,7 +454,9 @@ def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto", 
             op = ops[index]
             ops[index] = OpPrecision(op.op, op.dtype, op.layer, op.pass_, op.in_loss, is_output=True)
     precision = PrecisionInfo("torch", None, _layer_precisions(model, outputs_by_layer), ops)
-    return Capture("torch", recorder.records, layers, global_dims, precision)
+    heads = tuple(sorted({produced[i] for i in out_ids if produced.get(i)}))
+    keep_alive.clear()
+    return Capture("torch", recorder.records, layers, global_dims, precision, output_layers=heads)
 
 
 def _label(output: Any, name: str, start: int) -> None:
@@ -470,7 +489,7 @@ def _layer_precisions(model: torch.nn.Module, outputs: dict[str, str]) -> list[L
     return result
 
 
-def check_alignment(model: torch.nn.Module, sample: Any = None, *, dtype: Any = "auto",
+def check_alignment(model: torch.nn.Module, sample: Any = None, *, dtype: Any = None,
                     target: str | None = None, tf32: bool | None = None,
                     forward: Callable[[torch.nn.Module, Any], Any] | None = None,
                     loss_fn: Callable[[Any], torch.Tensor] | None = None, backward: bool = True) -> Report:
@@ -480,9 +499,10 @@ def check_alignment(model: torch.nn.Module, sample: Any = None, *, dtype: Any = 
         model: any ``torch.nn.Module`` (a LightningModule too).
         sample: one batch of model *inputs* (a tensor, a tuple of positional inputs or a dict of keyword
             inputs); ``None`` uses ``model.example_input_array``.
-        dtype: the math dtype of training: ``"auto"`` (the active autocast dtype, else the parameters'
-            dtype), ``"float16"``/``"16-mixed"``, ``"bfloat16"``/``"bf16-mixed"``, ``"float32"``/``"32-true"``
-            or a torch dtype.
+        dtype: **required**, the math dtype of training: ``"float16"``/``"16-mixed"``,
+            ``"bfloat16"``/``"bf16-mixed"``, ``"float32"``/``"32-true"``, a torch dtype, or ``"auto"`` (the
+            active autocast dtype, else the parameters' dtype). A report that is clean only because
+            no rule applied (float32 without TF32) comes with a ``NoRuleAppliedWarning``.
         target: ``None`` or a GPU name (``"a100"``, ``"h100"``, ``"v100"``...) for its recommendations.
         tf32: whether float32 matmuls/convolutions run as TF32; ``None`` reads
             ``torch.backends.cuda.matmul.allow_tf32`` and ``torch.backends.cudnn.allow_tf32``.
@@ -502,4 +522,13 @@ def check_alignment(model: torch.nn.Module, sample: Any = None, *, dtype: Any = 
     """
     get_target(target)  # validate before running anything
     cap = capture(model, sample, dtype=dtype, tf32=tf32, forward=forward, loss_fn=loss_fn, backward=backward)
-    return analyze(cap, target=target)
+    want = _normalize_dtype(dtype)
+    report = analyze(cap, target=target)
+    given = sample if sample is not None else getattr(model, "example_input_array", None)
+    first = next(_tensors(given), None)
+    report.context = {
+        "model": type(model).__name__, "framework": "torch",
+        "parameters": sum(p.numel() for p in model.parameters()), "precision": want,
+        "batch_size": int(first.shape[0]) if first is not None and first.dim() else None,
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if tf32 is None else bool(tf32)}
+    return warn_if_nothing_checked(report, "pass dtype='float16' (or 'bfloat16') for mixed precision")

@@ -91,6 +91,8 @@ class OpRecord:
         depthwise: a depthwise convolution (one input channel per group).
         layout: ``"NHWC"`` or ``"NCHW"`` for convolutions.
         kernel_elems: ``R * S`` (product of the filter's spatial sizes) for convolutions.
+        flops: the op's floating-point operations (``2 * M * N * K`` times any batch of GEMMs);
+            ``0`` when the capture could not tell (a GEMM's is then computed from its dims).
     """
 
     kind: str
@@ -103,32 +105,37 @@ class OpRecord:
     depthwise: bool = False
     layout: str | None = None
     kernel_elems: int = 1
+    flops: int = 0
 
     @classmethod
     def gemm(cls, op: str, layer: str, pass_: str, dtype: str, *, m: int, n: int, k: int,
-             roles: dict[str, tuple[str, int | None]] | None = None) -> OpRecord:
-        """A GEMM ``[M, K] x [K, N]``; ``roles`` maps an axis to ``(role, model_value)`` when known."""
+             roles: dict[str, tuple[str, int | None]] | None = None, batch: int = 1) -> OpRecord:
+        """A GEMM ``[M, K] x [K, N]`` (``batch`` of them); ``roles`` maps an axis to ``(role, model_value)``
+        when known."""
         roles = roles or {}
         dims = tuple(GemmDim(axis, int(value), *roles.get(axis, (None, None)))
                      for axis, value in (("M", m), ("N", n), ("K", k)))
-        return cls(GEMM, op, layer, pass_, dtype, dims)
+        return cls(GEMM, op, layer, pass_, dtype, dims, flops=2 * int(batch) * int(m) * int(n) * int(k))
 
     @classmethod
     def conv(cls, op: str, layer: str, pass_: str, dtype: str, *, in_channels: int, out_channels: int,
-             groups: int, kernel_elems: int, layout: str) -> OpRecord:
-        """A convolution with ``in_channels``/``out_channels`` in total (split into groups here)."""
+             groups: int, kernel_elems: int, layout: str, output_elems: int = 0) -> OpRecord:
+        """A convolution with ``in_channels``/``out_channels`` in total (split into groups here);
+        ``output_elems``: the size of its (forward) output, for the FLOP count."""
         groups = max(int(groups), 1)
         depthwise = groups > 1 and groups == in_channels
         dims = (GemmDim("C", in_channels // groups, CHANNELS_IN),
                 GemmDim("K", out_channels // groups, CHANNELS_OUT))
+        flops = 2 * int(output_elems) * (in_channels // groups) * int(kernel_elems)
         return cls(CONV, op, layer, pass_, dtype, dims, groups=groups, depthwise=depthwise, layout=layout,
-                   kernel_elems=int(kernel_elems))
+                   kernel_elems=int(kernel_elems), flops=flops)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "op": self.op, "layer": self.layer, "pass": self.pass_,
                 "dtype": self.dtype,
                 "dims": [[d.axis, d.value, d.role, d.model_value] for d in self.dims], "groups": self.groups,
-                "depthwise": self.depthwise, "layout": self.layout, "kernel_elems": self.kernel_elems}
+                "depthwise": self.depthwise, "layout": self.layout, "kernel_elems": self.kernel_elems,
+                "flops": self.flops}
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,8 @@ class LayerInfo:
 class Capture:
     """Everything one capture recorded: ops, layers, model-wide dimensions (vocabularies).
 
-    ``precision`` holds the mixed-precision audit's inputs (see :mod:`.audit`).
+    ``precision`` holds the mixed-precision audit's inputs (see :mod:`.audit`); ``output_layers`` the
+    layers whose output is the model's output (a classifier head: its size is the number of classes).
     """
 
     framework: str
@@ -191,3 +199,4 @@ class Capture:
     layers: dict[str, LayerInfo] = field(default_factory=dict)
     global_dims: tuple[ModelDim, ...] = ()
     precision: object | None = None
+    output_layers: tuple[str, ...] = ()

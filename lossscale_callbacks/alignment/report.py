@@ -7,7 +7,7 @@ Example:
     >>> report.has("high"), report.has("medium"), report.has_at_least("low")
     (True, False, True)
     >>> print(report)  # doctest: +NORMALIZE_WHITESPACE
-    severity  layer  dimension    value  multiple  suggested  +params  note
+    severity  layer  dimension    value  multiple  suggested  +params  FLOPs  fix / note
     high      fc     features_in  50     8         56         384
 """
 
@@ -17,6 +17,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 SEVERITIES = ("high", "medium", "low", "info")
+_HEADER = ("severity", "layer", "dimension", "value", "multiple", "suggested", "+params", "FLOPs",
+           "fix / note")
 
 
 def worst_first(severity: str) -> int:
@@ -48,6 +50,10 @@ class Finding:
         layers: every layer the finding covers (model-wide findings).
         ops: the executed ops behind it; passes: the passes (forward, input-/weight-gradient).
         message: a sentence for people.
+        fix: the change that resolves it, naming the argument of the layer in ``layer``
+            (``"units=1008"``, ``"out_channels=32"``); ``""`` when it is not one argument.
+        flop_share: the share of the model's recorded GEMM/convolution FLOPs (forward and backward)
+            that run with this dimension; the severity is weighted by it. ``None`` when unknown.
     """
 
     layer: str
@@ -62,6 +68,8 @@ class Finding:
     ops: tuple[str, ...] = ()
     passes: tuple[str, ...] = ()
     message: str = ""
+    fix: str = ""
+    flop_share: float | None = None
 
     def key(self) -> tuple:
         """``(layer, dimension, value, severity)``: what two captures of one model must agree on."""
@@ -102,6 +110,8 @@ class Report:
         op_categories: executed ops per mixed-precision category (allow/deny/infer/clear/other) and dtype.
         efficiency: tile/wave quantization rows per forward GEMM when a target GPU was given.
         framework, target: where the shapes came from and which GPU the advice is for.
+        context: what was checked (``model``, ``parameters``, ``precision``, ``batch_size``, ``tf32``),
+            for the header of the ``check`` command and the JSON.
     """
 
     findings: list[Finding] = field(default_factory=list)
@@ -112,6 +122,18 @@ class Report:
     framework: str = ""
     target: str | None = None
     ops_seen: int = 0
+    context: dict = field(default_factory=dict)
+
+    def header(self) -> str:
+        """One line saying what was checked: model, target, precision, batch size, TF32."""
+        c = self.context
+        parts = [f"model {c['model']}" if c.get("model") else "model",
+                 f"{c['parameters']:,} parameters" if c.get("parameters") is not None else None,
+                 f"target {self.target.upper()}" if self.target else "target: any GPU (16-byte rule)",
+                 f"precision {c['precision']}" if c.get("precision") else None,
+                 f"batch size {c['batch_size']:,}" if c.get("batch_size") else None,
+                 f"TF32 {'on' if c['tf32'] else 'off'}" if c.get("tf32") is not None else None]
+        return "Tensor Core alignment check: " + ", ".join(p for p in parts if p)
 
     def _all(self) -> list:
         return [*self.findings, *self.notes, *self.audit]
@@ -143,6 +165,7 @@ class Report:
             "framework": self.framework,
             "target": self.target,
             "ops_seen": self.ops_seen,
+            "context": self.context,
             "findings": [asdict(f) for f in self.findings],
             "notes": [asdict(f) for f in self.notes],
             "audit": [asdict(a) for a in self.audit],
@@ -157,12 +180,14 @@ class Report:
     def _rows(self) -> list[list[str]]:
         rows = []
         for f in [*self.findings, *self.notes]:
+            share = "" if f.flop_share is None else f"{f.flop_share:.1%}"
+            note = f.message if f.severity == "info" else f.fix
             rows.append([f.severity, f.layer or "(model)", f.dimension, _s(f.value), _s(f.required_multiple),
-                         _s(f.suggested), _s(f.param_cost), f.message if f.severity == "info" else ""])
+                         _s(f.suggested), _s(f.param_cost), share, note])
         return rows
 
     def __str__(self) -> str:
-        header = ["severity", "layer", "dimension", "value", "multiple", "suggested", "+params", "note"]
+        header = list(_HEADER)
         rows = self._rows()
         lines = []
         if rows:
@@ -185,8 +210,7 @@ class Report:
             out.append(f"No alignment findings{where} ({self.ops_seen} ops checked).")
         rows = self._rows()
         if rows:
-            out += ["", "| severity | layer | dimension | value | multiple | suggested | +params | note |",
-                    "|---|---|---|---|---|---|---|---|"]
+            out += ["", "| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
             out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
         if self.efficiency:
             out += ["", "#### Tile and wave quantization (forward GEMMs)", "",

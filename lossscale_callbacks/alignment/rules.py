@@ -11,9 +11,10 @@ Rules, from NVIDIA's Deep Learning Performance Guide:
   pass swaps N and K; the weight-gradient pass has ``K = tokens``. All three passes of one layer give
   one finding per model dimension, never one per GEMM.
 * **Convolutions** ("Convolutional Layers"): implicit GEMM with ``M = N*P*Q``, ``N = K`` (output channels),
-  ``K = C*R*S``; input and output channels *per group* must be multiples. A convolution with at most 4
-  input channels (the RGB stem of an image model, the only place such a layer is met in practice) is
-  served by special padded kernels: an ``info`` note (``first_conv``), not a finding, wherever it is.
+  ``K = C*R*S``; input and output channels *per group* must be multiples. The model's first
+  convolution with at most 4 input channels (the RGB stem of an image model) is served by special
+  padded kernels: an ``info`` note (``first_conv``), not a finding. Later narrow convolutions (the
+  squeeze of a squeeze-and-excitation block) are judged like any other.
   Depthwise convolutions are memory-bound and never use Tensor Cores: ``info``. float16 convolutions in
   NCHW layout are transposed to NHWC by cuDNN at every call: one ``medium`` layout finding per model.
 * **Recurrent layers** ("Recurrent Layers"): hidden and input sizes (and the minibatch) should be
@@ -22,6 +23,14 @@ Rules, from NVIDIA's Deep Learning Performance Guide:
 * **Vocabulary**: the output projection's ``N`` is the vocabulary; pad it (the guide's Transformer case
   pads 33708 to 33712).
 * **Token/batch dimension** (``M`` forward, ``K`` of weight gradients): ``low``, never the contiguous one.
+* **One finding per fix**: a layer's input size is the output size of the layer before it, so an input
+  dimension (``features_in``, ``channels_in``, ``rnn_input``) that an earlier layer produces with the
+  same value is reported once, on that earlier layer, naming its argument (``units=1008``); only an
+  input read straight from the data stays on the layer that reads it.
+* **Severity by cost**: a dimension that breaks the rule is ``high`` when its GEMMs/convolutions carry
+  at least 10 % of the model's recorded FLOPs (forward and backward), ``medium`` from 1 %, ``low``
+  below (a small classifier head, a narrow side branch). A model output that is the number of
+  classes (a classifier head) is never ``high``: padding it means masking logits.
 * **float32 with TF32 off** runs on CUDA cores: one ``info`` note and no multiple-of-8 findings.
 * Memory-bound ops (normalisation, activations, pooling, the embedding lookup) are never recorded.
 
@@ -42,6 +51,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from lossscale_callbacks.alignment import audit as _audit
@@ -50,9 +60,15 @@ from lossscale_callbacks.alignment.records import (
     CHANNELS_IN,
     CHANNELS_OUT,
     CONV,
+    EMBEDDING_DIM,
+    FEATURES,
+    FEATURES_IN,
+    FEATURES_OUT,
     FORWARD,
     GEMM,
     INPUT_GRADIENT,
+    RNN_HIDDEN,
+    RNN_INPUT,
     TOKENS,
     VOCAB,
     WEIGHT_GRADIENT,
@@ -88,6 +104,12 @@ _HINTS = {
 }
 
 
+_HIGH_SHARE = 0.10
+_MEDIUM_SHARE = 0.01
+_INPUT_ROLES = (FEATURES_IN, CHANNELS_IN, RNN_INPUT)
+_OUTPUT_ROLES = (FEATURES_OUT, CHANNELS_OUT, RNN_HIDDEN, EMBEDDING_DIM)
+
+
 @dataclass
 class _Group:
     layer: str
@@ -100,6 +122,8 @@ class _Group:
     ops: set = field(default_factory=set)
     passes: set = field(default_factory=set)
     layers: list = field(default_factory=list)
+    record_ids: set = field(default_factory=set)
+    consumers: list = field(default_factory=list)  # groups merged into this one (the next layers' inputs)
 
 
 def _resolve(record: OpRecord, dim, capture: Capture) -> list[tuple[str, int, ModelDim | None]]:
@@ -112,14 +136,18 @@ def _resolve(record: OpRecord, dim, capture: Capture) -> list[tuple[str, int, Mo
             md = next((d for d in info.dims if d.role == dim.role and d.value == value), None)
         return [(dim.role, value, md)]
     pools = [info.dims, info.fallback] if info is not None else []
+    vocabularies = {d.value for d in capture.global_dims if d.role == VOCAB}
     for pool in [*pools, capture.global_dims]:
         hits = [d for d in pool if d.matches(dim.value)]
         if hits:
             seen, out = set(), []
             for d in hits:
-                if (d.role, d.value) not in seen:
-                    seen.add((d.role, d.value))
-                    out.append((d.role, d.value, d))
+                # An output projection as wide as an embedding table is the vocabulary (a language
+                # model's head, tied or not): padded like one.
+                role = VOCAB if d.role in (FEATURES_OUT, FEATURES) and d.value in vocabularies else d.role
+                if (role, d.value) not in seen:
+                    seen.add((role, d.value))
+                    out.append((role, d.value, d))
             return out
     return [(TOKENS, dim.value, None)]
 
@@ -168,7 +196,9 @@ def analyze(capture: Capture, *, target: str | None = None) -> Report:
             notes.append(Finding(layer=layer, dimension=dimension, value=value, required_multiple=None,
                                  severity="info", message=message))
 
-    for record in capture.records:
+    layer_order: dict[str, int] = {}
+    first_conv: str | None = None  # the image stem: the only convolution whose few channels are the data's
+    for index, record in enumerate(capture.records):
         multiple = required_multiple(record.dtype)
         if multiple is None:
             if record.layer not in fp32_layers:
@@ -183,11 +213,15 @@ def analyze(capture: Capture, *, target: str | None = None) -> Report:
                 continue
             if record.layout == "NCHW" and record.dtype in _SIXTEEN_BIT and record.layer not in nchw_layers:
                 nchw_layers.append(record.layer)
+        layer_order.setdefault(record.layer, len(layer_order))
         resolved = {d.axis: _resolve(record, d, capture) for d in record.dims}
         pass_ = _pass(record, resolved)
+        if record.kind == CONV and first_conv is None:
+            first_conv = record.layer
         for dim in record.dims:
             for role, value, md in resolved[dim.axis]:
-                if record.kind == CONV and role == CHANNELS_IN and record.groups == 1 and value <= 4:
+                if (record.kind == CONV and role == CHANNELS_IN and record.groups == 1 and value <= 4
+                        and record.layer == first_conv):
                     note(record.layer, "first_conv", value,
                          f"convolution with {value} input channels (image input): cuDNN pads it with "
                          "special kernels; not a finding")
@@ -204,6 +238,7 @@ def analyze(capture: Capture, *, target: str | None = None) -> Report:
                     group.record = record
                 group.ops.add(record.op)
                 group.passes.add(pass_)
+                group.record_ids.add(index)
                 if record.layer not in group.layers:
                     group.layers.append(record.layer)
         if tgt is not None and record.kind == GEMM and record.pass_ == FORWARD:
@@ -214,11 +249,23 @@ def analyze(capture: Capture, *, target: str | None = None) -> Report:
                 "layer": record.layer, "m": m, "n": n, "k": k,
                 "efficiency": round(wave_efficiency(m, n, tgt), 4)})
 
-    findings = [f for f in (_judge(groups[key], tgt) for key in order) if f is not None]
+    order = _merge_inputs_into_producers(groups, order, layer_order, tgt)
+    flops = [_flops(r) for r in capture.records]
+    total = sum(flops)
+    outputs = set(capture.output_layers)
+    findings = [f for f in (_judge(groups[key], tgt, capture, flops, total, outputs) for key in order)
+                if f is not None]
     if nchw_layers:
+        nchw = set(nchw_layers)
+        share = sum(f for f, r in zip(flops, capture.records, strict=True)
+                    if r.kind == CONV and r.layer in nchw) / total if total else None
+        # A transpose per call costs memory traffic, not a kernel fallback: medium at most, and low when
+        # the convolutions are a small part of the model (a ViT's patch embedding).
+        severity = "low" if share is not None and share < _HIGH_SHARE else "medium"
         findings.append(Finding(
-            layer="*", dimension="layout", value=None, required_multiple=None, severity="medium",
+            layer="*", dimension="layout", value=None, required_multiple=None, severity=severity,
             suggested="channels_last", layers=tuple(nchw_layers), ops=("convolution",),
+            flop_share=None if share is None else round(share, 4), fix="channels_last",
             message=f"{len(nchw_layers)} 16-bit convolution(s) run in NCHW layout; Tensor Core kernels are "
                     "NHWC, so every call transposes. Use model.to(memory_format=torch.channels_last) "
                     "and channels_last inputs."))
@@ -237,37 +284,146 @@ def analyze(capture: Capture, *, target: str | None = None) -> Report:
     return report
 
 
-def _judge(group: _Group, tgt) -> Finding | None:
-    value, multiple = group.value, group.multiple
+def _flops(record: OpRecord) -> int:
+    if record.flops:
+        return record.flops
+    if record.kind == GEMM:
+        return 2 * math.prod(d.value for d in record.dims)
+    return 0
+
+
+def _unaligned(group: _Group, tgt) -> bool:
     recommended = recommended_multiple(group.dtype, tgt)
-    if value % multiple:
-        severity = "low" if group.role == TOKENS else "high"
-        used = multiple
-    elif recommended and group.role != TOKENS and value % recommended:
-        severity, used = "low", recommended
-    else:
-        return None
-    suggested = next_multiple(value, used)
+    return bool(group.value % group.multiple or (recommended and group.role != TOKENS
+                                                 and group.value % recommended))
+
+
+def _merge_inputs_into_producers(groups: dict, order: list, layer_order: dict, tgt) -> list:
+    """Fold each input-dimension group into the group of the nearest earlier layer that produces the
+    same size; returns the remaining keys in order."""
+    producers = [key for key in order if groups[key].role in _OUTPUT_ROLES]
+    merged: set = set()
+    for key in order:
+        group = groups[key]
+        if group.role not in _INPUT_ROLES or not _unaligned(group, tgt):
+            continue
+        here = layer_order.get(group.layer, -1)
+        candidates = [pk for pk in producers if groups[pk].value == group.value and pk not in merged
+                      and groups[pk].layer != group.layer and layer_order.get(groups[pk].layer, -1) < here]
+        if not candidates:
+            continue
+        producer = groups[max(candidates, key=lambda pk: layer_order.get(groups[pk].layer, -1))]
+        if group.multiple > producer.multiple:
+            producer.multiple, producer.dtype = group.multiple, group.dtype
+        producer.ops |= group.ops
+        producer.passes |= group.passes
+        producer.record_ids |= group.record_ids
+        producer.layers.extend(lay for lay in group.layers if lay not in producer.layers)
+        producer.consumers.append(group)
+        merged.add(key)
+    return [key for key in order if key not in merged]
+
+
+def _argument(group: _Group, capture: Capture) -> str:
+    """The constructor argument that sets this dimension of the group's layer, or ``""``."""
+    info = capture.layers.get(group.layer)
+    kind = info.type.lower() if info is not None else ""
+    keras = capture.framework == "keras"
+    if group.role == CHANNELS_OUT and "conv" in kind:
+        if "transpose" in kind and not keras:
+            return "out_channels"
+        return "filters" if keras else "out_channels"
+    if group.role == CHANNELS_IN and "conv" in kind and not keras:
+        return "in_channels"
+    label = group.model_dim.label if group.model_dim is not None else ""
+    return label if label.isidentifier() else ""
+
+
+def _param_cost(group: _Group, suggested: int) -> int | None:
     if group.role == TOKENS:
-        cost = None
-    elif group.record is not None and group.role in (CHANNELS_IN, CHANNELS_OUT):
+        return None
+    if group.record is not None and group.role in (CHANNELS_IN, CHANNELS_OUT):
         cost = _conv_cost(group, suggested)
     elif group.model_dim is not None:
         cost = group.model_dim.param_cost(suggested)
     else:
-        cost = None
+        return None
+    for consumer in group.consumers:
+        extra = _param_cost(consumer, suggested)
+        if extra is None:
+            return None
+        cost += extra
+    return cost
+
+
+def _judge(group: _Group, tgt, capture: Capture, flops: list[int], total: int,
+           outputs: set[str]) -> Finding | None:
+    value, multiple = group.value, group.multiple
+    recommended = recommended_multiple(group.dtype, tgt)
+    share = sum(flops[i] for i in group.record_ids) / total if total else None
+    is_head = group.layer in outputs and group.role == FEATURES_OUT
+    if value % multiple:
+        used = multiple
+        if group.role == TOKENS:
+            severity = "low"
+        elif share is None:
+            severity = "high"
+        else:
+            severity = "high" if share >= _HIGH_SHARE else "medium" if share >= _MEDIUM_SHARE else "low"
+        if is_head and severity == "high":
+            severity = "medium"
+    elif recommended and group.role != TOKENS and value % recommended:
+        severity, used = "low", recommended
+    else:
+        return None
+    if group.role == VOCAB:
+        # Padding a vocabulary costs a few rows and nothing else: go to the 128-byte multiple
+        # (64 in 16 bits, the padding of nanoGPT's 50304) whatever the target.
+        used = max(used, recommended or 0, 128 // ELEMENT_BYTES[group.dtype])
+    suggested = next_multiple(value, used)
+    cost = _param_cost(group, suggested)
     size = ELEMENT_BYTES[group.dtype] * used
     what = _HINTS.get(group.role, group.role)
+    argument = _argument(group, capture)
+    fix = f"{argument}={suggested}" if argument else ""
     if group.role == VOCAB:
-        advice = f"pad the vocabulary to {suggested}"
+        advice = f"pad the vocabulary to {suggested} (the extra rows are never used as labels)"
     elif group.role == TOKENS:
         advice = f"use a batch (x sequence) size that is a multiple of {used}"
+    elif is_head:
+        advice = (f"it is the model's output ({value} classes?): pad the head to {suggested} and mask the "
+                  "extra logits only if its cost matters")
     else:
-        advice = f"use {suggested}"
+        advice = f"use {fix or suggested}"
+    consumers = [c.layer for c in group.consumers]
+    feeds = f" It feeds {', '.join(f'`{c}`' for c in consumers)} (its input size changes with it)." \
+        if consumers else ""
+    cost_words = ""
+    if share is not None and group.role != TOKENS:
+        cost_words = (f" {share:.1%} of the model's GEMM/convolution FLOPs run with it; misaligned, cuBLAS/"
+                      "cuDNN choose slower kernels for them (narrower Tensor Core tiles, or CUDA cores).")
     message = (f"{group.role}={value} is not a multiple of {used} ({size} bytes of {group.dtype}); "
-               f"{what}. {advice[0].upper()}{advice[1:]}.")
+               f"{what}. {advice[0].upper()}{advice[1:]}.{feeds}{cost_words}")
     return Finding(layer=group.layer, dimension=group.role, value=value, required_multiple=used,
                    severity=severity, suggested=suggested, param_cost=cost, dtype=group.dtype,
                    layers=tuple(group.layers), ops=tuple(sorted(group.ops)),
                    passes=tuple(p for p in (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) if p in group.passes),
-                   message=message)
+                   message=message, fix=fix, flop_share=None if share is None else round(share, 4))
+
+
+
+class NoRuleAppliedWarning(UserWarning):
+    """The check ran, but no Tensor Core rule applied (float32 without TF32, or no GEMM recorded)."""
+
+
+def warn_if_nothing_checked(report: Report, precision_hint: str) -> Report:
+    """Warn, instead of passing silently, when a report is clean only because no rule applied."""
+    fp32 = any(n.dimension == "dtype" for n in report.notes)
+    if report.ops_seen == 0:
+        warnings.warn("the alignment check recorded no GEMM or convolution: nothing was checked",
+                      NoRuleAppliedWarning, stacklevel=3)
+    elif fp32 and not report.findings:
+        warnings.warn("no Tensor Core rule applied: the model computes in float32 with TF32 off, on CUDA "
+                      f"cores. Check the precision you train in: {precision_hint}", NoRuleAppliedWarning,
+                      stacklevel=3)
+    return report

@@ -38,12 +38,18 @@ class Target:
     recommended_bytes: int
 
 
+# SM counts of the shipping parts (H100 and H200 SXM, B200, L4, RTX 4090); the 128-byte
+# recommendation applies from Ampere on, where cuBLAS' largest Tensor Core tiles need it.
 TARGETS = {
     "v100": Target("v100", 80, REQUIRED_BYTES),
     "t4": Target("t4", 40, REQUIRED_BYTES),
-    "a10": Target("a10", 72, REQUIRED_BYTES),
+    "a10": Target("a10", 72, 128),
     "a100": Target("a100", 108, 128),
+    "l4": Target("l4", 58, 128),
+    "rtx4090": Target("rtx4090", 128, 128),
     "h100": Target("h100", 132, 128),
+    "h200": Target("h200", 132, 128),
+    "b200": Target("b200", 148, 128),
 }
 GEMM_TILE = (256, 128)
 
@@ -52,7 +58,7 @@ def get_target(target: str | Target | None) -> Target | None:
     """Validate the ``target`` argument; ``None`` means "no particular GPU"."""
     if target is None or isinstance(target, Target):
         return target
-    key = str(target).lower()
+    key = str(target).lower().replace(" ", "").replace("-", "").replace("_", "")
     if key not in TARGETS:
         raise ValueError(f"target must be one of {sorted(TARGETS)} or None, got {target!r}")
     return TARGETS[key]
