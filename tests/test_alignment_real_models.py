@@ -69,6 +69,27 @@ def test_keras_default_names_conv_then_conv(mixed_float16):
     assert {f.layers for f in report.findings if f.value == 30} == {(conv.name, conv_1.name)}
 
 
+def test_keras_one_dimension_is_one_row_even_across_precisions(mixed_float16):
+    keras = mixed_float16
+    from lossscale_callbacks.keras.alignment import check_alignment
+
+    # 1001 is a float16 N of `dense` and a TF32 K of the float32 head: one row, the stricter multiple.
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1001),
+                              keras.layers.Dense(16, dtype="float32")])
+    report = check_alignment(model, batch_size=64, tf32=True)
+    assert [(f.layer, f.value, f.required_multiple, f.suggested) for f in report.findings] == [
+        (model.layers[0].name, 1001, 8, 1008)]
+
+
+def test_targets_include_current_gpus():
+    from lossscale_callbacks.alignment.targets import get_target
+
+    assert {name: get_target(name).sm_count for name in ("l4", "RTX 4090", "h200", "B200")} == {
+        "l4": 58, "RTX 4090": 128, "h200": 132, "B200": 148}
+    with pytest.raises(ValueError, match="target must be one of"):
+        get_target("k80")
+
+
 def test_keras_nested_and_shared_layers_are_named_by_identity(mixed_float16):
     keras = mixed_float16
     from lossscale_callbacks.keras.alignment import check_alignment
