@@ -214,6 +214,7 @@ def _layer_infos(model) -> tuple[dict[str, LayerInfo], tuple[ModelDim, ...]]:
 # Attribution reads that token, never the layer names: Keras' default names (``dense``, ``dense_1``)
 # are the very names TensorFlow gives to repeated scopes, so matching names picks the wrong layer.
 _TOKEN = "lsc_layer_"
+_ABSENT = object()
 _TOKEN_RE = re.compile(re.escape(_TOKEN) + r"(\d+)(?:_\d+)?")
 
 
@@ -238,12 +239,16 @@ def _layer_scopes(model):
                     return __original(*args, **kwargs)
 
             functools.update_wrapper(call, original)
+            # A layer may carry its own instance-level ``call``: it is put back as it was.
+            wrapped.append((layer, layer.__dict__.get("call", _ABSENT)))
             object.__setattr__(layer, "call", call)
-            wrapped.append(layer)
         yield paths
     finally:
-        for layer in wrapped:
-            object.__delattr__(layer, "call")
+        for layer, previous in wrapped:
+            if previous is _ABSENT:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", previous)
 
 
 def _attribute(op_name: str, paths: dict[int, str]) -> tuple[str, str, bool]:
