@@ -34,6 +34,14 @@ USER_TESTS = textwrap.dedent('''
     def test_target_option_applies(assert_tensor_core_aligned):
         report = assert_tensor_core_aligned(model(64), torch.zeros(32, 64), dtype="float16")
         assert report.target == "h100"
+
+    def test_a_classifier_head_passes(assert_tensor_core_aligned):
+        classifier = torch.nn.Sequential(model(64), torch.nn.Linear(64, 10))  # 10 classes
+        report = assert_tensor_core_aligned(classifier, torch.zeros(32, 64), dtype="float16")
+        assert [(f.layer, f.value) for f in report.findings] == [("1", 10)]
+
+    def test_without_a_dtype_the_check_refuses(assert_tensor_core_aligned):
+        assert_tensor_core_aligned(model(64), torch.zeros(32, 64))
 ''')
 
 
@@ -52,7 +60,9 @@ def test_fixture_fails_exactly_the_misaligned_models(tmp_path):
          "-p", "no:cacheprovider", "--alignment-target", "h100", "-o", "addopts=", "test_user_model.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
-    assert "3 passed" in out and "2 failed" in out, out
+    assert "4 passed" in out and "3 failed" in out, out
     assert "FAILED test_user_model.py::test_misaligned" in out
     assert "FAILED test_user_model.py::test_low_fails_when_asked" in out
+    assert "FAILED test_user_model.py::test_without_a_dtype_the_check_refuses" in out
+    assert "dtype is required" in out
     assert "features_in" in out and "at or above 'high'" in out
