@@ -15,7 +15,7 @@ MODULES = ["lossscale_callbacks.torch", "lossscale_callbacks.torch.ops", "losssc
            "lossscale_callbacks.torch.stock", "lossscale_callbacks.lightning",
            "lossscale_callbacks.torch.deepspeed_reader", "lossscale_callbacks.lightning.plugin",
            "lossscale_callbacks.lightning.monitor", "lossscale_callbacks.lightning.fsdp",
-           "lossscale_callbacks.lightning.fabric"]
+           "lossscale_callbacks.lightning.fabric", "lossscale_callbacks.torch.alignment"]
 
 
 @pytest.mark.parametrize("name", MODULES)
