@@ -252,6 +252,11 @@ def test_torch_scaler_diagnose_arguments_are_checked():
     scaler = LossScaler(device="cpu").watch(model)
     scaler.set_diagnose(True)
     assert set(scaler.forensics._names.values()) == {n for n, _ in model.named_parameters()}
+    # A model's own parameters belong to the model (named by its class), not to a layer called "weight".
+    import torch
+
+    bare = LossScaler(device="cpu", diagnose=True).watch(torch.nn.Linear(2, 2))
+    assert set(bare.forensics._names.values()) == {"Linear.weight", "Linear.bias"}
 
 
 # -------------------------------------------------------------------------------- Lightning

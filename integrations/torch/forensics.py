@@ -71,11 +71,17 @@ class GradForensics:
 
     def watch(self, model: torch.nn.Module) -> None:
         """Name the parameters after ``model``'s modules (``dec.5.attn.weight`` → layer ``dec.5.attn``)."""
+        inner = model
+        while any(isinstance(getattr(inner, a, None), torch.nn.Module) for a in _WRAPPER_PREFIXES):
+            inner = next(getattr(inner, a) for a in _WRAPPER_PREFIXES
+                         if isinstance(getattr(inner, a, None), torch.nn.Module))
         for name, param in model.named_parameters():
             # The wrappers' own prefixes (DDP's module., Lightning's _forward_module., compile's
             # _orig_mod.) are not layers of the user's model.
             while name.split(".", 1)[0] in _WRAPPER_PREFIXES and "." in name:
                 name = name.split(".", 1)[1]
+            if "." not in name:  # the model's own parameter (a ViT's cls_token): the model is its layer
+                name = f"{type(inner).__name__}.{name}"
             self._names[id(param)] = name
         for pid, index in self._index.items():
             if pid in self._names:
