@@ -51,12 +51,15 @@ FORENSICS_TAG = "loss_scale/forensics"
 HISTOGRAM_TAG = "loss_scale/log2_abs_scaled_grad"
 # log2 |scaled gradient| bins: float16's subnormals start at -24, its normal range at -14, and it
 # overflows from 16 on; the first and the last bin collect everything beyond.
-HISTOGRAM_EDGES: tuple[float, ...] = tuple(float(e) for e in range(-40, 21))
+HISTOGRAM_EXPONENTS = (-40, 20)  # the first edge and the last, as binary exponents
+HISTOGRAM_EDGES: tuple[float, ...] = tuple(float(e) for e in range(HISTOGRAM_EXPONENTS[0],
+                                                                   HISTOGRAM_EXPONENTS[1] + 1))
 VALID_DIAGNOSE = (False, True, "every_step")
 
 __all__ = [
     "CAUSES", "CAUSE_METRICS", "FORENSICS_TAG", "FP16_MAX", "FP16_MIN_SUBNORMAL", "HISTOGRAM_EDGES",
-    "HISTOGRAM_TAG", "LAYER_METRIC_PREFIX", "ForensicsTotals", "IntervalForensics", "LayerHeadroom",
+    "HISTOGRAM_EXPONENTS", "HISTOGRAM_TAG", "LAYER_METRIC_PREFIX", "ForensicsTotals", "IntervalForensics",
+    "LayerHeadroom",
     "check_diagnose", "layer_of", "reference_headroom", "reference_histogram", "totals_from_series",
 ]
 
@@ -332,7 +335,7 @@ def reference_histogram(values: Iterable[np.ndarray], scale: float) -> tuple[int
 
     ``floor(log2 x)`` is the float's binary exponent (``frexp``), exact on every backend.
     """
-    lo, hi = int(HISTOGRAM_EDGES[0]), int(HISTOGRAM_EDGES[-1])
+    lo, hi = HISTOGRAM_EXPONENTS
     counts = np.zeros(hi - lo, dtype=np.int64)
     for v in values:
         scaled = np.abs(np.asarray(v, dtype=np.float32)).ravel() * np.float32(scale)

@@ -87,6 +87,19 @@ def test_metrics_reach_tensorboard_on_every_backend(results, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_overflow_forensics_run_on_tensorflow_and_are_refused_clearly_elsewhere(results, backend):
+    said = results(backend)["diagnose"]
+    if backend == "tensorflow":
+        assert said == "accepted | accepted"
+    else:
+        callback, optimizer = said.split(" | ")
+        assert callback == optimizer
+        assert callback.startswith("ValueError: diagnose (overflow forensics) is built for the TensorFlow")
+        assert f"KERAS_BACKEND='{backend}'" in callback
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_alignment_check_runs_on_tensorflow_and_says_what_is_supported_elsewhere(results, backend):
     r = results(backend)
     if backend == "tensorflow":

@@ -13,7 +13,7 @@ import keras
 from lossscale_callbacks._validation import check_bool, check_int, check_policy
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.health import HealthMonitor
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer, wrap
+from lossscale_callbacks.keras.optimizer import _DIAGNOSE_TF_ONLY, LossScaleOptimizer, wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import METRIC_NAMES, Snapshot
 from lossscale_callbacks.policy import Policy
@@ -117,8 +117,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.diagnose = check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
         if diagnose and keras.backend.backend() != "tensorflow":
-            raise ValueError("diagnose (overflow forensics) needs the TensorFlow backend of Keras for now, "
-                             f"got KERAS_BACKEND={keras.backend.backend()!r}")
+            raise ValueError(_DIAGNOSE_TF_ONLY)
         self.headroom_every = headroom_every
         HealthMonitor.from_spec(health)  # validated here, used by each fit's logging loop
         self.log_every = log_every

@@ -44,8 +44,9 @@ else:  # JAX or torch: no TensorFlow needed
     tf_ops = None
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
-_DIAGNOSE_TF_ONLY = ("diagnose (overflow forensics) is built for the TensorFlow backend of Keras for now; on "
-                     f"{_BACKEND!r} the optimizer and the callback run without it")
+_DIAGNOSE_TF_ONLY = ("diagnose (overflow forensics) is built for the TensorFlow backend of Keras for now, "
+                     f"got KERAS_BACKEND={_BACKEND!r}; pass diagnose=False (loss scaling itself runs on "
+                     "every backend)")
 _DEFAULT_INITIAL_SCALE = 2.0**15
 _DEFAULT_GROWTH_STEPS = 2000
 # Keras 3 releases up to 3.3 wrote these base-optimizer settings into every LossScaleOptimizer

@@ -19,13 +19,13 @@ import tensorflow as tf
 from lossscale_callbacks.forensics import (
     CAUSES,
     FP16_MIN_SUBNORMAL,
-    HISTOGRAM_EDGES,
+    HISTOGRAM_EXPONENTS,
     IntervalForensics,
     LayerHeadroom,
     layer_of,
 )
 
-_LO, _HI = int(HISTOGRAM_EDGES[0]), int(HISTOGRAM_EDGES[-1])
+_LO, _HI = HISTOGRAM_EXPONENTS
 
 
 def _variable(value: Any, dtype: tf.DType, name: str) -> tf.Variable:

@@ -26,13 +26,13 @@ import torch
 
 from lossscale_callbacks.forensics import (
     FP16_MIN_SUBNORMAL,
-    HISTOGRAM_EDGES,
+    HISTOGRAM_EXPONENTS,
     IntervalForensics,
     LayerHeadroom,
     layer_of,
 )
 
-_LO, _HI = int(HISTOGRAM_EDGES[0]), int(HISTOGRAM_EDGES[-1])
+_LO, _HI = HISTOGRAM_EXPONENTS
 _WRAPPER_PREFIXES = ("module", "_forward_module", "_orig_mod")
 
 

@@ -330,8 +330,6 @@ def _argument(group: _Group, capture: Capture) -> str:
     kind = info.type.lower() if info is not None else ""
     keras = capture.framework == "keras"
     if group.role == CHANNELS_OUT and "conv" in kind:
-        if "transpose" in kind and not keras:
-            return "out_channels"
         return "filters" if keras else "out_channels"
     if group.role == CHANNELS_IN and "conv" in kind and not keras:
         return "in_channels"

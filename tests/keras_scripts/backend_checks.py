@@ -179,6 +179,21 @@ def jax_data_parallel() -> dict:
         keras.distribution.set_distribution(None)
 
 
+def diagnose() -> str:
+    """Overflow forensics: built on TensorFlow; elsewhere both entry points refuse with the same words."""
+    from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
+
+    said = []
+    for make in (lambda: LossScaleCallback(diagnose=True),
+                 lambda: LossScaleOptimizer(keras.optimizers.SGD(0.1), diagnose=True)):
+        try:
+            make()
+            said.append("accepted")
+        except ValueError as exc:
+            said.append(f"ValueError: {exc}")
+    return " | ".join(said)
+
+
 def alignment() -> str:
     from lossscale_callbacks.keras.alignment import check_alignment
 
@@ -193,7 +208,8 @@ def alignment() -> str:
 def main() -> None:
     out = sys.argv[1]
     result = {"backend": BACKEND, "conformance_cases": conformance(), "seed": seed_examples(),
-              "fit": fit_with_inf_batch(out), "alignment": alignment()}
+              "fit": fit_with_inf_batch(out), "alignment": alignment(),
+              "diagnose": diagnose()}
     if BACKEND == "jax":
         result["data_parallel"] = jax_data_parallel()
     print("RESULT " + json.dumps(result))
