@@ -83,6 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     for mode in ("synced", "unsynced"):
         run(mode, args.out, args.steps, args.inject_step)
+    tiny.exit_cleanly()
 
 
 if __name__ == "__main__":

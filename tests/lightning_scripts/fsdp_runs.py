@@ -32,9 +32,9 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import lightning.pytorch as pl
+import tiny  # this folder, first on sys.path when the script runs
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
@@ -216,15 +216,7 @@ def main() -> None:
     inject_steps = [int(s) for s in args.inject_steps.split(",")]
     run = run_fabric if args.mode.startswith("fabric") else run_trainer
     run(args.mode, args.out, args.steps, inject_steps, args.checkpoint_step)
-    # gloo's threads can abort the interpreter's teardown ("terminate called without an active
-    # exception", SIGABRT) once the group is gone, depending on load. Every rank has written its
-    # results: meet, leave the group, and exit without the teardown.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    tiny.exit_cleanly()
 
 
 if __name__ == "__main__":
