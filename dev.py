@@ -4,7 +4,9 @@
 The README's quick start is these two commands, on a machine with nothing but Python:
 
     python3 dev.py demo    # set everything up, then train a small fp16 Keras model, logs under ./runs
-    python3 dev.py test    # set everything up, then lint (ruff) and run the test suite (pytest)
+    python3 dev.py test    # set everything up, then lint (ruff), run the test suite (pytest) and
+                           # install the built wheel into a fresh venv and run the README there (smoke)
+    python3 dev.py wheel   # the README's every install path, each in a fresh venv from the built wheel
 
 Both create ``.venv/`` inside the repository on first use and reuse it afterwards: the
 install is redone only when ``pyproject.toml`` or the pins below change. Extra arguments
@@ -110,11 +112,19 @@ def test(python: Path, extra: list[str]) -> int:
     if rc != 0:
         return rc
     print("[dev] pytest", flush=True)
-    return _run([str(python), "-m", "pytest", *extra])
+    rc = _run([str(python), "-m", "pytest", *extra])
+    if rc != 0 or extra:  # a selection of tests (`dev.py test -k x`) skips the packaging check
+        return rc
+    print("[dev] wheel smoke test: the built wheel in a fresh venv, as users install it", flush=True)
+    return wheel(python, ["--smoke"])
+
+
+def wheel(python: Path, extra: list[str]) -> int:
+    return _run([str(python), "tests/wheel_paths.py", *extra])
 
 
 def main(argv: list[str]) -> int:
-    commands = {"demo": demo, "test": test}
+    commands = {"demo": demo, "test": test, "wheel": wheel}
     if not argv or argv[0] not in commands:
         print(f"usage: python3 dev.py {{{'|'.join(commands)}}} [args...]", file=sys.stderr)
         return 2
