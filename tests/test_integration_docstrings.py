@@ -14,7 +14,7 @@ MODULES = {
               "lossscale_callbacks.torch.deepspeed_reader", "lossscale_callbacks.torch.alignment"],
     "lightning": ["lossscale_callbacks.lightning", "lossscale_callbacks.lightning.plugin",
                   "lossscale_callbacks.lightning.monitor", "lossscale_callbacks.lightning.fsdp",
-                  "lossscale_callbacks.lightning.fabric"],
+                  "lossscale_callbacks.lightning.fabric", "lossscale_callbacks.lightning.held_schedulers"],
     "tensorflow": ["lossscale_callbacks.keras.alignment", "lossscale_callbacks.keras.optimizer",
                    "lossscale_callbacks.keras.loss_scale", "lossscale_callbacks.keras.keras_ops",
                    "lossscale_callbacks.keras.tf_ops", "lossscale_callbacks.tensorboard",

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +18,12 @@ pytest.importorskip("lightning")
 from lightning_scripts import tiny  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.lightning import LossScalePlugin, LossScaler  # noqa: E402
+from lossscale_callbacks.lightning.held_schedulers import HeldLRScheduler  # noqa: E402
+from lossscale_callbacks.lightning.monitor import LossScaleMonitor  # noqa: E402
+from lossscale_callbacks.lightning.plugin import LossScalePlugin  # noqa: E402
+from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
 
+SCRIPTS = Path(__file__).parent / "lightning_scripts"
 tiny.quiet_lightning_warnings()
 
 
@@ -131,6 +141,90 @@ def test_lr_schedulers_can_be_held_on_skipped_steps(pl, optimizer, hold, lag):
     # StepLR(gamma=0.9) stepped once per applied update when held, once per attempted step otherwise;
     # a fused optimizer never brings the decision to the host, so nothing is held there.
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** (6 - lag))
+
+
+def _module_that_watches_its_schedulers(pl):
+    """Records, at every batch, what the hold looks like from the user's side."""
+
+    class Watching(tiny.module_class(pl)):
+        def configure_optimizers(self):
+            config = super().configure_optimizers()
+            self.own_scheduler = config["lr_scheduler"]["scheduler"]
+            self.hook_calls, self.seen = 0, []
+            return config
+
+        def lr_scheduler_step(self, scheduler, metric):
+            self.hook_calls += 1  # the user's own hook, called on every step, held or not
+            super().lr_scheduler_step(scheduler, metric)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.seen.append(("lr_scheduler_step" in vars(self), self.lr_schedulers()))
+
+    return Watching
+
+
+def test_holding_schedulers_patches_nothing_of_the_users_and_is_undone_when_fit_ends(pl):
+    plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=True)
+    model = _module_that_watches_its_schedulers(pl)(inject_inf_at=(2, 4), scheduler=True, snapshots=False)
+    trainer, _ = _fit(pl, plugin, model, max_steps=6)
+    # No method of the module was replaced at any step; the hook ran on every step.
+    assert [patched for patched, _ in model.seen] == [False] * 6 and model.hook_calls == 6
+    # During the run Lightning stepped a wrapper around the user's scheduler, set up once.
+    wrappers = {id(scheduler) for _, scheduler in model.seen}
+    held = model.seen[0][1]
+    assert len(wrappers) == 1 and isinstance(held, HeldLRScheduler) and held.scheduler is model.own_scheduler
+    # Afterwards the Trainer holds the user's own object again; the schedule lags the two skips.
+    assert trainer.lr_scheduler_configs[0].scheduler is model.own_scheduler
+    assert plugin.lr_scheduler_lag == 2 and model.own_scheduler.last_epoch == 4
+
+
+def test_without_holding_or_for_fused_optimizers_the_schedulers_are_not_wrapped(pl):
+    for hold, optimizer in ((False, "sgd"), (True, "adam_fused")):
+        plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=hold)
+        model = _module_that_watches_its_schedulers(pl)(optimizer=optimizer, scheduler=True, snapshots=False)
+        _fit(pl, plugin, model, max_steps=2)
+        assert [scheduler for _, scheduler in model.seen] == [model.own_scheduler] * 2
+
+
+def test_the_summary_says_how_far_the_held_schedule_lags(pl):
+    plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=True)
+    monitor = LossScaleMonitor(health=None)
+    model = tiny.module_class(pl)(inject_inf_at=(1, 3), scheduler=True, snapshots=False)
+    _fit(pl, plugin, model, max_steps=5, callbacks=[monitor])
+    assert "the schedule is 2 scheduler step(s) behind the optimizer steps attempted" in monitor.summary
+
+
+def test_held_scheduler_wrapper_forwards_everything_but_held_steps():
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    own = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    holds = []
+    held = HeldLRScheduler(own, on_hold=lambda: holds.append(1))
+    held.hold()
+    held.hold()
+    opt.step()
+    held.step()
+    held.step()
+    held.step()
+    assert len(holds) == 2 and held.pending == 0 and own.last_epoch == 1
+    held.gamma = 0.25  # attributes are the user's scheduler's, read and written
+    assert own.gamma == 0.25 and held.optimizer is opt and held.state_dict() == own.state_dict()
+    held.load_state_dict({**own.state_dict(), "last_epoch": 7})
+    assert own.last_epoch == 7 and copy.deepcopy(held).scheduler.last_epoch == 7
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_sync_found_inf_is_settled_at_setup_under_model_parallel(tmp_path):
+    """ModelParallelStrategy (one process, gloo, run apart): the all-reduce is on from the first step."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.pop("MASTER_PORT", None)
+    out = tmp_path / "sync.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "model_parallel_sync.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    # Decided when the Trainer set the run up, before any optimizer step; put back when fit ended.
+    assert seen == {"train_start": True, "steps": [True, True, True], "after_fit": "auto"}
 
 
 def test_held_schedulers_still_checkpoint_and_the_lag_is_restored(tmp_path):

@@ -58,3 +58,11 @@ def namespace_of(trainer: Any) -> str:
 def precision_base(trainer: Any) -> type:
     """The base ``Precision`` class of the Trainer's namespace."""
     return _attr(namespace_of(trainer), "plugins.precision", "Precision")
+
+
+def lightning_module_in(model: Any) -> Any:
+    """The LightningModule in ``model``: itself, or the one inside a strategy's wrapper (DDP, FSDP,
+    DeepSpeed); ``None`` if there is none."""
+    classes = bases("core", "LightningModule")
+    modules = model.modules() if callable(getattr(model, "modules", None)) else ()
+    return next((m for m in modules if isinstance(m, classes)), None)

@@ -21,6 +21,11 @@ def autocast_available(device: str) -> bool:
         return False
 
 
+def default_device(device: str | None) -> str:
+    """The autocast device type: the one given, else ``"cuda"`` when available, else ``"cpu"``."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _is_policy(value: Any) -> bool:
     return hasattr(value, "constants") and callable(getattr(value, "to_config", None))
 
@@ -67,3 +72,4 @@ def resolve_scaling(owner: str, precision: str, device: str | None, scaler: Any,
                              f"or FixedPolicy(1.0), got {policy!r}")
         policy = BF16_POLICY
     return device, LossScaler(policy=policy, enabled=True, sync_found_inf=sync_found_inf)
+

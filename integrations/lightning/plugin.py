@@ -10,8 +10,13 @@ import torch
 from torch.optim import LBFGS
 
 from lossscale_callbacks._validation import check_bool
-from lossscale_callbacks.lightning._compat import bases, namespace_of, precision_base
-from lossscale_callbacks.lightning._settings import autocast_available, resolve_scaling
+from lossscale_callbacks.lightning import held_schedulers
+from lossscale_callbacks.lightning._compat import bases, lightning_module_in, namespace_of, precision_base
+from lossscale_callbacks.lightning._settings import (
+    autocast_available,
+    default_device,
+    resolve_scaling,
+)
 from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
 from lossscale_callbacks.torch.scaler import LossScaler
 
@@ -21,6 +26,13 @@ _SHARDED_STRATEGIES = ("ModelParallelStrategy",)
 def _handles_unscaling(optimizer: Any) -> bool:
     """Fused optimizers unscale inside their kernel (they read ``grad_scale``/``found_inf``)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _holdable(config: Any) -> bool:
+    """A scheduler Lightning steps after every optimizer step, of an optimizer whose skip decision
+    reaches the host (a fused optimizer's stays on the device: its schedulers step as usual)."""
+    optimizer = getattr(config.scheduler, "optimizer", None)
+    return config.interval == "step" and optimizer is not None and not _handles_unscaling(optimizer)
 
 
 class _LossScaling:
@@ -38,14 +50,14 @@ class _LossScaling:
                                          sync_found_inf)
         # None: follow the Trainer's device once it is known (see ``connect``).
         self._device_from_trainer = device is None
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.precision = precision
-        self.device = device
+        self.device = default_device(device)
         self.scaler = scaler
         self.hold_lr_schedulers = hold_lr_schedulers
         self.lr_scheduler_lag = 0
-        # Scheduler steps still to be swallowed, by id(scheduler).
-        self._held: dict[int, int] = {}
+        # Settled in connect for one run, undone in teardown.
+        self._held_schedulers: list[tuple[Any, held_schedulers.HeldLRScheduler]] = []
+        self._sync_turned_on = False
 
     @property
     def policy(self) -> Policy:
@@ -104,21 +116,46 @@ class _LossScaling:
         base.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
-        """Lightning calls this after moving the model to its device, before the first forward pass."""
+        """Settle everything about the run, once: Lightning calls this when it sets training up.
+
+        It comes after the model was moved to its device and before the first forward pass. The
+        autocast device follows the model's (unless one was given); ``sync_found_inf="auto"`` is
+        turned on under a sharded strategy; with ``hold_lr_schedulers`` the step-interval schedulers
+        are handed back wrapped (see :mod:`lossscale_callbacks.lightning.held_schedulers`). Nothing
+        of this changes while training runs; :meth:`teardown` undoes it.
+        """
         if self._device_from_trainer:
             param = next(iter(model.parameters()), None)
             if param is not None and autocast_available(param.device.type):
                 self.device = param.device.type
         if isinstance(self.scaler, LossScaler):  # names the layers for LossScaleMonitor(diagnose=True)
             self.scaler.watch(model)
+        module = lightning_module_in(model)
+        self._settle_sync(module.trainer.strategy if module is not None else None)
+        if self.hold_lr_schedulers and module is not None and module.automatic_optimization:
+            lr_schedulers, self._held_schedulers = held_schedulers.hold(
+                lr_schedulers, _holdable, self._count_held_step)
         return super().connect(model, optimizers, lr_schedulers)
 
-    def _maybe_enable_sync(self, model: Any) -> None:
-        if self.scaler.sync_found_inf != "auto":
-            return
-        strategy = getattr(getattr(model, "trainer", None), "strategy", None)
-        if any(k.__name__ in _SHARDED_STRATEGIES for k in type(strategy).__mro__):
+    def _settle_sync(self, strategy: Any) -> None:
+        # A sharded strategy: each rank checks only its own shards, and the scaler's "auto" recognises
+        # FSDP (v1) flat parameters only; all-reduce the overflow flag for this run.
+        sharded = any(k.__name__ in _SHARDED_STRATEGIES for k in type(strategy).__mro__)
+        if sharded and getattr(self.scaler, "sync_found_inf", None) == "auto":
             self.scaler.sync_found_inf = True
+            self._sync_turned_on = True
+
+    def _count_held_step(self) -> None:
+        self.lr_scheduler_lag += 1
+
+    def teardown(self) -> None:
+        """Lightning calls this when training ends: the user's schedulers and ``sync_found_inf`` back."""
+        held_schedulers.release(self._held_schedulers)
+        self._held_schedulers = []
+        if self._sync_turned_on:
+            self.scaler.sync_found_inf = "auto"
+            self._sync_turned_on = False
+        super().teardown()
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -131,7 +168,6 @@ class _LossScaling:
         if isinstance(optimizer, LBFGS):
             raise ValueError("optimizer: LBFGS is not compatible with loss scaling (AMP); use another "
                              "optimizer")
-        self._maybe_enable_sync(model)
         closure_result = closure()
         # Automatic optimization skips backward when training_step returns None: nothing to step.
         skip = closure_result is None and model.automatic_optimization
@@ -142,35 +178,12 @@ class _LossScaling:
             return closure_result
         output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
-        if self.hold_lr_schedulers and model.automatic_optimization \
-                and self.scaler.last_step_skipped() is True:
-            self._hold_schedulers(model, optimizer)
+        # The skip decision is on the host already for the optimizers whose schedulers are held.
+        if self._held_schedulers and self.scaler.last_step_skipped() is True:
+            for _, held in self._held_schedulers:
+                if held.optimizer is optimizer:
+                    held.hold()
         return output
-
-    def _hold_schedulers(self, model: Any, optimizer: Any) -> None:
-        """Make Lightning's next step of this optimizer's step-interval schedulers a no-op."""
-        for config in model.trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if config.interval == "step" and getattr(scheduler, "optimizer", None) is optimizer:
-                self._held[id(scheduler)] = self._held.get(id(scheduler), 0) + 1
-        if "lr_scheduler_step" in vars(model):
-            return
-        # Lightning steps every scheduler through the module's ``lr_scheduler_step`` hook, so the
-        # hold wraps that hook on this module instance, until nothing is held any more. Not the
-        # scheduler's ``step``: a scheduler's ``state_dict()`` is its ``__dict__``, and a function
-        # there breaks every later checkpoint.
-        original = model.lr_scheduler_step
-
-        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
-            if self._held.get(id(scheduler), 0) == 0:
-                original(scheduler, metric)
-                return
-            self._held[id(scheduler)] -= 1
-            self.lr_scheduler_lag += 1
-            if not any(self._held.values()):
-                del model.lr_scheduler_step
-
-        model.lr_scheduler_step = lr_scheduler_step
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (one host sync) and the LR-schedule lag, for Lightning's checkpoint."""
@@ -210,8 +223,6 @@ class _LossScaling:
                 f"policy={self.policy!r})")
 
 
-
-
 class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision")):  # type: ignore[misc]
     """Mixed-precision training whose loss scale follows the core's rule, for ``Trainer(plugins=[...])``.
 
@@ -245,7 +256,8 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
             settings, ``DynamicPolicy(initial_scale=2**16)`` in ``[1, 2**24]``; bf16 only allows
             ``None`` or ``FixedPolicy(1.0)``). Not together with ``scaler``.
         sync_found_inf: passed to :class:`LossScaler`. ``"auto"`` also turns it on under
-            Lightning's ``ModelParallelStrategy``. (``strategy="fsdp"`` accepts only
+            Lightning's ``ModelParallelStrategy``, decided once when the Trainer sets the run up
+            (:meth:`connect`) and put back when it ends. (``strategy="fsdp"`` accepts only
             ``FSDPPrecision`` plugins: use :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`
             there.)
         hold_lr_schedulers: do not advance step-interval LR schedulers on a skipped step, so the
@@ -253,9 +265,14 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
             already on the host (non-fused optimizers): no extra sync is ever added, and with a
             fused optimizer schedulers step as usual. Only the schedulers Lightning steps itself
             (automatic optimization; with manual optimization you call ``scheduler.step()``
-            and can ask ``plugin.scaler.last_step_skipped()``). :attr:`lr_scheduler_lag` counts
-            the scheduler steps held back (how far the schedule lags the steps attempted); it
-            is saved in checkpoints with the scaler.
+            and can ask ``plugin.scaler.last_step_skipped()``). Lightning has no way to skip a
+            scheduler step, so while the Trainer fits, those schedulers are wrapped in a
+            :class:`~lossscale_callbacks.lightning.held_schedulers.HeldLRScheduler` (what
+            ``trainer.lr_scheduler_configs``, ``self.lr_schedulers()`` and your
+            ``lr_scheduler_step`` hook see; your scheduler is its ``.scheduler``, and its state is
+            what checkpoints hold); your objects are back when ``fit`` ends.
+            :attr:`lr_scheduler_lag` counts the scheduler steps held back (how far the schedule
+            lags the steps attempted); it is saved in checkpoints with the scaler.
 
     Example:
         >>> from lossscale_callbacks import DynamicPolicy
