@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from lossscale_callbacks._validation import check_choice, check_policy
-from lossscale_callbacks.policy import FixedPolicy, Policy
+from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
+from lossscale_callbacks.state import STATE_FIELDS
+from lossscale_callbacks.torch.grad_scaler_compat import GRAD_SCALER_KEYS
 from lossscale_callbacks.torch.scaler import LossScaler
 
 PRECISIONS = ("16-mixed", "bf16-mixed")
 BF16_POLICY = FixedPolicy(1.0)
+# What LossScaler.state_dict() writes (and a torch GradScaler's subset of it).
+SCALER_STATE_KEYS = ("policy", *STATE_FIELDS, *GRAD_SCALER_KEYS)
 
 
 def autocast_available(device: str) -> bool:
@@ -73,3 +78,44 @@ def resolve_scaling(owner: str, precision: str, device: str | None, scaler: Any,
         policy = BF16_POLICY
     return device, LossScaler(policy=policy, enabled=True, sync_found_inf=sync_found_inf)
 
+
+def split_plugin_state(owner: str, precision: str, state_dict: Any, own_keys: tuple[str, ...] = ()
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Check a plugin's checkpoint before anything loads; split it into the scaler's part and the plugin's.
+
+    The scaler's part still goes through the scaler's own all-or-nothing state check when it is
+    loaded; what is checked here is what the scaler cannot know: the dict's shape, keys nobody
+    writes, and a scaling policy offered to a ``"bf16-mixed"`` plugin.
+
+    Args:
+        owner: the plugin's class name, for messages.
+        precision: the plugin's precision.
+        state_dict: what the plugin's ``state_dict()`` (or a ``torch.amp.GradScaler``'s) wrote.
+        own_keys: the plugin's own keys besides the scaler's (``"lr_scheduler_lag"``).
+
+    Returns:
+        The scaler's part and the plugin's own part (the ``own_keys`` present).
+
+    Raises:
+        ValueError: not a dict; an unknown key; a ``"bf16-mixed"`` plugin given a checkpoint whose
+            policy scales (one saved by a ``"16-mixed"`` run, or a GradScaler's).
+
+    Example:
+        >>> saved = {"scale": 8.0, "lr_scheduler_lag": 2}
+        >>> split_plugin_state("LossScalePlugin", "16-mixed", saved, own_keys=("lr_scheduler_lag",))
+        ({'scale': 8.0}, {'lr_scheduler_lag': 2})
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"state_dict must be a dict ({owner}.state_dict()), got {type(state_dict).__name__}")
+    allowed = (*SCALER_STATE_KEYS, *own_keys)
+    unknown = [k for k in state_dict if k not in allowed]
+    if unknown:
+        raise ValueError(f"state_dict: unknown key(s) {unknown}; {owner} saves only {list(allowed)}")
+    if precision == "bf16-mixed" and state_dict:
+        saved = state_dict.get("policy")
+        policy = policy_from_config(saved) if saved is not None else "a torch GradScaler's"
+        if policy != BF16_POLICY:
+            raise ValueError("precision='bf16-mixed' keeps the loss scale at 1, but the checkpoint's "
+                             f"policy is {policy}; resume it with precision='16-mixed'")
+    own = {k: state_dict[k] for k in own_keys if k in state_dict}
+    return {k: v for k, v in state_dict.items() if k not in own_keys}, own

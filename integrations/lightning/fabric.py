@@ -15,7 +15,7 @@ import torch
 from lossscale_callbacks._validation import check_int
 from lossscale_callbacks.health import HealthMonitor, HealthSpec
 from lossscale_callbacks.lightning._loggers import logger_sink
-from lossscale_callbacks.lightning._settings import resolve_scaling
+from lossscale_callbacks.lightning._settings import default_device, resolve_scaling, split_plugin_state
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import Snapshot
 from lossscale_callbacks.policy import Policy
@@ -31,20 +31,39 @@ except ImportError as exc:  # pragma: no cover - lightning without fabric
                       "(Lightning Fabric)") from exc
 
 
-def _setup(plugin: Any, precision: str, device: str | None, scaler: Any, policy: Policy | None,
-           sync_found_inf: bool | str) -> None:
-    device, scaler = resolve_scaling(type(plugin).__name__, precision, device, scaler, policy, sync_found_inf)
-    plugin.precision = precision
-    plugin.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    plugin.scaler = scaler
+class _FabricLossScaling:
+    """What both Fabric plugins add to Fabric's own: checked arguments and a checked ``load_state_dict``.
+    Mixed in before Fabric's class, whose ``__init__`` is not called (it would refuse a scaler for
+    bf16, and FSDPPrecision's would build a ShardedGradScaler)."""
+
+    def _init_scaling(self, precision: str, device: str | None, scaler: Any, policy: Policy | None,
+                      sync_found_inf: bool | str) -> None:
+        device, scaler = resolve_scaling(type(self).__name__, precision, device, scaler, policy,
+                                         sync_found_inf)
+        self.precision = precision
+        self.device = default_device(device)
+        self.scaler = scaler
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler from ``state_dict()`` (or a ``GradScaler``'s). All or nothing.
+
+        The keys and the precision are checked first, then the scaler's own state check runs.
+
+        Raises:
+            ValueError: naming the field: not a dict, an unknown key, an invalid scaler state, or a
+                ``"bf16-mixed"`` plugin given a state whose policy scales. Nothing has changed then.
+        """
+        scaler_state, _ = split_plugin_state(type(self).__name__, self.precision, state_dict)
+        self.scaler.load_state_dict(scaler_state)
 
 
-class LossScaleFabricPlugin(_FabricMixedPrecision):
+class LossScaleFabricPlugin(_FabricLossScaling, _FabricMixedPrecision):
     """Fabric's ``MixedPrecision`` with a :class:`~lossscale_callbacks.torch.LossScaler`, fp16 on the CPU too.
 
     Fabric's own ``MixedPrecision(scaler=...)`` accepts our scaler too; this plugin adds what the
     Trainer plugin has: checked arguments, bf16 that still skips and counts non-finite steps, a
-    policy by keyword. ``fabric.backward`` scales, ``optimizer.step()`` unscales, skips or applies and
+    policy by keyword, an all-or-nothing :meth:`load_state_dict` that refuses a scaling state for
+    bf16. ``fabric.backward`` scales, ``optimizer.step()`` unscales, skips or applies and
     updates the scale; ``fabric.clip_gradients`` unscales first.
 
     Args:
@@ -63,12 +82,11 @@ class LossScaleFabricPlugin(_FabricMixedPrecision):
     def __init__(self, precision: str = "16-mixed", device: str | None = None,
                  scaler: LossScaler | None = None, policy: Policy | None = None, *,
                  sync_found_inf: bool | str = "auto") -> None:
-        # Fabric's MixedPrecision.__init__ would refuse a scaler for bf16; the same attributes are set here.
-        _setup(self, precision, device, scaler, policy, sync_found_inf)
+        self._init_scaling(precision, device, scaler, policy, sync_found_inf)
         self._desired_input_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
 
 
-class LossScaleFabricFSDPPlugin(_FabricFSDPPrecision):
+class LossScaleFabricFSDPPlugin(_FabricLossScaling, _FabricFSDPPrecision):
     """Fabric's ``FSDPPrecision`` (what ``strategy="fsdp"`` requires) with a :class:`LossScaler`.
 
     The overflow flag is all-reduced across ranks (``sync_found_inf=True``): each rank holds a shard
@@ -85,7 +103,7 @@ class LossScaleFabricFSDPPlugin(_FabricFSDPPrecision):
     def __init__(self, precision: str = "16-mixed", device: str | None = None,
                  scaler: LossScaler | None = None, policy: Policy | None = None, *,
                  sync_found_inf: bool | str = True) -> None:
-        _setup(self, precision, device, scaler, policy, sync_found_inf)
+        self._init_scaling(precision, device, scaler, policy, sync_found_inf)
         # Inputs and new tensors stay float32: FSDP's MixedPrecision casts the parameters.
         self._desired_input_dtype = torch.float32
 

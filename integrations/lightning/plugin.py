@@ -9,15 +9,16 @@ from typing import Any
 import torch
 from torch.optim import LBFGS
 
-from lossscale_callbacks._validation import check_bool
+from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.lightning import held_schedulers
 from lossscale_callbacks.lightning._compat import bases, lightning_module_in, namespace_of, precision_base
 from lossscale_callbacks.lightning._settings import (
     autocast_available,
     default_device,
     resolve_scaling,
+    split_plugin_state,
 )
-from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
+from lossscale_callbacks.policy import Policy
 from lossscale_callbacks.torch.scaler import LossScaler
 
 _SHARDED_STRATEGIES = ("ModelParallelStrategy",)
@@ -195,17 +196,19 @@ class _LossScaling:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (or a ``GradScaler``'s, see :meth:`LossScaler.load_state_dict`).
 
-        Raises ``ValueError`` when a ``"bf16-mixed"`` plugin is given a checkpoint whose policy
-        scales (one saved by a ``"16-mixed"`` run).
+        All or nothing: the keys, ``lr_scheduler_lag`` (an integer >= 0) and the precision are
+        checked before the scaler loads its part, which passes the scaler's own state check.
+
+        Raises:
+            ValueError: naming the field: not a dict, an unknown key, a bad ``lr_scheduler_lag``, an
+                invalid scaler state, or a ``"bf16-mixed"`` plugin given a checkpoint whose policy
+                scales (one saved by a ``"16-mixed"`` run). Nothing has changed then.
         """
-        if self.precision == "bf16-mixed" and state_dict:
-            saved = state_dict.get("policy")
-            policy = policy_from_config(saved) if saved is not None else "a torch GradScaler's"
-            if policy != FixedPolicy(1.0):
-                raise ValueError("precision='bf16-mixed' keeps the loss scale at 1, but the checkpoint's "
-                                 f"policy is {policy}; resume it with precision='16-mixed'")
-        self.scaler.load_state_dict(state_dict)
-        self.lr_scheduler_lag = int(state_dict.get("lr_scheduler_lag", 0))
+        scaler_state, own = split_plugin_state(type(self).__name__, self.precision, state_dict,
+                                               ("lr_scheduler_lag",))
+        lag = check_int("load_state_dict: lr_scheduler_lag", own.get("lr_scheduler_lag", 0), 0, 2**63 - 1)
+        self.scaler.load_state_dict(scaler_state)
+        self.lr_scheduler_lag = lag
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Resuming a run of Lightning's own plugin: start from its ``GradScaler``.
