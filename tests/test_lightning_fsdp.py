@@ -98,6 +98,18 @@ def test_trainer_fsdp_resumed_from_a_sharded_checkpoint_continues_the_same_run(r
     assert _scalars(log_dir, "loss_scale/steps") == [4.0, 5.0]
 
 
+def test_the_sharded_trainer_checkpoint_also_carries_what_fsdp_precision_reads(runs):
+    # Lightning's own FSDPPrecision restores its ShardedGradScaler from the entry under its name.
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    saved = torch.load(runs["out"] / "epoch=0.ckpt" / "meta.pt", weights_only=False)
+    stock = ShardedGradScaler("cpu")
+    stock.load_state_dict(saved["FSDPPrecision"])
+    # After step 3 (0-2 ran; 1 skipped): what our plugin saved next to it.
+    assert stock.get_scale() == SCALES[2] == saved["LossScaleFSDPPlugin"]["scale"]
+    assert stock._get_growth_tracker() == 1 and stock.get_growth_interval() == 100
+
+
 def test_trainer_stock_fsdp_precision_sharded_grad_scaler_is_read_by_the_monitor(runs):
     s0, s1 = runs["trainer_stock", 0], runs["trainer_stock", 1]
     assert _column(s0["states"], "scale") == SCALES == _column(s1["states"], "scale")

@@ -17,6 +17,7 @@ pytest.importorskip("lightning")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from lightning_scripts import tiny  # noqa: E402
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 
 from lossscale_callbacks.lightning.fabric import LossScaleFabricFSDPPlugin, LossScaleFabricPlugin  # noqa: E402
 from lossscale_callbacks.lightning.fsdp import LossScaleFSDPPlugin  # noqa: E402
@@ -26,6 +27,72 @@ from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
 tiny.quiet_lightning_warnings()
 
 PLUGINS = (LossScalePlugin, LossScaleFSDPPlugin, LossScaleFabricPlugin, LossScaleFabricFSDPPlugin)
+
+
+@pytest.fixture(params=tiny.NAMESPACES)
+def pl(request):
+    return pytest.importorskip(request.param)
+
+
+def _fit(pl, plugin, max_steps, inject_inf_at=(), ckpt_path=None):
+    model = tiny.module_class(pl)(inject_inf_at=inject_inf_at, snapshots=False)
+    trainer = pl.Trainer(plugins=[plugin], **tiny.trainer_kwargs(max_steps=max_steps))
+    trainer.fit(model, tiny.data(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _stock(pl):
+    return pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+# ------------------------------------------------------------------ checkpoints Lightning's plugin reads
+
+
+def test_a_checkpoint_of_ours_resumes_with_lightnings_own_mixed_precision_and_back(pl, tmp_path):
+    policy = DynamicPolicy(initial_scale=2.0**10, growth_interval=3, hysteresis=2)
+    ours = LossScalePlugin(device="cpu", policy=policy)
+    trainer = _fit(pl, ours, max_steps=6, inject_inf_at=(0, 1))
+    path = str(tmp_path / "ours.ckpt")
+    trainer.save_checkpoint(path)
+    # 0: overflow, hysteresis absorbs it; 1: back off (512); 2-4 finite: growth (1024); 5: counter 1.
+    state = ours.scaler.get_state()
+    assert state == (1024.0, 1, 2, 2, 6)
+    saved = torch.load(path, weights_only=False)
+    assert saved["MixedPrecision"] == {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                       "growth_interval": 3, "_growth_tracker": 1}
+
+    # Our own resume still takes our entry: hysteresis and skip counts, which a GradScaler cannot hold.
+    again = LossScalePlugin(device="cpu")
+    _fit(pl, again, max_steps=6, ckpt_path=path)  # nothing left to train: only the restore
+    assert again.scaler.get_state() == state and again.policy == policy
+
+    # Lightning's own plugin keeps the scale and goes on from it: two finite steps, tracker 3, growth.
+    stock = _stock(pl)
+    trainer = _fit(pl, stock, max_steps=8, ckpt_path=path)
+    assert stock.scaler.get_scale() == 2048.0 and stock.scaler._get_growth_tracker() == 0
+    assert stock.scaler.get_growth_interval() == 3
+
+    # And back: the stock plugin's checkpoint resumes with ours.
+    path = str(tmp_path / "stock.ckpt")
+    trainer.save_checkpoint(path)
+    back = LossScalePlugin(device="cpu")
+    _fit(pl, back, max_steps=8, ckpt_path=path)
+    assert back.scaler.get_state().scale == 2048.0 and back.policy.growth_interval == 3
+
+
+def test_the_stock_entry_is_written_only_where_a_stock_scaler_can_take_it():
+    # bf16 never scaled: a stock fp16 run starts from its own initial scale, not from 1.
+    bf16 = LossScalePlugin("bf16-mixed", device="cpu")
+    checkpoint = {"LossScalePlugin": bf16.state_dict()}
+    bf16.on_save_checkpoint(checkpoint)
+    assert list(checkpoint) == ["LossScalePlugin"]
+    # The FSDP plugin writes what Lightning's FSDPPrecision (a ShardedGradScaler) reads.
+    fsdp = LossScaleFSDPPlugin(device="cpu", policy=DynamicPolicy(initial_scale=512.0, growth_interval=7))
+    checkpoint = {"LossScaleFSDPPlugin": fsdp.state_dict()}
+    fsdp.on_save_checkpoint(checkpoint)
+    sharded = ShardedGradScaler("cpu")
+    sharded.load_state_dict(checkpoint["FSDPPrecision"])
+    assert sharded.get_scale() == 512.0 and sharded.get_growth_interval() == 7
 
 
 # ------------------------------------------------------------------------- all-or-nothing loading

@@ -19,6 +19,7 @@ from lossscale_callbacks.lightning._settings import (
     split_plugin_state,
 )
 from lossscale_callbacks.policy import Policy
+from lossscale_callbacks.torch.grad_scaler_compat import GRAD_SCALER_KEYS
 from lossscale_callbacks.torch.scaler import LossScaler
 
 _SHARDED_STRATEGIES = ("ModelParallelStrategy",)
@@ -210,13 +211,29 @@ class _LossScaling:
         self.scaler.load_state_dict(scaler_state)
         self.lr_scheduler_lag = lag
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also write the scale where Lightning's own plugin reads it: removing this library keeps it.
+
+        Lightning saves :meth:`state_dict` under this class's name, and its stock ``MixedPrecision``
+        (``FSDPPrecision`` for :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`) restores
+        only the entry under its own name. That entry gets what its ``GradScaler`` loads: the scale,
+        the growth tracker, the growth and backoff factors and the growth interval. What a GradScaler
+        cannot hold (hysteresis, the bounds, the skip counts, the LR-schedule lag) stays in ours,
+        which this plugin prefers when resuming. Not for ``"bf16-mixed"``: nothing was scaled, and a
+        stock fp16 run should start from its own initial scale, not from 1.
+        """
+        ours = checkpoint.get(type(self).__qualname__)
+        if self.precision == "16-mixed" and ours:
+            checkpoint[self._STOCK_KEY] = {key: ours[key] for key in GRAD_SCALER_KEYS}
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Resuming a run of Lightning's own plugin: start from its ``GradScaler``.
 
         Lightning restores this plugin from the checkpoint's entry under this class's name; a
         checkpoint written with the stock plugin has only ``"MixedPrecision"`` (or
         ``"FSDPPrecision"``), whose scale and growth tracker are taken over here (see
-        :meth:`LossScaler.load_state_dict`; a collapsed scale is refused with what to do).
+        :meth:`LossScaler.load_state_dict`; a collapsed scale is refused with what to do). A
+        checkpoint of ours has both (see :meth:`on_save_checkpoint`): ours is the one loaded.
         """
         if type(self).__qualname__ not in checkpoint and checkpoint.get(self._STOCK_KEY):
             self.load_state_dict(checkpoint[self._STOCK_KEY])
@@ -242,6 +259,11 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
     is then refused, as in Lightning). Host syncs: none per step with fused optimizers (except
     before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
     otherwise; see :mod:`lossscale_callbacks.torch.scaler`.
+
+    Checkpoints: the scaler's whole state (and :attr:`lr_scheduler_lag`) is saved under
+    ``"LossScalePlugin"``, and what Lightning's own ``MixedPrecision`` reads under
+    ``"MixedPrecision"`` (:meth:`on_save_checkpoint`), so a run resumed with the stock plugin keeps
+    its scale; a checkpoint of the stock plugin resumes here too (:meth:`on_load_checkpoint`).
 
     The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
     optimization and several optimizers, give each optimizer its own ``manual_backward`` before
