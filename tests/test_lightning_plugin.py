@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import json
 import math
 import os
@@ -244,6 +245,22 @@ def test_held_schedulers_still_checkpoint_and_the_lag_is_restored(tmp_path):
     resumed = LossScalePlugin(device="cpu", hold_lr_schedulers=True)
     resumed.load_state_dict(saved["LossScalePlugin"])
     assert resumed.lr_scheduler_lag == 1 and resumed.scaler.get_state() == plugin.scaler.get_state()
+
+
+def test_mid_run_checkpoints_and_the_lr_monitor_see_the_held_schedule(pl, tmp_path):
+    plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=True)
+    model = tiny.module_class(pl)(inject_inf_at=(1, 3), scheduler=True, snapshots=False)
+    every_step = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    logger = pl.loggers.CSVLogger(tmp_path, name="csv", version=0)
+    _fit(pl, plugin, model, max_steps=5, callbacks=[every_step, pl.callbacks.LearningRateMonitor()],
+         enable_checkpointing=True, logger=logger, log_every_n_steps=1)
+    for step in range(1, 6):
+        saved = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=False)
+        # The user's scheduler state (its own keys only) and the lag add up to the steps attempted.
+        assert saved["lr_schedulers"][0]["last_epoch"] + saved["LossScalePlugin"]["lr_scheduler_lag"] == step
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        lrs = [float(row["lr-SGD"]) for row in csv.DictReader(f) if row["lr-SGD"]]
+    assert lrs == pytest.approx([0.05, 0.05 * 0.9, 0.05 * 0.9, 0.05 * 0.9**2, 0.05 * 0.9**2])
 
 
 def test_resumes_a_checkpoint_of_lightnings_own_mixed_precision_plugin(pl, tmp_path):

@@ -23,6 +23,7 @@ from lossscale_callbacks.lightning.fabric import LossScaleFabricFSDPPlugin, Loss
 from lossscale_callbacks.lightning.fsdp import LossScaleFSDPPlugin  # noqa: E402
 from lossscale_callbacks.lightning.plugin import LossScalePlugin  # noqa: E402
 from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
 
 tiny.quiet_lightning_warnings()
 
@@ -86,6 +87,11 @@ def test_the_stock_entry_is_written_only_where_a_stock_scaler_can_take_it():
     checkpoint = {"LossScalePlugin": bf16.state_dict()}
     bf16.on_save_checkpoint(checkpoint)
     assert list(checkpoint) == ["LossScalePlugin"]
+    # A disabled scaler saves no state (only the lag here): nothing for a GradScaler either.
+    disabled = LossScalePlugin(device="cpu", scaler=LossScaler(enabled=False), hold_lr_schedulers=True)
+    checkpoint = {"LossScalePlugin": disabled.state_dict()}
+    disabled.on_save_checkpoint(checkpoint)
+    assert checkpoint == {"LossScalePlugin": {"lr_scheduler_lag": 0}}
     # The FSDP plugin writes what Lightning's FSDPPrecision (a ShardedGradScaler) reads.
     fsdp = LossScaleFSDPPlugin(device="cpu", policy=DynamicPolicy(initial_scale=512.0, growth_interval=7))
     checkpoint = {"LossScaleFSDPPlugin": fsdp.state_dict()}

@@ -222,8 +222,9 @@ class _LossScaling:
         which this plugin prefers when resuming. Not for ``"bf16-mixed"``: nothing was scaled, and a
         stock fp16 run should start from its own initial scale, not from 1.
         """
-        ours = checkpoint.get(type(self).__qualname__)
-        if self.precision == "16-mixed" and ours:
+        ours = checkpoint.get(type(self).__qualname__) or {}
+        # A disabled scaler saves no state (the entry then holds the lag alone, if anything).
+        if self.precision == "16-mixed" and all(key in ours for key in GRAD_SCALER_KEYS):
             checkpoint[self._STOCK_KEY] = {key: ours[key] for key in GRAD_SCALER_KEYS}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
