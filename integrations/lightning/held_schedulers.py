@@ -90,22 +90,18 @@ class HeldLRScheduler:
         return f"HeldLRScheduler({self.scheduler!r}, pending={self.pending})"
 
 
-def hold(configs: Iterable[Any], holdable: Callable[[Any], bool], on_hold: Callable[[], None]
+def wrap(configs: Iterable[Any], holdable: Callable[[Any], bool], on_hold: Callable[[], None]
          ) -> tuple[list[Any], list[tuple[Any, HeldLRScheduler]]]:
     """Lightning's scheduler configs with each ``holdable`` one's scheduler wrapped.
 
     Returns the configs to hand back from ``connect`` (new config objects where a scheduler was
     wrapped; the given ones are left as they are) and the ``(config, wrapper)`` pairs to
-    :func:`release` at teardown. A scheduler that is already wrapped is unwrapped first.
+    :func:`release` at teardown.
     """
     configs_out, held = [], []
     for config in configs:
-        scheduler = config.scheduler
-        if isinstance(scheduler, HeldLRScheduler):
-            scheduler = scheduler.scheduler
-            config = dataclasses.replace(config, scheduler=scheduler)
         if holdable(config):
-            wrapper = HeldLRScheduler(scheduler, on_hold)
+            wrapper = HeldLRScheduler(config.scheduler, on_hold)
             config = dataclasses.replace(config, scheduler=wrapper)
             held.append((config, wrapper))
         configs_out.append(config)
@@ -113,7 +109,7 @@ def hold(configs: Iterable[Any], holdable: Callable[[Any], bool], on_hold: Calla
 
 
 def release(held: Iterable[tuple[Any, HeldLRScheduler]]) -> None:
-    """Put the user's schedulers back into the configs :func:`hold` made."""
+    """Put the user's schedulers back into the configs :func:`wrap` made."""
     for config, wrapper in held:
         if config.scheduler is wrapper:
             config.scheduler = wrapper.scheduler

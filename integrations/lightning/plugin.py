@@ -135,7 +135,7 @@ class _LossScaling:
         module = lightning_module_in(model)
         self._settle_sync(module.trainer.strategy if module is not None else None)
         if self.hold_lr_schedulers and module is not None and module.automatic_optimization:
-            lr_schedulers, self._held_schedulers = held_schedulers.hold(
+            lr_schedulers, self._held_schedulers = held_schedulers.wrap(
                 lr_schedulers, _holdable, self._count_held_step)
         return super().connect(model, optimizers, lr_schedulers)
 
