@@ -111,5 +111,4 @@ def wrap(configs: Iterable[Any], holdable: Callable[[Any], bool], on_hold: Calla
 def release(held: Iterable[tuple[Any, HeldLRScheduler]]) -> None:
     """Put the user's schedulers back into the configs :func:`wrap` made."""
     for config, wrapper in held:
-        if config.scheduler is wrapper:
-            config.scheduler = wrapper.scheduler
+        config.scheduler = wrapper.scheduler
