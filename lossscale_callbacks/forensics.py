@@ -42,7 +42,6 @@ import numpy as np
 
 FP16_MAX = 65504.0
 FP16_MIN_SUBNORMAL = 2.0**-24
-FP16_MIN_NORMAL = 2.0**-14
 
 CAUSES = ("loss_nonfinite", "grad_inf", "grad_nan", "grad_nonfinite")
 CAUSE_METRICS = {cause: f"loss_scale/skips/{cause}" for cause in CAUSES}
@@ -185,9 +184,6 @@ class IntervalForensics:
         if finite:
             values["loss_scale/min_log2_headroom"] = float(min(finite))
         return values
-
-    def headroom_of(self, layer: str) -> LayerHeadroom | None:
-        return next((h for h in self.headroom if h.layer == layer), None)
 
     def sentences(self) -> list[str]:
         """This interval in plain words (nothing when nothing was skipped or sampled)."""

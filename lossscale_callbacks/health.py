@@ -11,12 +11,11 @@ import dataclasses
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 from lossscale_callbacks.metrics import Snapshot
 from lossscale_callbacks.process import user_stacklevel
 
-Action = Literal["warn", "raise", "stop"]
 ACTIONS: tuple[str, ...] = ("warn", "raise", "stop")
 
 _BF16_HINT = (

@@ -225,11 +225,6 @@ class RunInfo:
         found += [step_metric for _, step_metric in sorted(globs, key=lambda g: -len(g[0]))]
         return found
 
-    def step_metric_of(self, name: str) -> str | None:
-        """The most specific step metric ``define_metric`` gave ``name``, or None."""
-        found = self.step_metrics_of(name)
-        return found[0] if found else None
-
 
 def read_run_info(path: str) -> RunInfo:
     """Config, summary, metric definitions and history rows of the offline run at ``path``.

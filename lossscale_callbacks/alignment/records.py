@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 # embedding lookup) is memory-bound and never recorded: alignment cannot make it faster.
 GEMM = "gemm"
 CONV = "conv"
-KINDS = (GEMM, CONV)
 
 # Passes. Backward GEMMs are split into input- and weight-gradient by the engine (the weight-gradient
 # GEMM is the one whose reduction runs over tokens).
@@ -34,7 +33,6 @@ FORWARD = "forward"
 BACKWARD = "backward"
 INPUT_GRADIENT = "input-gradient"
 WEIGHT_GRADIENT = "weight-gradient"
-PASSES = (FORWARD, BACKWARD, INPUT_GRADIENT, WEIGHT_GRADIENT)
 
 # Semantic roles of model dimensions.
 FEATURES_IN = "features_in"

@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "tfloat32": 4, "int8": 1, "float8": 1}
-TENSOR_CORE_DTYPES = tuple(ELEMENT_BYTES)
 REQUIRED_BYTES = 16
 
 
