@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 FP16_MAX = 65504.0
 FP16_MIN_SUBNORMAL = 2.0**-24
@@ -59,7 +57,7 @@ __all__ = [
     "CAUSES", "CAUSE_METRICS", "FORENSICS_TAG", "FP16_MAX", "FP16_MIN_SUBNORMAL", "HISTOGRAM_EDGES",
     "HISTOGRAM_EXPONENTS", "HISTOGRAM_TAG", "LAYER_METRIC_PREFIX", "ForensicsTotals", "IntervalForensics",
     "LayerHeadroom",
-    "check_diagnose", "layer_of", "reference_headroom", "reference_histogram", "totals_from_series",
+    "check_diagnose", "layer_of", "totals_from_series",
 ]
 
 
@@ -307,35 +305,3 @@ def totals_from_series(series: Mapping[str, Sequence[tuple[int, float]]]) -> For
     totals.add(IntervalForensics(step=last_step, scale=0.0, causes=causes, layer_skips=layers))
     return totals
 
-
-def reference_headroom(grads: Mapping[str, np.ndarray], scale: float) -> tuple[LayerHeadroom, ...]:
-    """NumPy reference for the headroom of ``{layer: unscaled gradient values}`` at ``scale``.
-
-    The integrations compute the same on the device; tests compare them with this.
-    """
-    out = []
-    for layer, values in grads.items():
-        # float32, as the device computes it (exact for the power-of-two scales of dynamic scaling)
-        scaled = np.abs(np.asarray(values, dtype=np.float32)).ravel() * np.float32(scale)
-        biggest = float(scaled.max()) if scaled.size else 0.0
-        if scaled.size and not np.all(np.isfinite(scaled)):
-            biggest = math.nan if np.isnan(scaled).any() else math.inf
-        under = int(np.count_nonzero((scaled > 0) & (scaled < FP16_MIN_SUBNORMAL)))
-        out.append(LayerHeadroom(layer, biggest, under, int(scaled.size)))
-    return tuple(out)
-
-
-def reference_histogram(values: Iterable[np.ndarray], scale: float) -> tuple[int, ...]:
-    """NumPy reference: counts of ``floor(log2 |v * scale|)`` (non-zero, finite values) in
-    :data:`HISTOGRAM_EDGES` bins, the outer bins open-ended.
-
-    ``floor(log2 x)`` is the float's binary exponent (``frexp``), exact on every backend.
-    """
-    lo, hi = HISTOGRAM_EXPONENTS
-    counts = np.zeros(hi - lo, dtype=np.int64)
-    for v in values:
-        scaled = np.abs(np.asarray(v, dtype=np.float32)).ravel() * np.float32(scale)
-        scaled = scaled[(scaled > 0) & np.isfinite(scaled)]
-        exponent = np.frexp(scaled)[1].astype(np.int64) - 1
-        counts += np.bincount(np.clip(exponent, lo, hi - 1) - lo, minlength=hi - lo)
-    return tuple(int(c) for c in counts)

@@ -42,7 +42,7 @@ class NumpyOps:
     """The reference backend: float32 scale, int64 counters, 0-d NumPy arrays.
 
     Every other backend must reproduce its results bit for bit (see
-    :mod:`lossscale_callbacks.conformance`). Inputs of any shape broadcast, so many
+    :mod:`lossscale_callbacks.testing`). Inputs of any shape broadcast, so many
     independent states can be stepped at once.
     """
 

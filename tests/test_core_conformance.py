@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from oracle import oracle_for
 
-from lossscale_callbacks.conformance import assert_conforms, conformance_cases, reference_run
+from lossscale_callbacks.testing import assert_conforms, conformance_cases, reference_run
 
 CASES = conformance_cases()
 

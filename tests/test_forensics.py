@@ -24,9 +24,8 @@ from lossscale_callbacks.forensics import (
     IntervalForensics,
     LayerHeadroom,
     check_diagnose,
-    reference_headroom,
-    reference_histogram,
 )
+from lossscale_callbacks.testing import reference_headroom, reference_histogram
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INF_STEPS = (3, 7)  # an Inf in the named layer's gradient
@@ -370,7 +369,7 @@ def test_keras_fit_names_the_layer_and_the_causes(tmp_path):
 KERAS_HEADROOM = """
 import numpy as np, keras, tensorflow as tf, json
 from lossscale_callbacks.keras import LossScaleOptimizer
-from lossscale_callbacks.forensics import reference_headroom, reference_histogram
+from lossscale_callbacks.testing import reference_headroom, reference_histogram
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
 opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**6, diagnose="every_step").watch(model)
 rng = np.random.default_rng(0)

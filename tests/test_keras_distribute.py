@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from lossscale_callbacks import DynamicPolicy
-from lossscale_callbacks.conformance import reference_run
+from lossscale_callbacks.testing import reference_run
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "keras_scripts", "distributed_fit.py")
 POLICY = DynamicPolicy(initial_scale=256.0, growth_interval=2, max_scale=2048.0)

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lossscale_callbacks.conformance import assert_conforms, conformance_cases  # noqa: E402
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState  # noqa: E402
+from lossscale_callbacks.testing import assert_conforms, conformance_cases  # noqa: E402
 from lossscale_callbacks.torch.ops import TorchOps  # noqa: E402
 from lossscale_callbacks.update import initial_state, next_state  # noqa: E402
 

@@ -21,10 +21,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks.conformance import assert_conforms, conformance_cases
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
 from lossscale_callbacks.keras.keras_ops import KERAS_OPS
 from lossscale_callbacks.state import LossScaleState
+from lossscale_callbacks.testing import assert_conforms, conformance_cases
 from lossscale_callbacks.update import initial_state, next_state
 
 BACKEND = keras.backend.backend()

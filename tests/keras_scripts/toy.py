@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lossscale_callbacks.conformance import reference_run
+from lossscale_callbacks.testing import reference_run
 
 
 @tf.custom_gradient

@@ -1,8 +1,14 @@
-"""Conformance suite: every backend must reproduce the NumPy reference bit for bit.
+"""Test oracles: the references that tests hold every backend and integration to. Not used in training.
 
-A backend test takes :func:`conformance_cases`, runs each case's ``finite`` sequence through
-its own ops (eagerly, inside ``tf.function``, under XLA, on a CUDA stream ...), stacks the
-state after every step into host arrays, and hands them to :func:`assert_conforms`.
+This module is for test suites (ours, and a backend's that wants to prove itself against the core); the
+library never imports it. It imports NumPy and the core only, never a framework.
+
+* **Conformance**: every backend must reproduce the NumPy reference of the update rule bit for bit. A
+  backend test takes :func:`conformance_cases`, runs each case's ``finite`` sequence through its own ops
+  (eagerly, inside ``tf.function``, under XLA, on a CUDA stream ...), stacks the state after every step
+  into host arrays, and hands them to :func:`assert_conforms`.
+* **Forensics**: :func:`reference_headroom` and :func:`reference_histogram` compute in NumPy what the
+  integrations' ``diagnose=True`` computes on the device.
 
 Example:
     >>> from lossscale_callbacks.update import initial_state, next_state
@@ -14,15 +20,19 @@ Example:
     ...     return stack_states(states)
     >>> for case in conformance_cases(num_random=2, max_len=50):
     ...     assert_conforms(case, run_numpy(case))
+    >>> reference_histogram([np.array([1.0, 3.0])], 1.0)[40:42]  # 2^0 and 2^1 bins
+    (1, 1)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from lossscale_callbacks.forensics import FP16_MIN_SUBNORMAL, HISTOGRAM_EXPONENTS, LayerHeadroom
 from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks.update import initial_state, next_state
@@ -147,3 +157,36 @@ def assert_conforms(case: ConformanceCase, actual: LossScaleState) -> None:
                 f"{case.name} ({case.policy}): {field} differs first at step {t} "
                 f"(finite={bool(case.finite[t])}): got {got[t]!r}, reference {want[t]!r}"
             )
+
+
+def reference_headroom(grads: Mapping[str, np.ndarray], scale: float) -> tuple[LayerHeadroom, ...]:
+    """NumPy reference for the headroom of ``{layer: unscaled gradient values}`` at ``scale``.
+
+    The integrations compute the same on the device (``diagnose=True``); tests compare them with this.
+    """
+    out = []
+    for layer, values in grads.items():
+        # float32, as the device computes it (exact for the power-of-two scales of dynamic scaling)
+        scaled = np.abs(np.asarray(values, dtype=np.float32)).ravel() * np.float32(scale)
+        biggest = float(scaled.max()) if scaled.size else 0.0
+        if scaled.size and not np.all(np.isfinite(scaled)):
+            biggest = math.nan if np.isnan(scaled).any() else math.inf
+        under = int(np.count_nonzero((scaled > 0) & (scaled < FP16_MIN_SUBNORMAL)))
+        out.append(LayerHeadroom(layer, biggest, under, int(scaled.size)))
+    return tuple(out)
+
+
+def reference_histogram(values: Iterable[np.ndarray], scale: float) -> tuple[int, ...]:
+    """NumPy reference: counts of ``floor(log2 |v * scale|)`` (non-zero, finite values) in
+    :data:`HISTOGRAM_EDGES` bins, the outer bins open-ended.
+
+    ``floor(log2 x)`` is the float's binary exponent (``frexp``), exact on every backend.
+    """
+    lo, hi = HISTOGRAM_EXPONENTS
+    counts = np.zeros(hi - lo, dtype=np.int64)
+    for v in values:
+        scaled = np.abs(np.asarray(v, dtype=np.float32)).ravel() * np.float32(scale)
+        scaled = scaled[(scaled > 0) & np.isfinite(scaled)]
+        exponent = np.frexp(scaled)[1].astype(np.int64) - 1
+        counts += np.bincount(np.clip(exponent, lo, hi - 1) - lo, minlength=hi - lo)
+    return tuple(int(c) for c in counts)
