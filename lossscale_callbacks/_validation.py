@@ -1,8 +1,8 @@
 """One place for argument and state checks, so every way in refuses bad input with the same words.
 
-Arguments: :func:`check_int`, :func:`check_number`, :func:`check_bool`, :func:`check_choice`,
-:func:`check_policy`. Each raises ``ValueError`` naming the argument, the value and what is
-allowed.
+Arguments: :func:`check_int`, :func:`check_number`, :func:`check_bool`, :func:`check_choice`
+(a policy argument: :func:`lossscale_callbacks.policy.check_policy`). Each raises ``ValueError``
+naming the argument, the value and what is allowed.
 
 States: :func:`validate_state` is the one gate for a loss-scale state coming in from outside
 the update rule (a constructor, a checkpoint, ``load_state_dict``, ``assign_state``, a stock
@@ -79,16 +79,6 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
                                and type(value) is type(choice) and value == choice):
             return value
     raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-def check_policy(name: str, value: Any, allow_none: bool = True) -> Any:
-    """``value`` if it is a loss-scale policy (anything with ``constants`` and ``to_config``)."""
-    if value is None and allow_none:
-        return None
-    if not (hasattr(value, "constants") and callable(getattr(value, "to_config", None))):
-        allowed = ("None, " if allow_none else "") + "a DynamicPolicy or a FixedPolicy"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return value
 
 
 def _field(values: Any, name: str) -> Any:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from lossscale_callbacks._validation import check_bool, check_int, check_number, check_policy
+from lossscale_callbacks._validation import check_bool, check_int, check_number
 from lossscale_callbacks.forensics import (
     FORENSICS_TAG,
     HISTOGRAM_EDGES,
@@ -24,6 +24,7 @@ from lossscale_callbacks.forensics import (
 )
 from lossscale_callbacks.health import HealthMonitor, HealthSpec, Verdict
 from lossscale_callbacks.metrics import ALIGNMENT_TAG, SUMMARY_TAG, MetricsTracker, Snapshot
+from lossscale_callbacks.policy import check_policy
 from lossscale_callbacks.process import is_rank_zero
 from lossscale_callbacks.sinks import Sink, SinkGroup
 from lossscale_callbacks.summary import summarize

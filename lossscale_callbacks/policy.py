@@ -246,12 +246,40 @@ class RuleConstants:
     max_scale: float
 
 
+def is_policy(value: Any) -> bool:
+    """Whether ``value`` is a loss-scale policy: a :class:`DynamicPolicy` or a :class:`FixedPolicy`.
+
+    The library's one answer to that question (argument checks, the update rule, the plugins'
+    "is this third argument a policy?" hints all ask here); an object that merely looks like a policy
+    is not one, since the update rule needs the validated numbers only these classes guarantee.
+
+    Example:
+        >>> is_policy(FixedPolicy(8.0)), is_policy({"type": "fixed", "scale": 8.0})
+        (True, False)
+    """
+    return isinstance(value, (DynamicPolicy, FixedPolicy))
+
+
+def check_policy(name: str, value: Any, allow_none: bool = True) -> Policy | None:
+    """``value`` if it is a policy (or ``None`` when ``allow_none``), else a ``ValueError`` naming ``name``.
+
+    Example:
+        >>> check_policy("policy", "dynamic")
+        Traceback (most recent call last):
+        ...
+        ValueError: policy must be None, a DynamicPolicy or FixedPolicy, got 'dynamic'
+    """
+    if value is None and allow_none:
+        return None
+    if not is_policy(value):
+        allowed = ("None, " if allow_none else "") + "a DynamicPolicy or FixedPolicy"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return value
+
+
 def rule_constants(policy: Policy) -> RuleConstants:
     """``policy.constants``, with a ``ValueError`` for anything that is not a policy."""
-    constants = getattr(policy, "constants", None)
-    if not isinstance(constants, RuleConstants):
-        raise ValueError(f"policy must be a DynamicPolicy or FixedPolicy, got {type(policy).__name__}")
-    return constants
+    return check_policy("policy", policy, allow_none=False).constants
 
 
 def _replace(policy: Any, changes: Mapping[str, Any]) -> Any:

@@ -10,13 +10,13 @@ from typing import Any
 
 import keras
 
-from lossscale_callbacks._validation import check_bool, check_int, check_policy
+from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.health import HealthMonitor
 from lossscale_callbacks.keras.optimizer import _DIAGNOSE_TF_ONLY, LossScaleOptimizer, wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import METRIC_NAMES, Snapshot
-from lossscale_callbacks.policy import Policy
+from lossscale_callbacks.policy import Policy, check_policy
 from lossscale_callbacks.sinks import GuardedSink, Sink
 
 

@@ -27,10 +27,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks._validation import check_int, check_number, check_policy, validate_state
+from lossscale_callbacks._validation import check_int, check_number, validate_state
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.keras import keras_ops
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
+from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, check_policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks.update import next_state
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_choice, check_policy
-from lossscale_callbacks.policy import FixedPolicy, Policy, policy_from_config
+from lossscale_callbacks._validation import check_choice
+from lossscale_callbacks.policy import FixedPolicy, Policy, check_policy, is_policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS
 from lossscale_callbacks.torch.grad_scaler_compat import GRAD_SCALER_KEYS
 from lossscale_callbacks.torch.scaler import LossScaler
@@ -31,10 +31,6 @@ def default_device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _is_policy(value: Any) -> bool:
-    return hasattr(value, "constants") and callable(getattr(value, "to_config", None))
-
-
 def resolve_scaling(owner: str, precision: str, device: str | None, scaler: Any, policy: Policy | None,
                     sync_found_inf: bool | str) -> tuple[str | None, LossScaler]:
     """Check a plugin's ``precision``/``device``/``scaler``/``policy``; return the device and the scaler.
@@ -48,7 +44,7 @@ def resolve_scaling(owner: str, precision: str, device: str | None, scaler: Any,
         ValueError: naming the argument and what is allowed.
     """
     check_choice("precision", precision, PRECISIONS)
-    if _is_policy(scaler):
+    if is_policy(scaler):
         raise ValueError(f"{owner}'s third argument is the scaler, as in Lightning's precision plugins; pass "
                          f"the policy by keyword: {owner}(policy={scaler!r})")
     check_policy("policy", policy)

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_bool, check_choice, check_int, check_policy, validate_state
+from lossscale_callbacks._validation import check_bool, check_choice, check_int, validate_state
 from lossscale_callbacks.forensics import IntervalForensics, check_diagnose
-from lossscale_callbacks.policy import Policy, policy_from_config
+from lossscale_callbacks.policy import Policy, check_policy, is_policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks.torch.forensics import GradForensics
 from lossscale_callbacks.torch.grad_scaler_compat import (
@@ -177,7 +177,7 @@ class LossScaler(torch.amp.GradScaler):
         headroom_every: int = 1000,
     ) -> None:
         # GradScaler.__init__ is not called: it would set up GradScaler's own scale and tracker.
-        if hasattr(device, "constants") and hasattr(device, "to_config"):
+        if is_policy(device):
             raise ValueError("LossScaler's first argument is the device, as in torch.amp.GradScaler; pass "
                              f"the policy by keyword: LossScaler(policy={device!r})")
         enabled = check_bool("enabled", enabled)
