@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lossscale_callbacks.alignment.checkers import framework_of_file, load_checker
-from lossscale_callbacks.alignment.report import Report
+from lossscale_callbacks.alignment.report import AlignmentReport
 from lossscale_callbacks.alignment.targets import TARGETS
 
 _TF32 = {"auto": None, "on": True, "off": False}
@@ -90,7 +90,7 @@ def _quiet_native_stderr():
         os.close(saved)
 
 
-def _status_line(report: Report, fail_on: str) -> tuple[int, str]:
+def _status_line(report: AlignmentReport, fail_on: str) -> tuple[int, str]:
     if fail_on == "never":
         return 0, "Exit status 0: --fail-on never."
     bad = report.at_least(fail_on)
@@ -103,10 +103,11 @@ def _status_line(report: Report, fail_on: str) -> tuple[int, str]:
 
 
 def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None,
-              check_file: Callable[..., Report] | None = None) -> int:
+              check_file: Callable[..., AlignmentReport] | None = None) -> int:
     """Run the ``check`` command; returns the exit status.
 
-    ``check_file(path, batch_size=, target=, tf32=) -> Report`` replaces the framework's loader (tests).
+    ``check_file(path, batch_size=, target=, tf32=) -> AlignmentReport`` replaces the framework's loader
+    (tests).
     """
     out = out or sys.stdout
     err = err or sys.stderr

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from lossscale_callbacks.alignment.checkers import check_any
-from lossscale_callbacks.alignment.report import SEVERITIES, Report
+from lossscale_callbacks.alignment.checkers import check_alignment
+from lossscale_callbacks.alignment.report import SEVERITIES, AlignmentReport
 from lossscale_callbacks.alignment.targets import TARGETS
 
 
@@ -37,8 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture
-def assert_tensor_core_aligned(request: pytest.FixtureRequest) -> Callable[..., Report]:
-    """``check(model, sample=None, *, fail_on=None, **kwargs) -> Report``: fail the test on findings.
+def assert_tensor_core_aligned(request: pytest.FixtureRequest) -> Callable[..., AlignmentReport]:
+    """``check(model, sample=None, *, fail_on=None, **kwargs) -> AlignmentReport``: fail the test on findings.
 
     ``kwargs`` go to the framework's ``check_alignment`` (``dtype=``, ``batch_size=``, ``target=``, ...).
     """
@@ -46,12 +46,13 @@ def assert_tensor_core_aligned(request: pytest.FixtureRequest) -> Callable[..., 
     default_target = config.getoption("--alignment-target") or config.getini("alignment_target") or None
     default_fail_on = config.getini("alignment_fail_on") or "high"
 
-    def check(model: Any, sample: Any = None, *, fail_on: str | None = None, **kwargs: Any) -> Report:
+    def check(model: Any, sample: Any = None, *, fail_on: str | None = None,
+              **kwargs: Any) -> AlignmentReport:
         level = fail_on or default_fail_on
         if level not in SEVERITIES[:3]:
             raise ValueError(f"fail_on must be one of {SEVERITIES[:3]}, got {level!r}")
         kwargs.setdefault("target", default_target)
-        report = check_any(model, sample, **kwargs)
+        report = check_alignment(model, sample, **kwargs)
         bad = report.at_least(level)
         if bad:
             pytest.fail(f"{len(bad)} Tensor Core alignment/precision problem(s) at or above {level!r}:\n"

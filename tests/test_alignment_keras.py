@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from alignment_models.expected import CASES, finding_keys, note_keys  # noqa: E402
 from alignment_models.reports import keras_report  # noqa: E402
 
-from lossscale_callbacks.alignment import BACKWARD, FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT  # noqa: E402
+from lossscale_callbacks.alignment.records import Pass  # noqa: E402
 from lossscale_callbacks.alignment_cli import add_check_parser, run_check  # noqa: E402
 from lossscale_callbacks.keras.alignment import capture, check_alignment, check_model_file  # noqa: E402
 
@@ -50,12 +50,12 @@ def test_forward_and_both_gradient_gemms_are_read_from_the_graph(policy):
     policy("mixed_float16")
     cap = capture(_mlp(), batch_size=32)
     seen = {(r.layer, r.pass_, tuple(d.value for d in r.dims), r.dtype) for r in cap.records}
-    assert ("fc", FORWARD, (32, 64, 50), "float16") in seen
-    assert ("fc", BACKWARD, (50, 64, 32), "float16") in seen  # dW = X^T dY: K = batch
-    assert ("logits", BACKWARD, (32, 64, 16), "float16") in seen  # dX = dY W^T
+    assert ("fc", Pass.FORWARD, (32, 64, 50), "float16") in seen
+    assert ("fc", Pass.BACKWARD, (50, 64, 32), "float16") in seen  # dW = X^T dY: K = batch
+    assert ("logits", Pass.BACKWARD, (32, 64, 16), "float16") in seen  # dX = dY W^T
     report = check_alignment(_mlp(), batch_size=32)
     assert [(f.layer, f.dimension, f.passes) for f in report.findings] == [
-        ("fc", "features_in", (FORWARD, WEIGHT_GRADIENT))]
+        ("fc", "features_in", (Pass.FORWARD, Pass.WEIGHT_GRADIENT))]
 
 
 def test_explicit_sample_sets_the_batch_dimension(policy):
@@ -72,8 +72,8 @@ def test_conv_backprops_are_split_into_input_and_weight_gradient(policy):
     model = keras.Model(inp, keras.layers.Conv2D(30, 3, name="conv")(x))
     passes = {(r.layer, r.pass_) for r in capture(model).records}
     # The traced graph holds c0's input gradient too (TensorFlow prunes it only when running).
-    assert passes == {("c0", FORWARD), ("c0", INPUT_GRADIENT), ("c0", WEIGHT_GRADIENT), ("conv", FORWARD),
-                      ("conv", INPUT_GRADIENT), ("conv", WEIGHT_GRADIENT)}
+    assert passes == {("c0", Pass.FORWARD), ("c0", Pass.INPUT_GRADIENT), ("c0", Pass.WEIGHT_GRADIENT),
+                      ("conv", Pass.FORWARD), ("conv", Pass.INPUT_GRADIENT), ("conv", Pass.WEIGHT_GRADIENT)}
 
 
 def test_audit_flags_float16_output_softmax(policy):

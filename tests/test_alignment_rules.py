@@ -8,53 +8,42 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale_callbacks.alignment import (
-    BACKWARD,
-    FEATURES_IN,
-    FEATURES_OUT,
-    FORWARD,
-    INPUT_GRADIENT,
-    RNN_HIDDEN,
-    RNN_INPUT,
-    VOCAB,
-    WEIGHT_GRADIENT,
-    Capture,
-    LayerInfo,
+from lossscale_callbacks.alignment.audit import (
     LayerPrecision,
-    ModelDim,
     OpPrecision,
-    OpRecord,
     PrecisionInfo,
-    analyze,
     categorize,
-    einsum_gemm,
-    matmul_gemm,
+    run_audit,
+)
+from lossscale_callbacks.alignment.gemm import einsum_gemm, matmul_gemm
+from lossscale_callbacks.alignment.records import Capture, LayerInfo, ModelDim, OpRecord, Pass, Role
+from lossscale_callbacks.alignment.report import AlignmentReport, Finding
+from lossscale_callbacks.alignment.rules import analyze
+from lossscale_callbacks.alignment.targets import (
     next_multiple,
     recommended_multiple,
     required_multiple,
-    run_audit,
     wave_efficiency,
 )
-from lossscale_callbacks.alignment.report import Finding, Report
 
 
 def linear(name: str, n_in: int, n_out: int) -> LayerInfo:
-    return LayerInfo(name, "Linear", dims=(ModelDim(FEATURES_IN, n_in, lin_params=n_out),
-                                           ModelDim(FEATURES_OUT, n_out, lin_params=n_in + 1)))
+    return LayerInfo(name, "Linear", dims=(ModelDim(Role.FEATURES_IN, n_in, lin_params=n_out),
+                                           ModelDim(Role.FEATURES_OUT, n_out, lin_params=n_in + 1)))
 
 
 def linear_passes(name: str, n_in: int, n_out: int, tokens: int, dtype: str = "float16") -> list[OpRecord]:
     """The three GEMMs of a linear layer (Deep Learning Performance Guide, fully-connected layers)."""
-    return [OpRecord.gemm("addmm", name, FORWARD, dtype, m=tokens, n=n_out, k=n_in),
-            OpRecord.gemm("mm", name, BACKWARD, dtype, m=tokens, n=n_in, k=n_out),
-            OpRecord.gemm("mm", name, BACKWARD, dtype, m=n_out, n=n_in, k=tokens)]
+    return [OpRecord.gemm("addmm", name, Pass.FORWARD, dtype, m=tokens, n=n_out, k=n_in),
+            OpRecord.gemm("mm", name, Pass.BACKWARD, dtype, m=tokens, n=n_in, k=n_out),
+            OpRecord.gemm("mm", name, Pass.BACKWARD, dtype, m=n_out, n=n_in, k=tokens)]
 
 
 def mlp_capture(n_in: int, n_out: int, tokens: int, dtype: str = "float16") -> Capture:
     return Capture("test", linear_passes("fc", n_in, n_out, tokens, dtype), {"fc": linear("fc", n_in, n_out)})
 
 
-def keys(report: Report) -> set:
+def keys(report: AlignmentReport) -> set:
     return {(f.layer, f.dimension, f.value, f.severity) for f in report.findings}
 
 
@@ -75,7 +64,7 @@ def test_three_passes_of_one_layer_give_one_finding_per_dimension_with_cost():
     by_dim = {f.dimension: f for f in report.findings}
     assert by_dim["features_in"].suggested == 56 and by_dim["features_in"].param_cost == 6 * 100
     assert by_dim["features_out"].suggested == 104 and by_dim["features_out"].param_cost == 4 * 51
-    assert set(by_dim["features_in"].passes) == {FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT}
+    assert set(by_dim["features_in"].passes) == {Pass.FORWARD, Pass.INPUT_GRADIENT, Pass.WEIGHT_GRADIENT}
     assert by_dim["features_in"].required_multiple == 8
 
 
@@ -119,13 +108,16 @@ def test_wave_efficiency_counts_tiles_and_waves():
 
 def test_convolution_rules_first_layer_depthwise_grouped_and_layout():
     recs = [
-        OpRecord.conv("convolution", "stem", FORWARD, "float16", in_channels=3, out_channels=32, groups=1,
+        OpRecord.conv("convolution", "stem", Pass.FORWARD, "float16",
+                      in_channels=3, out_channels=32, groups=1,
                       kernel_elems=9, layout="NCHW"),
-        OpRecord.conv("convolution", "dw", FORWARD, "float16", in_channels=32, out_channels=32, groups=32,
+        OpRecord.conv("convolution", "dw", Pass.FORWARD, "float16",
+                      in_channels=32, out_channels=32, groups=32,
                       kernel_elems=9, layout="NCHW"),
-        OpRecord.conv("convolution", "grouped", FORWARD, "float16", in_channels=48, out_channels=48, groups=4,
+        OpRecord.conv("convolution", "grouped", Pass.FORWARD, "float16",
+                      in_channels=48, out_channels=48, groups=4,
                       kernel_elems=9, layout="NCHW"),
-        OpRecord.conv("convolution_backward", "grouped", WEIGHT_GRADIENT, "float16", in_channels=48,
+        OpRecord.conv("convolution_backward", "grouped", Pass.WEIGHT_GRADIENT, "float16", in_channels=48,
                       out_channels=48, groups=4, kernel_elems=9, layout="NCHW"),
     ]
     report = analyze(Capture("test", recs))
@@ -136,19 +128,19 @@ def test_convolution_rules_first_layer_depthwise_grouped_and_layout():
     assert {(n.layer, n.dimension) for n in report.notes} == {("stem", "first_conv"), ("dw", "depthwise")}
     cin = next(f for f in report.findings if f.dimension == "channels_in")
     assert cin.param_cost == 4 * 12 * (16 - 12) * 9  # groups * K/g * delta C/g * R*S
-    nhwc = analyze(Capture("test", [OpRecord.conv("Conv2D", "c", FORWARD, "float16", in_channels=64,
+    nhwc = analyze(Capture("test", [OpRecord.conv("Conv2D", "c", Pass.FORWARD, "float16", in_channels=64,
                                                   out_channels=64, groups=1, kernel_elems=9, layout="NHWC")]))
     assert nhwc.findings == []
 
 
 def test_vocabulary_and_rnn_dimensions_match_by_value():
-    cap = Capture("test", global_dims=(ModelDim(VOCAB, 50257, lin_params=64),))
-    cap.records = [OpRecord.gemm("mm", "head", FORWARD, "float16", m=128, n=50257, k=64)]
+    cap = Capture("test", global_dims=(ModelDim(Role.VOCAB, 50257, lin_params=64),))
+    cap.records = [OpRecord.gemm("mm", "head", Pass.FORWARD, "float16", m=128, n=50257, k=64)]
     cap.layers["lstm"] = LayerInfo("lstm", "LSTM", dims=(
-        ModelDim(RNN_HIDDEN, 30, gemm_values=(30, 120), quad_params=4, lin_params=4 * 22),
-        ModelDim(RNN_INPUT, 20, lin_params=120)))
-    cap.records += [OpRecord.gemm("MatMul", "lstm", FORWARD, "float16", m=8, n=120, k=20),
-                    OpRecord.gemm("MatMul", "lstm", FORWARD, "float16", m=8, n=120, k=30)]
+        ModelDim(Role.RNN_HIDDEN, 30, gemm_values=(30, 120), quad_params=4, lin_params=4 * 22),
+        ModelDim(Role.RNN_INPUT, 20, lin_params=120)))
+    cap.records += [OpRecord.gemm("MatMul", "lstm", Pass.FORWARD, "float16", m=8, n=120, k=20),
+                    OpRecord.gemm("MatMul", "lstm", Pass.FORWARD, "float16", m=8, n=120, k=30)]
     report = analyze(cap)
     # The LSTM's GEMMs are 0.2 % of this capture's FLOPs (beside a 50257-row head): low, by cost.
     assert keys(report) == {("head", "vocab", 50257, "high"), ("lstm", "rnn_hidden", 30, "low"),
@@ -160,7 +152,7 @@ def test_vocabulary_and_rnn_dimensions_match_by_value():
 
 
 def test_matrix_vector_products_are_memory_bound():
-    cap = Capture("test", [OpRecord.gemm("mm", "fc", FORWARD, "float16", m=1, n=50, k=30)],
+    cap = Capture("test", [OpRecord.gemm("mm", "fc", Pass.FORWARD, "float16", m=1, n=50, k=30)],
                   {"fc": linear("fc", 30, 50)})
     assert analyze(cap).findings == []
 
@@ -172,7 +164,7 @@ def test_findings_are_exactly_the_misaligned_dimensions(n_in, n_out, tokens, dty
     if len({n_in, n_out, tokens}) < 3:
         return  # equal sizes are indistinguishable by value (documented limitation)
     mult = required_multiple(dtype)
-    dims = ((FEATURES_IN, n_in), (FEATURES_OUT, n_out))
+    dims = ((Role.FEATURES_IN, n_in), (Role.FEATURES_OUT, n_out))
     expected = {("fc", role, v, "high") for role, v in dims if v % mult}
     if tokens % mult:
         expected.add(("*", "tokens", tokens, "low"))
@@ -220,7 +212,7 @@ def test_audit_flags_float16_policy_variables_softmax_and_loss():
         LayerPrecision("bn", "BatchNormalization", "float16", ("float16",), kind="normalization"),
         LayerPrecision("out", "Dense", "float16", ("float16",), is_output=True, activation="softmax")],
         [OpPrecision("Log", "float16", "", in_loss=True), OpPrecision("Exp", "float16", "fc"),
-         OpPrecision("Sum", "float16", "fc", pass_=BACKWARD), OpPrecision("MatMul", "float16", "fc")])
+         OpPrecision("Sum", "float16", "fc", pass_=Pass.BACKWARD), OpPrecision("MatMul", "float16", "fc")])
     findings, categories = run_audit(info)
     assert {(f.check, f.layer, f.severity) for f in findings} == {
         ("global_policy", "*", "high"), ("variable_dtype", "fc", "high"), ("variable_dtype", "bn", "high"),
@@ -235,7 +227,7 @@ def test_audit_is_silent_on_a_correct_mixed_float16_model():
         LayerPrecision("ln", "LayerNormalization", "float16", ("float32",), kind="normalization"),
         LayerPrecision("out", "Activation", "float32", (), is_output=True, activation="softmax")],
         [OpPrecision("MatMul", "float16", "fc"), OpPrecision("Softmax", "float32", "out", is_output=True),
-         OpPrecision("Sum", "float16", "fc", pass_=BACKWARD)])
+         OpPrecision("Sum", "float16", "fc", pass_=Pass.BACKWARD)])
     assert run_audit(info)[0] == []
 
 

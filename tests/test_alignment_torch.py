@@ -10,7 +10,7 @@ from alignment_models.expected import CASES, finding_keys, note_keys  # noqa: E4
 from alignment_models.reports import torch_report  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lossscale_callbacks.alignment import BACKWARD, FORWARD  # noqa: E402
+from lossscale_callbacks.alignment.records import Pass  # noqa: E402
 from lossscale_callbacks.torch.alignment import capture, check_alignment  # noqa: E402
 
 
@@ -28,9 +28,10 @@ def test_every_pass_is_attributed_to_its_module():
     model.add_module("fc2", nn.Linear(64, 16))
     cap = capture(model, torch.randn(32, 50), dtype="float16")
     seen = {(r.layer, r.pass_, tuple(d.value for d in r.dims)) for r in cap.records}
-    assert seen == {("fc1", FORWARD, (32, 64, 50)), ("fc1", BACKWARD, (64, 50, 32)),  # no input grad of x
-                    ("fc2", FORWARD, (32, 16, 64)), ("fc2", BACKWARD, (32, 64, 16)),
-                    ("fc2", BACKWARD, (16, 64, 32))}
+    # no input gradient of x
+    assert seen == {("fc1", Pass.FORWARD, (32, 64, 50)), ("fc1", Pass.BACKWARD, (64, 50, 32)),
+                    ("fc2", Pass.FORWARD, (32, 16, 64)), ("fc2", Pass.BACKWARD, (32, 64, 16)),
+                    ("fc2", Pass.BACKWARD, (16, 64, 32))}
     assert {r.dtype for r in cap.records} == {"float16"}
     report = check_alignment(model, torch.randn(32, 50), dtype="float16")
     passes = {f.dimension: f.passes for f in report.findings}

@@ -40,32 +40,19 @@ except ImportError as exc:  # a JAX or torch install without TensorFlow
     raise ImportError("the Keras alignment check traces TensorFlow graphs and needs tensorflow, which is not "
                       "installed; the loss scaling itself runs on every Keras backend") from exc
 
-from lossscale_callbacks.alignment import (
-    BACKWARD,
-    EMBEDDING_DIM,
-    FEATURES,
-    FEATURES_IN,
-    FEATURES_OUT,
-    FORWARD,
-    HEAD_DIM,
-    INPUT_GRADIENT,
-    RNN_HIDDEN,
-    RNN_INPUT,
-    VOCAB,
-    WEIGHT_GRADIENT,
+from lossscale_callbacks.alignment.audit import LayerPrecision, OpPrecision, PrecisionInfo
+from lossscale_callbacks.alignment.gemm import einsum_gemm, matmul_gemm
+from lossscale_callbacks.alignment.records import (
     Capture,
+    FrameworkAdvice,
     LayerInfo,
-    LayerPrecision,
     ModelDim,
-    OpPrecision,
     OpRecord,
-    PrecisionInfo,
-    Report,
-    analyze,
-    einsum_gemm,
-    matmul_gemm,
-    warn_if_nothing_checked,
+    Pass,
+    Role,
 )
+from lossscale_callbacks.alignment.report import AlignmentReport
+from lossscale_callbacks.alignment.rules import analyze, warn_if_nothing_checked
 from lossscale_callbacks.alignment.targets import get_target
 
 _ONLY_TENSORFLOW = (
@@ -73,8 +60,8 @@ _ONLY_TENSORFLOW = (
     "Loss scaling (LossScaleOptimizer, LossScaleCallback) runs on every backend; to check alignment, "
     "build the same model under the TensorFlow backend (for example `KERAS_BACKEND=tensorflow "
     "lossscale-callbacks check your_model.py`), or, on the torch backend, call "
-    "lossscale_callbacks.torch.check_alignment(model, sample, dtype='float16'), which sees the GEMMs "
-    "but not the Keras layer that owns each one"
+    "lossscale_callbacks.torch.alignment.check_alignment(model, sample, dtype='float16'), which sees the "
+    "GEMMs but not the Keras layer that owns each one"
 )
 
 
@@ -90,6 +77,23 @@ _TRANSPOSED_CONVS = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
 _FUNC_ATTRS = ("body", "cond", "then_branch", "else_branch", "f", "branches")
 _NORM_TYPES = (keras.layers.BatchNormalization, keras.layers.LayerNormalization,
                keras.layers.GroupNormalization)
+_LAST_LAYER_FLOAT32 = 'Give the last layer dtype="float32".'
+# How Keras fixes what the framework-free engine finds.
+_ADVICE = FrameworkAdvice(
+    arguments={Role.CHANNELS_OUT: "filters"},
+    fixes={"layout": 'data_format="channels_last"'},
+    advice={
+        "layout": 'Build the convolutions with data_format="channels_last" (Keras\' default).',
+        "dtype": 'Build the model under keras.config.set_dtype_policy("mixed_float16") (or '
+                 '"mixed_bfloat16"), as you train it, or enable TF32 '
+                 "(tf.config.experimental.enable_tensor_float_32_execution(True)).",
+        "global_policy": 'Use keras.config.set_dtype_policy("mixed_float16").',
+        "variable_dtype": 'Use the "mixed_float16" dtype policy instead of float16 layers.',
+        "float16_normalization": 'A "mixed_float16" dtype policy keeps normalisation in float32.',
+        "float16_softmax": _LAST_LAYER_FLOAT32,
+        "float16_output": _LAST_LAYER_FLOAT32,
+        "float16_loss": _LAST_LAYER_FLOAT32,
+    })
 
 
 def _dtype_name(dtype: tf.DType, tf32: bool) -> str:
@@ -130,7 +134,7 @@ def _generic_dims(layer) -> tuple[ModelDim, ...]:
         if len(shape) < 2:
             continue
         for axis, size in enumerate(shape):
-            dims.append(ModelDim(FEATURES, size, lin_params=math.prod(shape) // max(size, 1),
+            dims.append(ModelDim(Role.FEATURES, size, lin_params=math.prod(shape) // max(size, 1),
                                  label=f"{var.name}.shape[{axis}]"))
     return tuple(dims)
 
@@ -139,30 +143,31 @@ def _typed_dims(layer) -> tuple[ModelDim, ...] | None:
     if isinstance(layer, keras.layers.Dense):
         n_in, n_out = (int(s) for s in layer.kernel.shape)
         bias = 1 if layer.use_bias else 0
-        return (ModelDim(FEATURES_IN, n_in, lin_params=n_out, label="kernel.shape[0]"),
-                ModelDim(FEATURES_OUT, n_out, lin_params=n_in + bias, label="units"))
+        return (ModelDim(Role.FEATURES_IN, n_in, lin_params=n_out, label="kernel.shape[0]"),
+                ModelDim(Role.FEATURES_OUT, n_out, lin_params=n_in + bias, label="units"))
     if isinstance(layer, keras.layers.EinsumDense):
         lhs, out = layer.equation.split("->")
         x_labels, k_labels = lhs.split(",")
         sizes = dict(zip(k_labels, (int(s) for s in layer.kernel.shape), strict=True))
         k_in = math.prod(sizes[c] for c in k_labels if c in x_labels and c not in out)
         k_out = math.prod(sizes[c] for c in k_labels if c in out and c not in x_labels)
-        return (ModelDim(FEATURES_IN, k_in, lin_params=k_out, label="kernel (contracted axes)"),
-                ModelDim(FEATURES_OUT, k_out, lin_params=k_in, label="kernel (output axes)"))
+        return (ModelDim(Role.FEATURES_IN, k_in, lin_params=k_out, label="kernel (contracted axes)"),
+                ModelDim(Role.FEATURES_OUT, k_out, lin_params=k_in, label="kernel (output axes)"))
     if isinstance(layer, keras.layers.Embedding):
         vocab, width = layer.input_dim, layer.output_dim
-        return (ModelDim(VOCAB, vocab, lin_params=width, label="input_dim"),
-                ModelDim(EMBEDDING_DIM, width, lin_params=vocab, label="output_dim"))
+        return (ModelDim(Role.VOCAB, vocab, lin_params=width, label="input_dim"),
+                ModelDim(Role.EMBEDDING_DIM, width, lin_params=vocab, label="output_dim"))
     if isinstance(layer, keras.layers.MultiHeadAttention):
         heads, key_dim = layer.num_heads, layer.key_dim
         value_dim = layer.value_dim or key_dim
         embed = int(layer.query_dense.kernel.shape[0]) if layer.query_dense.built else 0
-        dims = [ModelDim(HEAD_DIM, key_dim, lin_params=2 * heads * (embed + 1), label="key_dim")]
+        dims = [ModelDim(Role.HEAD_DIM, key_dim, lin_params=2 * heads * (embed + 1), label="key_dim")]
         if value_dim != key_dim:
-            dims.append(ModelDim(HEAD_DIM, value_dim, lin_params=2 * heads * embed + heads,
+            dims.append(ModelDim(Role.HEAD_DIM, value_dim, lin_params=2 * heads * embed + heads,
                                  label="value_dim"))
         else:
-            dims[0] = ModelDim(HEAD_DIM, key_dim, lin_params=4 * heads * embed + 3 * heads, label="key_dim")
+            dims[0] = ModelDim(Role.HEAD_DIM, key_dim, lin_params=4 * heads * embed + 3 * heads,
+                               label="key_dim")
         return tuple(dims)
     if isinstance(layer, keras.layers.RNN):
         # StackedRNNCells holds one cell per layer; a cell without units/kernel (a custom cell) is
@@ -170,7 +175,7 @@ def _typed_dims(layer) -> tuple[ModelDim, ...] | None:
         # below (as in a torch RNN with num_layers > 1): only the first cell has an rnn_input.
         dims: list[ModelDim] = []
         for index, cell in enumerate(getattr(layer.cell, "cells", None) or [layer.cell]):
-            dims.extend(d for d in _rnn_cell_dims(cell) if index == 0 or d.role != RNN_INPUT)
+            dims.extend(d for d in _rnn_cell_dims(cell) if index == 0 or d.role != Role.RNN_INPUT)
         return tuple(dims)
     if isinstance(layer, keras.layers.Layer) and "conv" in type(layer).__name__.lower():
         return ()  # convolutions carry their channels in the op itself
@@ -185,9 +190,9 @@ def _rnn_cell_dims(cell) -> tuple[ModelDim, ...]:
     n_in, gated = (int(s) for s in kernel.shape)
     gates = gated // units
     bias = int(np.prod(cell.bias.shape)) // units if getattr(cell, "bias", None) is not None else 0
-    return (ModelDim(RNN_HIDDEN, units, gemm_values=(units, gated), quad_params=gates,
+    return (ModelDim(Role.RNN_HIDDEN, units, gemm_values=(units, gated), quad_params=gates,
                      lin_params=gates * n_in + bias, label="units"),
-            ModelDim(RNN_INPUT, n_in, lin_params=gated, label="input size"))
+            ModelDim(Role.RNN_INPUT, n_in, lin_params=gated, label="input size"))
 
 
 def _layer_infos(model) -> tuple[dict[str, LayerInfo], tuple[ModelDim, ...]]:
@@ -265,7 +270,7 @@ def _attribute(op_name: str, paths: dict[int, str]) -> tuple[str, str, bool]:
         match = _TOKEN_RE.fullmatch(comp)
         if match is not None:
             path = paths.get(int(match.group(1)), path)
-    return path, (BACKWARD if backward else FORWARD), in_loss
+    return path, (Pass.BACKWARD if backward else Pass.FORWARD), in_loss
 
 
 def _walk_ops(graph):
@@ -332,10 +337,10 @@ def _record(op, layer: str, pass_: str, tf32: bool, transposed: bool = False) ->
         conv_out = _shape(op.inputs[2]) if "Backprop" in kind else _shape(op.outputs[0])
         if "BackpropInput" in kind:
             inp, filt = _shape(op.outputs[0]), _shape(op.inputs[1])
-            pass_ = INPUT_GRADIENT if pass_ == BACKWARD else pass_
+            pass_ = Pass.INPUT_GRADIENT if pass_ == Pass.BACKWARD else pass_
         elif "BackpropFilter" in kind:
             inp, filt = _shape(op.inputs[0]), _shape(op.outputs[0])
-            pass_ = WEIGHT_GRADIENT if pass_ == BACKWARD else pass_
+            pass_ = Pass.WEIGHT_GRADIENT if pass_ == Pass.BACKWARD else pass_
         else:
             inp, filt = _shape(op.inputs[0]), _shape(op.inputs[1])
         if inp is None or filt is None or None in filt:
@@ -455,7 +460,7 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
                 outer_layer = next((lay for lay in (_attribute(t.op.name, paths)[0] for t in caller.inputs)
                                     if lay), "")
             layer = layer or outer_layer
-            pass_ = BACKWARD if BACKWARD in (pass_, outer_pass) else FORWARD
+            pass_ = Pass.BACKWARD if Pass.BACKWARD in (pass_, outer_pass) else Pass.FORWARD
             in_loss = in_loss or outer_loss
         if in_loss and loss is None:
             continue  # our own stand-in loss is not part of the model
@@ -466,7 +471,8 @@ def capture(model, sample: Any = None, *, batch_size: int = 8, tf32: bool | None
             ops.append(OpPrecision(op.type, dtype, layer, pass_, in_loss=in_loss, is_output=is_output))
     precision = PrecisionInfo("tensorflow", keras.config.dtype_policy().name, _layer_precisions(model), ops)
     outputs_of = {p.layer for p in precision.layers if p.is_output}
-    return Capture("keras", records, layers, global_dims, precision, output_layers=tuple(sorted(outputs_of)))
+    return Capture("keras", records, layers, global_dims, precision, output_layers=tuple(sorted(outputs_of)),
+                   advice=_ADVICE)
 
 
 def _layer_precisions(model) -> list[LayerPrecision]:
@@ -498,7 +504,7 @@ def _model_policy(model) -> str:
 
 
 def check_alignment(model, sample: Any = None, *, batch_size: int = 8, target: str | None = None,
-                    tf32: bool | None = None, loss: Callable[[Any], Any] | None = None) -> Report:
+                    tf32: bool | None = None, loss: Callable[[Any], Any] | None = None) -> AlignmentReport:
     """Check a Keras model's GEMMs/convolutions against the Tensor Core rules, and audit its precision.
 
     The precision is the model's own: build it under ``keras.config.set_dtype_policy("mixed_float16")``
@@ -515,7 +521,7 @@ def check_alignment(model, sample: Any = None, *, batch_size: int = 8, target: s
             float32 sum of the outputs.
 
     Returns:
-        A :class:`~lossscale_callbacks.alignment.Report`.
+        An :class:`~lossscale_callbacks.alignment.AlignmentReport`.
     """
     get_target(target)
     if tf32 is None and keras.backend.backend() == "tensorflow":
@@ -531,7 +537,7 @@ def check_alignment(model, sample: Any = None, *, batch_size: int = 8, target: s
 
 
 def check_model_file(path: str, *, batch_size: int = 8, target: str | None = None,
-                     tf32: bool | None = None) -> Report:
+                     tf32: bool | None = None) -> AlignmentReport:
     """Load a ``.keras`` file (without compiling) and check it: the ``lossscale-callbacks check`` command."""
     model = keras.saving.load_model(path, compile=False)
     return check_alignment(model, batch_size=batch_size, target=target, tf32=tf32)

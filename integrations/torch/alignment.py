@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,31 +39,18 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lossscale_callbacks.alignment import (
-    BACKWARD,
-    EMBEDDING_DIM,
-    FEATURES,
-    FEATURES_IN,
-    FEATURES_OUT,
-    FORWARD,
-    HEAD_DIM,
-    INPUT_GRADIENT,
-    RNN_HIDDEN,
-    RNN_INPUT,
-    TOKENS,
-    VOCAB,
-    WEIGHT_GRADIENT,
+from lossscale_callbacks.alignment.audit import LayerPrecision, OpPrecision, PrecisionInfo
+from lossscale_callbacks.alignment.records import (
     Capture,
+    FrameworkAdvice,
     LayerInfo,
-    LayerPrecision,
     ModelDim,
-    OpPrecision,
     OpRecord,
-    PrecisionInfo,
-    Report,
-    analyze,
-    warn_if_nothing_checked,
+    Pass,
+    Role,
 )
+from lossscale_callbacks.alignment.report import AlignmentReport
+from lossscale_callbacks.alignment.rules import analyze, warn_if_nothing_checked
 from lossscale_callbacks.alignment.targets import get_target
 
 __all__ = ["capture", "check_alignment"]
@@ -83,6 +71,20 @@ _ATTENTION_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_fl
 _RNN_OPS = {"lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer", "_cudnn_rnn"}
 _RNN_GATES = {"lstm": 4, "gru": 3}
 _NORM_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
+# How torch fixes what the framework-free engine finds.
+_ADVICE = FrameworkAdvice(
+    arguments={Role.CHANNELS_IN: "in_channels", Role.CHANNELS_OUT: "out_channels"},
+    fixes={"layout": "channels_last"},
+    advice={
+        "layout": "Use model.to(memory_format=torch.channels_last) and channels_last inputs.",
+        "dtype": "Check in the dtype you train in (dtype='float16' or 'bfloat16' under torch.autocast), or "
+                 "allow TF32 (torch.backends.cuda.matmul.allow_tf32 = True).",
+        "variable_dtype": "Train under torch.autocast with float32 parameters instead of model.half().",
+        "float16_normalization": "torch.autocast keeps normalisation in float32: use it instead of casting "
+                                 "the model.",
+        "float16_softmax": "Compute it outside autocast, on the output's .float().",
+        "float16_loss": "Compute the loss outside autocast, on the output's .float().",
+    })
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -118,7 +120,7 @@ def _generic_dims(module: torch.nn.Module) -> tuple[ModelDim, ...]:
             continue
         for axis, size in enumerate(shape):
             others = math.prod(shape) // max(size, 1)
-            dims.append(ModelDim(FEATURES, size, lin_params=others, label=f"{pname}.shape[{axis}]"))
+            dims.append(ModelDim(Role.FEATURES, size, lin_params=others, label=f"{pname}.shape[{axis}]"))
     return tuple(dims)
 
 
@@ -126,22 +128,22 @@ def _typed_dims(module: torch.nn.Module) -> tuple[ModelDim, ...] | None:
     """Model dimensions of the layer types whose GEMM mapping is known; ``None`` for other modules."""
     if isinstance(module, torch.nn.Linear):
         bias = 1 if module.bias is not None else 0
-        return (ModelDim(FEATURES_IN, module.in_features, lin_params=module.out_features,
+        return (ModelDim(Role.FEATURES_IN, module.in_features, lin_params=module.out_features,
                          label="in_features"),
-                ModelDim(FEATURES_OUT, module.out_features, lin_params=module.in_features + bias,
+                ModelDim(Role.FEATURES_OUT, module.out_features, lin_params=module.in_features + bias,
                          label="out_features"))
     if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-        return (ModelDim(VOCAB, module.num_embeddings, lin_params=module.embedding_dim,
+        return (ModelDim(Role.VOCAB, module.num_embeddings, lin_params=module.embedding_dim,
                          label="num_embeddings"),
-                ModelDim(EMBEDDING_DIM, module.embedding_dim, lin_params=module.num_embeddings,
+                ModelDim(Role.EMBEDDING_DIM, module.embedding_dim, lin_params=module.num_embeddings,
                          label="embedding_dim"))
     if isinstance(module, torch.nn.MultiheadAttention):
         e, h, d = module.embed_dim, module.num_heads, module.head_dim
         bias = 1 if module.in_proj_bias is not None else 0
-        return (ModelDim(FEATURES_IN, e, quad_params=4, lin_params=4 * bias, label="embed_dim"),
-                ModelDim(FEATURES_OUT, e, gemm_values=(e, 3 * e), quad_params=4, lin_params=4 * bias,
+        return (ModelDim(Role.FEATURES_IN, e, quad_params=4, lin_params=4 * bias, label="embed_dim"),
+                ModelDim(Role.FEATURES_OUT, e, gemm_values=(e, 3 * e), quad_params=4, lin_params=4 * bias,
                          label="embed_dim"),
-                ModelDim(HEAD_DIM, d, lin_params=4 * e * h + 3 * h * bias, label="head_dim"))
+                ModelDim(Role.HEAD_DIM, d, lin_params=4 * e * h + 3 * h * bias, label="head_dim"))
     if isinstance(module, torch.nn.RNNBase):
         gates = {"LSTM": 4, "GRU": 3}.get(module.mode, 1)
         hidden, inp, layers = module.hidden_size, module.input_size, module.num_layers
@@ -150,7 +152,7 @@ def _typed_dims(module: torch.nn.Module) -> tuple[ModelDim, ...] | None:
         quad = gates * dirs * (1 + (layers - 1) * (dirs + 1))
         lin = gates * dirs * (inp + nb) + (layers - 1) * gates * dirs * nb
         proj = getattr(module, "proj_size", 0)
-        input_dim = ModelDim(RNN_INPUT, inp, lin_params=gates * hidden * dirs, label="input_size")
+        input_dim = ModelDim(Role.RNN_INPUT, inp, lin_params=gates * hidden * dirs, label="input_size")
         if proj:
             # With projections the state the recurrent GEMM reads (and upper layers take in) is
             # proj_size: W_hh is [gates*hidden, proj], W_hr is [proj, hidden].
@@ -158,13 +160,13 @@ def _typed_dims(module: torch.nn.Module) -> tuple[ModelDim, ...] | None:
             upper = (layers - 1) * dirs
             hidden_lin = dirs * (gates * inp + per_layer) + upper * (gates * dirs * proj + per_layer)
             proj_lin = dirs * layers * (gates * hidden + hidden) + upper * gates * hidden * dirs
-            return (ModelDim(RNN_HIDDEN, hidden, gemm_values=(hidden, gates * hidden), lin_params=hidden_lin,
-                             label="hidden_size"),
-                    ModelDim(RNN_HIDDEN, proj, gemm_values=(proj, dirs * proj), lin_params=proj_lin,
+            return (ModelDim(Role.RNN_HIDDEN, hidden, gemm_values=(hidden, gates * hidden),
+                             lin_params=hidden_lin, label="hidden_size"),
+                    ModelDim(Role.RNN_HIDDEN, proj, gemm_values=(proj, dirs * proj), lin_params=proj_lin,
                              label="proj_size"),
                     input_dim)
         # Upper layers of a bidirectional RNN read both directions: K = 2 * hidden.
-        return (ModelDim(RNN_HIDDEN, hidden, gemm_values=(hidden, gates * hidden, dirs * hidden),
+        return (ModelDim(Role.RNN_HIDDEN, hidden, gemm_values=(hidden, gates * hidden, dirs * hidden),
                          quad_params=quad,
                          lin_params=lin, label="hidden_size"),
                 input_dim)
@@ -202,14 +204,14 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[OpPrecision] = []
         self.softmax_outputs: list[tuple[int, torch.Tensor]] = []
         self.stack: list[tuple[str, int]] = []
-        self.phase = FORWARD
+        self.phase = Pass.FORWARD
 
     # attribution
     def _where(self) -> tuple[str, str]:
         node = torch._C._current_autograd_node()
         if node is not None:
-            return node.metadata.get(_LABEL, ""), BACKWARD
-        return (self.stack[-1][0] if self.stack else ""), FORWARD
+            return node.metadata.get(_LABEL, ""), Pass.BACKWARD
+        return (self.stack[-1][0] if self.stack else ""), Pass.FORWARD
 
     def _eff(self, dtype: torch.dtype, kind: str) -> str:
         name = _dtype_name(dtype)
@@ -237,9 +239,9 @@ class _Recorder(TorchDispatchMode):
                               or name.startswith("convolution"))
             if self.simulate and dtype == "float32" and tensor_core_op:
                 dtype = self.simulate
-            self.ops.append(OpPrecision(name, dtype, layer, pass_ if self.phase != "loss" else FORWARD,
+            self.ops.append(OpPrecision(name, dtype, layer, pass_ if self.phase != "loss" else Pass.FORWARD,
                                         in_loss=self.phase == "loss"))
-            if name in ("_softmax", "_log_softmax") and pass_ == FORWARD:
+            if name in ("_softmax", "_log_softmax") and pass_ == Pass.FORWARD:
                 self.softmax_outputs.append((len(self.ops) - 1, first))
         return out
 
@@ -255,7 +257,8 @@ class _Recorder(TorchDispatchMode):
             self._conv(name, args[0], args[1], args[6], args[8], layer, (pass_,), out.numel())
         elif name == "convolution_backward":
             mask = args[10]
-            passes = tuple(p for p, on in zip((INPUT_GRADIENT, WEIGHT_GRADIENT), mask[:2], strict=True) if on)
+            grads = (Pass.INPUT_GRADIENT, Pass.WEIGHT_GRADIENT)
+            passes = tuple(p for p, on in zip(grads, mask[:2], strict=True) if on)
             self._conv(name, args[1], args[2], args[7], args[9], layer, passes, args[0].numel())
         elif name in _ATTENTION_OPS or (name.endswith("_backward") and name[:-9] in _ATTENTION_OPS):
             q, k, v = (args[1], args[2], args[3]) if name.endswith("_backward") else args[:3]
@@ -284,9 +287,9 @@ class _Recorder(TorchDispatchMode):
         length, src, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
         heads = max(q.numel() // max(length * d, 1), 1)  # batch x heads
         self.records.append(OpRecord.gemm(name + ":qk", layer, pass_, dtype, m=length, n=src, k=d, roles={
-            "M": (TOKENS, None), "N": (TOKENS, None), "K": (HEAD_DIM, None)}, batch=heads))
+            "M": (Role.TOKENS, None), "N": (Role.TOKENS, None), "K": (Role.HEAD_DIM, None)}, batch=heads))
         self.records.append(OpRecord.gemm(name + ":pv", layer, pass_, dtype, m=length, n=dv, k=src, roles={
-            "M": (TOKENS, None), "N": (HEAD_DIM, None), "K": (TOKENS, None)}, batch=heads))
+            "M": (Role.TOKENS, None), "N": (Role.HEAD_DIM, None), "K": (Role.TOKENS, None)}, batch=heads))
 
     def _rnn(self, name, args, layer, pass_) -> None:
         inp = args[0]
@@ -312,11 +315,11 @@ class _Recorder(TorchDispatchMode):
             # The input GEMM's K is the input size in the first layer and the hidden size above it:
             # leave it to value matching against the module's rnn_input/rnn_hidden.
             self.records.append(OpRecord.gemm(f"{name}:input", layer, pass_, dtype, m=tokens, n=gated,
-                                              k=size_in,
-                                              roles={"M": (TOKENS, None), "N": (RNN_HIDDEN, hidden)}))
+                                              k=size_in, roles={"M": (Role.TOKENS, None),
+                                                                "N": (Role.RNN_HIDDEN, hidden)}))
             self.records.append(OpRecord.gemm(f"{name}:recurrent", layer, pass_, dtype, m=batch, n=gated,
                                               k=state, roles={
-                "M": (TOKENS, None), "N": (RNN_HIDDEN, hidden), "K": (RNN_HIDDEN, state)}))
+                "M": (Role.TOKENS, None), "N": (Role.RNN_HIDDEN, hidden), "K": (Role.RNN_HIDDEN, state)}))
 
 
 # ---- running one pass ------------------------------------------------------------------------------
@@ -368,19 +371,17 @@ def _autocast_on(device: torch.device) -> bool:
         return False
 
 
-def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = None, tf32: bool | None = None,
-            forward: Callable[[torch.nn.Module, Any], Any] | None = None,
-            loss_fn: Callable[[Any], torch.Tensor] | None = None, backward: bool = True) -> Capture:
-    """Run one forward and backward pass and return what it executed (see :func:`check_alignment`)."""
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if sample is None:
-        sample = getattr(model, "example_input_array", None)
-        if sample is None:
-            raise ValueError("sample is required: pass a batch of model inputs (or set "
-                             "model.example_input_array)")
-    want = _normalize_dtype(dtype)
-    device = _device_of(model, sample)
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How the pass runs: under autocast (CUDA), simulated in 16 bits (CPU, meta), or as the model is."""
+
+    autocast: torch.dtype | None
+    simulate: str | None
+    tf32_matmul: bool
+    tf32_conv: bool
+
+
+def _plan(model: torch.nn.Module, device: torch.device, want: str, tf32: bool | None) -> _Plan:
     params = list(model.parameters())
     param_dtype = params[0].dtype if params else torch.float32
     autocast_dtype, simulate = None, None
@@ -394,69 +395,115 @@ def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = None, tf
             autocast_dtype = _TORCH_DTYPES[want]
         elif device.type != "cuda":
             simulate = want
-    tf32_matmul = torch.backends.cuda.matmul.allow_tf32 if tf32 is None else bool(tf32)
-    tf32_conv = torch.backends.cudnn.allow_tf32 if tf32 is None else bool(tf32)
+    return _Plan(autocast_dtype, simulate,
+                 torch.backends.cuda.matmul.allow_tf32 if tf32 is None else bool(tf32),
+                 torch.backends.cudnn.allow_tf32 if tf32 is None else bool(tf32))
 
-    layers, global_dims = _layer_infos(model)
-    recorder = _Recorder(simulate, tf32_matmul, tf32_conv)
-    names = {id(m): n for n, m in model.named_modules()}
-    outputs_by_layer: dict[str, str] = {}
-    produced: dict[int, str] = {}  # id of a module output -> the innermost module that returned it
-    keep_alive: list[torch.Tensor] = []  # ids stay unique while the pass runs
 
-    def pre_hook(module, _args):
-        recorder.stack.append((names[id(module)], torch._C._autograd._get_sequence_nr()))
+class _Hooks:
+    """Forward hooks on every module: the layer stack the recorder attributes forward ops to, the
+    autograd labels backward ops are attributed by, each module's output dtype, and which module
+    returned each tensor (to find the model's output layers)."""
 
-    def post_hook(module, _args, output):
-        name, start = recorder.stack.pop()
+    def __init__(self, model: torch.nn.Module, recorder: _Recorder) -> None:
+        self.model = model
+        self.recorder = recorder
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.output_dtypes: dict[str, str] = {}
+        self.produced: dict[int, str] = {}  # id of a module output -> the innermost module that returned it
+        self.keep_alive: list[torch.Tensor] = []  # ids stay unique while the pass runs
+
+    def _pre(self, module: torch.nn.Module, _args: Any) -> None:
+        self.recorder.stack.append((self.names[id(module)], torch._C._autograd._get_sequence_nr()))
+
+    def _post(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
+        name, start = self.recorder.stack.pop()
         for t in _tensors(output):
             if t.is_floating_point():
-                outputs_by_layer[name] = _dtype_name(t.dtype)
+                self.output_dtypes[name] = _dtype_name(t.dtype)
                 break
         for t in _tensors(output):
-            produced.setdefault(id(t), name)
-            keep_alive.append(t)
+            self.produced.setdefault(id(t), name)
+            self.keep_alive.append(t)
         _label(output, name, start)
 
-    handles = []
+    @contextlib.contextmanager
+    def installed(self):
+        handles = []
+        try:
+            for module in self.model.modules():
+                handles.append(module.register_forward_pre_hook(self._pre))
+                handles.append(module.register_forward_hook(self._post))
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def output_layers(self, out_ids: set[int]) -> tuple[str, ...]:
+        """The modules that returned the model's output tensors; releases the pass's tensors."""
+        heads = tuple(sorted({self.produced[i] for i in out_ids if self.produced.get(i)}))
+        self.keep_alive.clear()
+        return heads
+
+
+def _run_pass(model: torch.nn.Module, sample: Any, hooks: _Hooks, device: torch.device, plan: _Plan,
+              forward: Callable[[torch.nn.Module, Any], Any] | None,
+              loss_fn: Callable[[Any], torch.Tensor] | None, backward: bool) -> Any:
+    """One forward (and backward) pass under the recorder; returns the model's output. The model is left
+    as found: ``.grad`` untouched, buffers restored, the random streams forked."""
+    recorder = hooks.recorder
     saved_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    ctx = (torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None
+           else contextlib.nullcontext())
+    cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
     try:
-        for module in model.modules():
-            handles.append(module.register_forward_pre_hook(pre_hook))
-            handles.append(module.register_forward_hook(post_hook))
-        ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-               else contextlib.nullcontext())
-        cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda_devices), recorder:
+        with hooks.installed(), torch.random.fork_rng(devices=cuda_devices), recorder:
             with ctx:
                 output = (forward or _default_forward)(model, sample)
             recorder.phase = "loss" if loss_fn is not None else "quiet"
             loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-            recorder.phase = BACKWARD
-            trainable = [p for p in params if p.requires_grad]
+            recorder.phase = Pass.BACKWARD
+            trainable = [p for p in model.parameters() if p.requires_grad]
             if backward and loss is not None and loss.requires_grad and trainable:
                 # autograd.grad, not backward(): nothing lands in .grad, and no gradient-accumulation
                 # hook (DDP's reducer, post-accumulate hooks) fires for this one-off pass.
                 torch.autograd.grad(loss, trainable, allow_unused=True)
     finally:
-        for h in handles:
-            h.remove()
         with torch.no_grad():
             for n, b in model.named_buffers():
                 if n in saved_buffers:
                     b.copy_(saved_buffers[n])
+    return output
 
+
+def capture(model: torch.nn.Module, sample: Any = None, *, dtype: Any = None, tf32: bool | None = None,
+            forward: Callable[[torch.nn.Module, Any], Any] | None = None,
+            loss_fn: Callable[[Any], torch.Tensor] | None = None, backward: bool = True) -> Capture:
+    """Run one forward and backward pass and return what it executed (see :func:`check_alignment`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if sample is None:
+        sample = getattr(model, "example_input_array", None)
+        if sample is None:
+            raise ValueError("sample is required: pass a batch of model inputs (or set "
+                             "model.example_input_array)")
+    want = _normalize_dtype(dtype)
+    device = _device_of(model, sample)
+    plan = _plan(model, device, want, tf32)
+    layers, global_dims = _layer_infos(model)
+    recorder = _Recorder(plan.simulate, plan.tf32_matmul, plan.tf32_conv)
+    hooks = _Hooks(model, recorder)
+    output = _run_pass(model, sample, hooks, device, plan, forward, loss_fn, backward)
     out_ids = {id(t) for t in _tensors(output)}
     ops = list(recorder.ops)
     for index, tensor in recorder.softmax_outputs:
         if id(tensor) in out_ids:
             op = ops[index]
             ops[index] = OpPrecision(op.op, op.dtype, op.layer, op.pass_, op.in_loss, is_output=True)
-    precision = PrecisionInfo("torch", None, _layer_precisions(model, outputs_by_layer), ops)
-    heads = tuple(sorted({produced[i] for i in out_ids if produced.get(i)}))
-    keep_alive.clear()
-    return Capture("torch", recorder.records, layers, global_dims, precision, output_layers=heads)
+    precision = PrecisionInfo("torch", None, _layer_precisions(model, hooks.output_dtypes), ops)
+    return Capture("torch", recorder.records, layers, global_dims, precision,
+                   output_layers=hooks.output_layers(out_ids), advice=_ADVICE)
 
 
 def _label(output: Any, name: str, start: int) -> None:
@@ -492,7 +539,8 @@ def _layer_precisions(model: torch.nn.Module, outputs: dict[str, str]) -> list[L
 def check_alignment(model: torch.nn.Module, sample: Any = None, *, dtype: Any = None,
                     target: str | None = None, tf32: bool | None = None,
                     forward: Callable[[torch.nn.Module, Any], Any] | None = None,
-                    loss_fn: Callable[[Any], torch.Tensor] | None = None, backward: bool = True) -> Report:
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                    backward: bool = True) -> AlignmentReport:
     """Check a module's executed GEMMs/convolutions against the Tensor Core rules, and audit its precision.
 
     Args:
@@ -512,7 +560,7 @@ def check_alignment(model: torch.nn.Module, sample: Any = None, *, dtype: Any = 
             dimension; the findings on model dimensions are the same from the forward pass alone).
 
     Returns:
-        A :class:`~lossscale_callbacks.alignment.Report`.
+        An :class:`~lossscale_callbacks.alignment.AlignmentReport`.
 
     Example:
         >>> import torch

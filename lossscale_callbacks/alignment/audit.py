@@ -3,10 +3,10 @@
 What it flags (NVIDIA's mixed-precision training guide and the Keras mixed-precision guide: keep
 float32 master weights, do reductions, softmax, normalisation statistics and the loss in float32):
 
-* a global ``"float16"`` policy where ``"mixed_float16"`` was meant (variables stored in float16) - ``high``;
-* trainable variables that are not float32 (``model.half()``, ``dtype="float16"`` layers) - ``high``;
-* a softmax (or sigmoid) output layer computed in float16 - ``high``; other float16 model outputs - ``medium``
-  (Keras: give the last layer ``dtype="float32"``);
+* a global ``"float16"`` policy where a mixed one was meant (variables stored in float16) - ``high``;
+* trainable variables that are not float32 (a model cast to float16) - ``high``;
+* a softmax (or sigmoid) output layer computed in float16 - ``high``; other float16 model outputs -
+  ``medium``;
 * normalisation layers that keep float16 parameters/statistics - ``high``;
 * loss ops (log, exp, softmax, cross-entropy) in float16 - ``high``; other deny-list ops (softmax, log,
   exp, pow) executed in float16 inside a layer's forward pass - ``low``.
@@ -16,6 +16,10 @@ Ops are grouped into the categories of TensorFlow's automatic mixed precision gr
 Conv2D, MatMul), *deny* (numerically unsafe in float16, e.g. Softmax, Exp, Log, Sum), *infer* (float16
 unless downstream of a deny op, e.g. Add, BiasAdd, AvgPool), *clear* (no numerical effect, e.g. Relu,
 Reshape, MaxPool). PyTorch ops are mapped onto the same categories (autocast's lists are analogous).
+
+The messages say what is wrong in framework-free words; the capture's
+:class:`~lossscale_callbacks.alignment.records.FrameworkAdvice` adds how to fix it in the model's framework,
+keyed by the check's name.
 
 Example:
     >>> info = PrecisionInfo("keras", global_policy="float16", layers=[
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lossscale_callbacks.alignment.records import FrameworkAdvice, Pass
 from lossscale_callbacks.alignment.report import AuditFinding, worst_first
 
 ALLOW, DENY, INFER, CLEAR, OTHER = "allow", "deny", "infer", "clear", "other"
@@ -137,7 +142,7 @@ class OpPrecision:
     op: str
     dtype: str
     layer: str
-    pass_: str = "forward"
+    pass_: Pass = Pass.FORWARD
     in_loss: bool = False
     is_output: bool = False
 
@@ -152,43 +157,48 @@ class PrecisionInfo:
     ops: list[OpPrecision] = field(default_factory=list)
 
 
-def run_audit(info: PrecisionInfo) -> tuple[list[AuditFinding], dict[str, dict[str, int]]]:
-    """Audit findings (worst first) and op counts per category and dtype."""
+def run_audit(info: PrecisionInfo, advice: FrameworkAdvice | None = None
+              ) -> tuple[list[AuditFinding], dict[str, dict[str, int]]]:
+    """Audit findings (worst first) and op counts per category and dtype.
+
+    ``advice``: the framework's fix for each check, added to its message (none by default).
+    """
+    advice = advice or FrameworkAdvice()
     found: list[AuditFinding] = []
     seen: set = set()
 
     def add(check: str, layer: str, severity: str, dtype: str, message: str, layers=()) -> None:
         if (check, layer) not in seen:
             seen.add((check, layer))
-            found.append(AuditFinding(check, layer, severity, dtype, message, tuple(layers) or (layer,)))
+            found.append(AuditFinding(check, layer, severity, dtype, message + advice.sentence(check),
+                                      tuple(layers) or (layer,)))
 
     if info.global_policy == "float16":
         add("global_policy", "*", "high", "float16",
             'the global dtype policy is "float16": variables are stored in float16 and updates underflow. '
-            'Use "mixed_float16" (float16 compute, float32 variables).')
+            "Compute in float16 with float32 variables (a mixed policy).")
     half_vars = [lp for lp in info.layers if any(dt in _HALF for dt in lp.variable_dtypes)]
     for lp in half_vars:
         dtype = next(dt for dt in lp.variable_dtypes if dt in _HALF)
         add("variable_dtype", lp.layer, "high", dtype,
-            f"{lp.type} keeps {dtype} trainable variables; keep float32 master weights "
-            "(mixed_float16 policy / torch.autocast instead of model.half()).")
+            f"{lp.type} keeps {dtype} trainable variables; keep float32 master weights and compute in "
+            f"{dtype} only.")
     for lp in info.layers:
         if lp.kind == "normalization" and (lp.compute_dtype in _HALF and
                                            any(dt in _HALF for dt in lp.variable_dtypes)):
             add("float16_normalization", lp.layer, "high", lp.compute_dtype,
                 f"{lp.type} computes statistics and keeps parameters in {lp.compute_dtype}; normalisation "
-                "must run in float32 (use a mixed policy / autocast, which keeps it in float32).")
+                "must run in float32.")
         if lp.is_output and lp.compute_dtype in _HALF:
             if lp.activation in _SOFTMAX_ACTIVATIONS:
                 add("float16_softmax", lp.layer, "high", lp.compute_dtype,
-                    f"the output {lp.activation} is computed in {lp.compute_dtype}; give the last layer "
-                    'dtype="float32" (Keras) or compute it outside autocast in float32.')
+                    f"the output {lp.activation} is computed in {lp.compute_dtype}; compute it in float32.")
             else:
                 add("float16_output", lp.layer, "medium", lp.compute_dtype,
                     f"the model output is {lp.compute_dtype}; make the last layer float32 so the loss "
                     "sees float32 values.")
     for op in info.ops:
-        if op.pass_ != "forward" or op.dtype not in _HALF or op.op not in _HURTING:
+        if op.pass_ != Pass.FORWARD or op.dtype not in _HALF or op.op not in _HURTING:
             continue
         if op.in_loss:
             add("float16_loss", op.layer, "high", op.dtype,

@@ -25,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lossscale_callbacks.alignment.report import AlignmentReport
+
 ENTRY_POINT_GROUP = "lossscale_callbacks.checkers"
 _MODULES = {"keras": "lossscale_callbacks.keras.alignment",
             "torch": "lossscale_callbacks.torch.alignment"}
@@ -59,6 +61,28 @@ def load_checker(framework: str) -> ModuleType:
     return importlib.import_module(_MODULES[framework])
 
 
-def check_any(model: Any, sample: Any = None, **kwargs: Any):
-    """``check_alignment`` of the model's own framework."""
+def check_alignment(model: Any, sample: Any = None, **kwargs: Any) -> AlignmentReport:
+    """Check a Keras model or a torch module with its own framework's capture.
+
+    Finds the framework from the model's class (nothing is imported for that), loads its capture
+    (:func:`load_checker`) and calls its ``check_alignment``:
+    :func:`lossscale_callbacks.keras.alignment.check_alignment` (``batch_size=``, ``tf32=``, ``loss=``)
+    or :func:`lossscale_callbacks.torch.alignment.check_alignment` (``dtype=`` is required there, ``tf32=``,
+    ``forward=``, ``loss_fn=``); both take ``target=``.
+
+    Args:
+        model: a built ``keras.Model`` or a ``torch.nn.Module``.
+        sample: one batch of model inputs (``None``: Keras builds one from the model's input shapes,
+            torch uses ``model.example_input_array``).
+        **kwargs: the framework's own arguments.
+
+    Returns:
+        The :class:`~lossscale_callbacks.alignment.report.AlignmentReport`.
+
+    Example:
+        >>> import torch
+        >>> report = check_alignment(torch.nn.Linear(50, 64), torch.zeros(32, 50), dtype="float16")
+        >>> [(f.dimension, f.value, f.suggested) for f in report.findings]
+        [('features_in', 50, 56)]
+    """
     return load_checker(framework_of(model)).check_alignment(model, sample, **kwargs)

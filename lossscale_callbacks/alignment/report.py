@@ -3,7 +3,7 @@
 Example:
     >>> f = Finding(layer="fc", dimension="features_in", value=50, required_multiple=8, severity="high",
     ...             suggested=56, param_cost=384, dtype="float16")
-    >>> report = Report(findings=[f])
+    >>> report = AlignmentReport(findings=[f])
     >>> report.has("high"), report.has("medium"), report.has_at_least("low")
     (True, False, True)
     >>> print(report)  # doctest: +NORMALIZE_WHITESPACE
@@ -99,7 +99,7 @@ class AuditFinding:
 
 
 @dataclass
-class Report:
+class AlignmentReport:
     """The checker's result.
 
     Attributes:

@@ -32,17 +32,19 @@ Rules, from NVIDIA's Deep Learning Performance Guide:
   below (a small classifier head, a narrow side branch). A model output that is the number of
   classes (a classifier head) is never ``high``: padding it means masking logits.
 * **float32 with TF32 off** runs on CUDA cores: one ``info`` note and no multiple-of-8 findings.
+* **Framework-free words**: a finding says what is wrong; the fix in the model's framework (a constructor
+  argument of a convolution, ``channels_last``, a dtype policy) is the capture's
+  :class:`~lossscale_callbacks.alignment.records.FrameworkAdvice`, added where it applies.
 * Memory-bound ops (normalisation, activations, pooling, the embedding lookup) are never recorded.
 
 Example:
-    >>> from lossscale_callbacks.alignment.records import (
-    ...     FEATURES_IN, FEATURES_OUT, FORWARD, BACKWARD, LayerInfo, ModelDim, OpRecord, Capture)
+    >>> from lossscale_callbacks.alignment.records import Capture, LayerInfo, ModelDim, OpRecord, Pass, Role
     >>> cap = Capture("numpy", layers={"fc": LayerInfo("fc", "Linear", dims=(
-    ...     ModelDim(FEATURES_IN, 50, lin_params=64), ModelDim(FEATURES_OUT, 64, lin_params=51)))})
+    ...     ModelDim(Role.FEATURES_IN, 50, lin_params=64), ModelDim(Role.FEATURES_OUT, 64, lin_params=51)))})
     >>> cap.records = [
-    ...     OpRecord.gemm("addmm", "fc", FORWARD, "float16", m=32, n=64, k=50),
-    ...     OpRecord.gemm("mm", "fc", BACKWARD, "float16", m=32, n=50, k=64),
-    ...     OpRecord.gemm("mm", "fc", BACKWARD, "float16", m=64, n=50, k=32)]
+    ...     OpRecord.gemm("addmm", "fc", Pass.FORWARD, "float16", m=32, n=64, k=50),
+    ...     OpRecord.gemm("mm", "fc", Pass.BACKWARD, "float16", m=32, n=50, k=64),
+    ...     OpRecord.gemm("mm", "fc", Pass.BACKWARD, "float16", m=64, n=50, k=32)]
     >>> [(f.layer, f.dimension, f.value, f.severity, f.suggested, f.param_cost)
     ...  for f in analyze(cap).findings]
     [('fc', 'features_in', 50, 'high', 56, 384)]
@@ -55,31 +57,12 @@ import warnings
 from dataclasses import dataclass, field
 
 from lossscale_callbacks.alignment import audit as _audit
-from lossscale_callbacks.alignment.records import (
-    BACKWARD,
-    CHANNELS_IN,
-    CHANNELS_OUT,
-    CONV,
-    EMBEDDING_DIM,
-    FEATURES,
-    FEATURES_IN,
-    FEATURES_OUT,
-    FORWARD,
-    GEMM,
-    INPUT_GRADIENT,
-    RNN_HIDDEN,
-    RNN_INPUT,
-    TOKENS,
-    VOCAB,
-    WEIGHT_GRADIENT,
-    Capture,
-    ModelDim,
-    OpRecord,
-)
-from lossscale_callbacks.alignment.report import Finding, Report, worst_first
+from lossscale_callbacks.alignment.records import Capture, GemmDim, ModelDim, OpKind, OpRecord, Pass, Role
+from lossscale_callbacks.alignment.report import AlignmentReport, Finding, worst_first
 from lossscale_callbacks.alignment.targets import (
     ELEMENT_BYTES,
     GEMM_TILE,
+    Target,
     get_target,
     next_multiple,
     recommended_multiple,
@@ -106,14 +89,14 @@ _HINTS = {
 
 _HIGH_SHARE = 0.10
 _MEDIUM_SHARE = 0.01
-_INPUT_ROLES = (FEATURES_IN, CHANNELS_IN, RNN_INPUT)
-_OUTPUT_ROLES = (FEATURES_OUT, CHANNELS_OUT, RNN_HIDDEN, EMBEDDING_DIM)
+_INPUT_ROLES = (Role.FEATURES_IN, Role.CHANNELS_IN, Role.RNN_INPUT)
+_OUTPUT_ROLES = (Role.FEATURES_OUT, Role.CHANNELS_OUT, Role.RNN_HIDDEN, Role.EMBEDDING_DIM)
 
 
 @dataclass
 class _Group:
     layer: str
-    role: str
+    role: Role
     value: int
     multiple: int = 0
     dtype: str = ""
@@ -126,7 +109,7 @@ class _Group:
     consumers: list = field(default_factory=list)  # groups merged into this one (the next layers' inputs)
 
 
-def _resolve(record: OpRecord, dim, capture: Capture) -> list[tuple[str, int, ModelDim | None]]:
+def _resolve(record: OpRecord, dim: GemmDim, capture: Capture) -> list[tuple[Role, int, ModelDim | None]]:
     """Which model dimension(s) a GEMM dimension is: structure, own dims, children's, model-wide, tokens."""
     info = capture.layers.get(record.layer)
     if dim.role is not None:
@@ -136,7 +119,7 @@ def _resolve(record: OpRecord, dim, capture: Capture) -> list[tuple[str, int, Mo
             md = next((d for d in info.dims if d.role == dim.role and d.value == value), None)
         return [(dim.role, value, md)]
     pools = [info.dims, info.fallback] if info is not None else []
-    vocabularies = {d.value for d in capture.global_dims if d.role == VOCAB}
+    vocabularies = {d.value for d in capture.global_dims if d.role == Role.VOCAB}
     for pool in [*pools, capture.global_dims]:
         hits = [d for d in pool if d.matches(dim.value)]
         if hits:
@@ -144,34 +127,126 @@ def _resolve(record: OpRecord, dim, capture: Capture) -> list[tuple[str, int, Mo
             for d in hits:
                 # An output projection as wide as an embedding table is the vocabulary (a language
                 # model's head, tied or not): padded like one.
-                role = VOCAB if d.role in (FEATURES_OUT, FEATURES) and d.value in vocabularies else d.role
+                vocabulary = d.role in (Role.FEATURES_OUT, Role.FEATURES) and d.value in vocabularies
+                role = Role.VOCAB if vocabulary else d.role
                 if (role, d.value) not in seen:
                     seen.add((role, d.value))
                     out.append((role, d.value, d))
             return out
-    return [(TOKENS, dim.value, None)]
+    return [(Role.TOKENS, dim.value, None)]
 
 
-def _pass(record: OpRecord, resolved: dict[str, list]) -> str:
-    if record.pass_ != BACKWARD:
+def _pass(record: OpRecord, resolved: dict[str, list]) -> Pass:
+    if record.pass_ != Pass.BACKWARD:
         return record.pass_
     k_roles = {role for role, _, _ in resolved.get("K", [])}
-    return WEIGHT_GRADIENT if k_roles == {TOKENS} else INPUT_GRADIENT
+    return Pass.WEIGHT_GRADIENT if k_roles == {Role.TOKENS} else Pass.INPUT_GRADIENT
 
 
 def _conv_cost(group: _Group, new_value: int) -> int | None:
     rec = group.record
     if rec is None:
         return None
-    c = next(d.value for d in rec.dims if d.role == CHANNELS_IN)
-    k = next(d.value for d in rec.dims if d.role == CHANNELS_OUT)
-    if group.role == CHANNELS_IN:
+    c = next(d.value for d in rec.dims if d.role == Role.CHANNELS_IN)
+    k = next(d.value for d in rec.dims if d.role == Role.CHANNELS_OUT)
+    if group.role == Role.CHANNELS_IN:
         return rec.groups * k * (new_value - c) * rec.kernel_elems
     return rec.groups * (new_value - k) * c * rec.kernel_elems
 
 
-def analyze(capture: Capture, *, target: str | None = None) -> Report:
+@dataclass
+class _Scan:
+    """One pass over a capture's records: the groups (one per layer and model dimension) and the notes."""
+
+    capture: Capture
+    target: Target | None
+    groups: dict[tuple, _Group] = field(default_factory=dict)
+    order: list[tuple] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
+    noted: set = field(default_factory=set)
+    fp32_layers: list[str] = field(default_factory=list)
+    nchw_layers: list[str] = field(default_factory=list)
+    efficiency: dict[tuple, dict] = field(default_factory=dict)
+    layer_order: dict[str, int] = field(default_factory=dict)
+    first_conv: str | None = None  # the image stem: the only convolution whose few channels are the data's
+
+    def note(self, layer: str, dimension: str, value: int, message: str) -> None:
+        if (layer, dimension) not in self.noted:
+            self.noted.add((layer, dimension))
+            self.notes.append(Finding(layer=layer, dimension=dimension, value=value, required_multiple=None,
+                                      severity="info", message=message))
+
+    def add(self, index: int, record: OpRecord) -> None:
+        """Put one record's dimensions into their groups (or a note, or nothing)."""
+        multiple = required_multiple(record.dtype)
+        if multiple is None:
+            if record.layer not in self.fp32_layers:
+                self.fp32_layers.append(record.layer)
+            return
+        if record.kind == OpKind.GEMM and min(d.value for d in record.dims) <= 1:
+            return  # a matrix-vector product is memory-bound: no Tensor Core rule applies
+        if record.kind == OpKind.CONV:
+            if record.depthwise:
+                self.note(record.layer, "depthwise", record.groups,
+                          "depthwise convolution: memory-bound, Tensor Cores not used; not a finding")
+                return
+            if (record.layout == "NCHW" and record.dtype in _SIXTEEN_BIT
+                    and record.layer not in self.nchw_layers):
+                self.nchw_layers.append(record.layer)
+            if self.first_conv is None:
+                self.first_conv = record.layer
+        self.layer_order.setdefault(record.layer, len(self.layer_order))
+        resolved = {d.axis: _resolve(record, d, self.capture) for d in record.dims}
+        pass_ = _pass(record, resolved)
+        for dim in record.dims:
+            for role, value, md in resolved[dim.axis]:
+                if self._is_image_input(record, role, value):
+                    self.note(record.layer, "first_conv", value,
+                              f"convolution with {value} input channels (image input): cuDNN pads it with "
+                              "special kernels; not a finding")
+                    continue
+                self._join(index, record, role, value, md, pass_, multiple)
+        self._add_efficiency(record)
+
+    def _is_image_input(self, record: OpRecord, role: Role, value: int) -> bool:
+        return (record.kind == OpKind.CONV and role == Role.CHANNELS_IN and record.groups == 1 and value <= 4
+                and record.layer == self.first_conv)
+
+    def _join(self, index: int, record: OpRecord, role: Role, value: int, md: ModelDim | None, pass_: Pass,
+              multiple: int) -> None:
+        key = (Role.TOKENS, value) if role == Role.TOKENS else (record.layer, role, value)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = _Group("*" if role == Role.TOKENS else record.layer, role, value)
+            self.order.append(key)
+        if multiple > group.multiple:
+            group.multiple, group.dtype = multiple, record.dtype
+        group.model_dim = group.model_dim or md
+        if record.kind == OpKind.CONV:
+            group.record = record
+        group.ops.add(record.op)
+        group.passes.add(pass_)
+        group.record_ids.add(index)
+        if record.layer not in group.layers:
+            group.layers.append(record.layer)
+
+    def _add_efficiency(self, record: OpRecord) -> None:
+        tgt = self.target
+        if tgt is None or record.kind != OpKind.GEMM or record.pass_ != Pass.FORWARD:
+            return
+        m, n, k = (d.value for d in record.dims)
+        if math.ceil(m / GEMM_TILE[0]) * math.ceil(n / GEMM_TILE[1]) < tgt.sm_count:
+            return  # less than one wave: the GEMM cannot fill the GPU whatever its shape
+        self.efficiency.setdefault((record.layer, m, n, k), {
+            "layer": record.layer, "m": m, "n": n, "k": k,
+            "efficiency": round(wave_efficiency(m, n, tgt), 4)})
+
+
+def analyze(capture: Capture, *, target: str | None = None) -> AlignmentReport:
     """Run the alignment rules (and the mixed-precision audit when the capture has its inputs).
+
+    The findings say what is wrong in framework-free words; how to fix it in the model's framework
+    comes from the capture's :class:`~lossscale_callbacks.alignment.records.FrameworkAdvice`.
 
     Args:
         capture: what a framework capture recorded.
@@ -179,122 +254,64 @@ def analyze(capture: Capture, *, target: str | None = None) -> Report:
             (``"a100"``, ``"h100"``...): adds the 128-byte recommendation and tile/wave efficiency.
 
     Returns:
-        A :class:`~lossscale_callbacks.alignment.report.Report`.
+        An :class:`~lossscale_callbacks.alignment.report.AlignmentReport`.
     """
     tgt = get_target(target)
-    groups: dict[tuple, _Group] = {}
-    order: list[tuple] = []
-    notes: list[Finding] = []
-    noted: set = set()
-    fp32_layers: list[str] = []
-    nchw_layers: list[str] = []
-    efficiency: dict[tuple, dict] = {}
-
-    def note(layer: str, dimension: str, value, message: str) -> None:
-        if (layer, dimension) not in noted:
-            noted.add((layer, dimension))
-            notes.append(Finding(layer=layer, dimension=dimension, value=value, required_multiple=None,
-                                 severity="info", message=message))
-
-    layer_order: dict[str, int] = {}
-    first_conv: str | None = None  # the image stem: the only convolution whose few channels are the data's
+    scan = _Scan(capture, tgt)
     for index, record in enumerate(capture.records):
-        multiple = required_multiple(record.dtype)
-        if multiple is None:
-            if record.layer not in fp32_layers:
-                fp32_layers.append(record.layer)
-            continue
-        if record.kind == GEMM and min(d.value for d in record.dims) <= 1:
-            continue  # a matrix-vector product is memory-bound: no Tensor Core rule applies
-        if record.kind == CONV:
-            if record.depthwise:
-                note(record.layer, "depthwise", record.groups,
-                     "depthwise convolution: memory-bound, Tensor Cores not used; not a finding")
-                continue
-            if record.layout == "NCHW" and record.dtype in _SIXTEEN_BIT and record.layer not in nchw_layers:
-                nchw_layers.append(record.layer)
-        layer_order.setdefault(record.layer, len(layer_order))
-        resolved = {d.axis: _resolve(record, d, capture) for d in record.dims}
-        pass_ = _pass(record, resolved)
-        if record.kind == CONV and first_conv is None:
-            first_conv = record.layer
-        for dim in record.dims:
-            for role, value, md in resolved[dim.axis]:
-                if (record.kind == CONV and role == CHANNELS_IN and record.groups == 1 and value <= 4
-                        and record.layer == first_conv):
-                    note(record.layer, "first_conv", value,
-                         f"convolution with {value} input channels (image input): cuDNN pads it with "
-                         "special kernels; not a finding")
-                    continue
-                key = (TOKENS, value) if role == TOKENS else (record.layer, role, value)
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = _Group("*" if role == TOKENS else record.layer, role, value)
-                    order.append(key)
-                if multiple > group.multiple:
-                    group.multiple, group.dtype = multiple, record.dtype
-                group.model_dim = group.model_dim or md
-                if record.kind == CONV:
-                    group.record = record
-                group.ops.add(record.op)
-                group.passes.add(pass_)
-                group.record_ids.add(index)
-                if record.layer not in group.layers:
-                    group.layers.append(record.layer)
-        if tgt is not None and record.kind == GEMM and record.pass_ == FORWARD:
-            m, n, k = (d.value for d in record.dims)
-            if math.ceil(m / GEMM_TILE[0]) * math.ceil(n / GEMM_TILE[1]) < tgt.sm_count:
-                continue  # less than one wave: the GEMM cannot fill the GPU whatever its shape
-            efficiency.setdefault((record.layer, m, n, k), {
-                "layer": record.layer, "m": m, "n": n, "k": k,
-                "efficiency": round(wave_efficiency(m, n, tgt), 4)})
-
-    order = _merge_inputs_into_producers(groups, order, layer_order, tgt)
+        scan.add(index, record)
+    order = _merge_inputs_into_producers(scan.groups, scan.order, scan.layer_order, tgt)
     flops = [_flops(r) for r in capture.records]
     total = sum(flops)
     outputs = set(capture.output_layers)
-    findings = [f for f in (_judge(groups[key], tgt, capture, flops, total, outputs) for key in order)
+    findings = [f for f in (_judge(scan.groups[key], tgt, capture, flops, total, outputs) for key in order)
                 if f is not None]
-    if nchw_layers:
-        nchw = set(nchw_layers)
-        share = sum(f for f, r in zip(flops, capture.records, strict=True)
-                    if r.kind == CONV and r.layer in nchw) / total if total else None
-        # A transpose per call costs memory traffic, not a kernel fallback: medium at most, and low when
-        # the convolutions are a small part of the model (a ViT's patch embedding).
-        severity = "low" if share is not None and share < _HIGH_SHARE else "medium"
-        findings.append(Finding(
-            layer="*", dimension="layout", value=None, required_multiple=None, severity=severity,
-            suggested="channels_last", layers=tuple(nchw_layers), ops=("convolution",),
-            flop_share=None if share is None else round(share, 4), fix="channels_last",
-            message=f"{len(nchw_layers)} 16-bit convolution(s) run in NCHW layout; Tensor Core kernels are "
-                    "NHWC, so every call transposes. Use model.to(memory_format=torch.channels_last) "
-                    "and channels_last inputs."))
-    if fp32_layers:
+    if scan.nchw_layers:
+        findings.append(_layout_finding(scan.nchw_layers, capture, flops, total))
+    notes = scan.notes
+    if scan.fp32_layers:
         notes.append(Finding(
             layer="*", dimension="dtype", value=None, required_multiple=None, severity="info",
-            dtype="float32", layers=tuple(fp32_layers),
+            dtype="float32", layers=tuple(scan.fp32_layers),
             message="float32 with TF32 disabled runs on CUDA cores, not Tensor Cores: alignment rules do not "
-                    "apply. Enable mixed precision (or TF32) to use Tensor Cores."))
+                    "apply. Enable mixed precision (or TF32) to use Tensor Cores."
+                    + capture.advice.sentence("dtype")))
     findings.sort(key=lambda f: worst_first(f.severity))
-    report = Report(findings=findings, notes=notes, framework=capture.framework,
-                    target=tgt.name if tgt else None, ops_seen=len(capture.records),
-                    efficiency=list(efficiency.values()))
+    report = AlignmentReport(findings=findings, notes=notes, framework=capture.framework,
+                             target=tgt.name if tgt else None, ops_seen=len(capture.records),
+                             efficiency=list(scan.efficiency.values()))
     if capture.precision is not None:
-        report.audit, report.op_categories = _audit.run_audit(capture.precision)
+        report.audit, report.op_categories = _audit.run_audit(capture.precision, capture.advice)
     return report
+
+
+def _layout_finding(nchw_layers: list[str], capture: Capture, flops: list[int], total: int) -> Finding:
+    """One finding for the model's 16-bit convolutions in NCHW layout."""
+    nchw = set(nchw_layers)
+    share = sum(f for f, r in zip(flops, capture.records, strict=True)
+                if r.kind == OpKind.CONV and r.layer in nchw) / total if total else None
+    # A transpose per call costs memory traffic, not a kernel fallback: medium at most, and low when
+    # the convolutions are a small part of the model (a ViT's patch embedding).
+    severity = "low" if share is not None and share < _HIGH_SHARE else "medium"
+    return Finding(
+        layer="*", dimension="layout", value=None, required_multiple=None, severity=severity,
+        suggested="channels_last", layers=tuple(nchw_layers), ops=("convolution",),
+        flop_share=None if share is None else round(share, 4), fix=capture.advice.fixes.get("layout", ""),
+        message=f"{len(nchw_layers)} 16-bit convolution(s) run in NCHW layout; Tensor Core kernels are "
+                "NHWC (channels last), so every call transposes." + capture.advice.sentence("layout"))
 
 
 def _flops(record: OpRecord) -> int:
     if record.flops:
         return record.flops
-    if record.kind == GEMM:
+    if record.kind == OpKind.GEMM:
         return 2 * math.prod(d.value for d in record.dims)
     return 0
 
 
 def _unaligned(group: _Group, tgt) -> bool:
     recommended = recommended_multiple(group.dtype, tgt)
-    return bool(group.value % group.multiple or (recommended and group.role != TOKENS
+    return bool(group.value % group.multiple or (recommended and group.role != Role.TOKENS
                                                  and group.value % recommended))
 
 
@@ -325,22 +342,24 @@ def _merge_inputs_into_producers(groups: dict, order: list, layer_order: dict, t
 
 
 def _argument(group: _Group, capture: Capture) -> str:
-    """The constructor argument that sets this dimension of the group's layer, or ``""``."""
+    """The constructor argument that sets this dimension of the group's layer, or ``""``.
+
+    A convolution's channels are named by the framework's advice (the engine knows no framework's
+    argument names); every other dimension by its model dimension's label, when that is a name.
+    """
     info = capture.layers.get(group.layer)
     kind = info.type.lower() if info is not None else ""
-    keras = capture.framework == "keras"
-    if group.role == CHANNELS_OUT and "conv" in kind:
-        return "filters" if keras else "out_channels"
-    if group.role == CHANNELS_IN and "conv" in kind and not keras:
-        return "in_channels"
+    argument = capture.advice.arguments.get(group.role, "")
+    if group.role in (Role.CHANNELS_IN, Role.CHANNELS_OUT) and "conv" in kind and argument:
+        return argument
     label = group.model_dim.label if group.model_dim is not None else ""
     return label if label.isidentifier() else ""
 
 
 def _param_cost(group: _Group, suggested: int) -> int | None:
-    if group.role == TOKENS:
+    if group.role == Role.TOKENS:
         return None
-    if group.record is not None and group.role in (CHANNELS_IN, CHANNELS_OUT):
+    if group.record is not None and group.role in (Role.CHANNELS_IN, Role.CHANNELS_OUT):
         cost = _conv_cost(group, suggested)
     elif group.model_dim is not None:
         cost = group.model_dim.param_cost(suggested)
@@ -359,10 +378,10 @@ def _judge(group: _Group, tgt, capture: Capture, flops: list[int], total: int,
     value, multiple = group.value, group.multiple
     recommended = recommended_multiple(group.dtype, tgt)
     share = sum(flops[i] for i in group.record_ids) / total if total else None
-    is_head = group.layer in outputs and group.role == FEATURES_OUT
+    is_head = group.layer in outputs and group.role == Role.FEATURES_OUT
     if value % multiple:
         used = multiple
-        if group.role == TOKENS:
+        if group.role == Role.TOKENS:
             severity = "low"
         elif share is None:
             severity = "high"
@@ -370,11 +389,11 @@ def _judge(group: _Group, tgt, capture: Capture, flops: list[int], total: int,
             severity = "high" if share >= _HIGH_SHARE else "medium" if share >= _MEDIUM_SHARE else "low"
         if is_head and severity == "high":
             severity = "medium"
-    elif recommended and group.role != TOKENS and value % recommended:
+    elif recommended and group.role != Role.TOKENS and value % recommended:
         severity, used = "low", recommended
     else:
         return None
-    if group.role == VOCAB:
+    if group.role == Role.VOCAB:
         # Padding a vocabulary costs a few rows and nothing else: go to the 128-byte multiple
         # (64 in 16 bits, the padding of nanoGPT's 50304) whatever the target.
         used = max(used, recommended or 0, 128 // ELEMENT_BYTES[group.dtype])
@@ -384,9 +403,9 @@ def _judge(group: _Group, tgt, capture: Capture, flops: list[int], total: int,
     what = _HINTS.get(group.role, group.role)
     argument = _argument(group, capture)
     fix = f"{argument}={suggested}" if argument else ""
-    if group.role == VOCAB:
+    if group.role == Role.VOCAB:
         advice = f"pad the vocabulary to {suggested} (the extra rows are never used as labels)"
-    elif group.role == TOKENS:
+    elif group.role == Role.TOKENS:
         advice = f"use a batch (x sequence) size that is a multiple of {used}"
     elif is_head:
         advice = (f"it is the model's output ({value} classes?): pad the head to {suggested} and mask the "
@@ -397,24 +416,25 @@ def _judge(group: _Group, tgt, capture: Capture, flops: list[int], total: int,
     feeds = f" It feeds {', '.join(f'`{c}`' for c in consumers)} (its input size changes with it)." \
         if consumers else ""
     cost_words = ""
-    if share is not None and group.role != TOKENS:
+    if share is not None and group.role != Role.TOKENS:
         cost_words = (f" {share:.1%} of the model's GEMM/convolution FLOPs run with it; misaligned, cuBLAS/"
                       "cuDNN choose slower kernels for them (narrower Tensor Core tiles, or CUDA cores).")
     message = (f"{group.role}={value} is not a multiple of {used} ({size} bytes of {group.dtype}); "
                f"{what}. {advice[0].upper()}{advice[1:]}.{feeds}{cost_words}")
-    return Finding(layer=group.layer, dimension=group.role, value=value, required_multiple=used,
+    # The report holds plain strings (the enums' values): its repr and JSON read as they always have.
+    passes = tuple(str(p) for p in (Pass.FORWARD, Pass.INPUT_GRADIENT, Pass.WEIGHT_GRADIENT)
+                   if p in group.passes)
+    return Finding(layer=group.layer, dimension=str(group.role), value=value, required_multiple=used,
                    severity=severity, suggested=suggested, param_cost=cost, dtype=group.dtype,
-                   layers=tuple(group.layers), ops=tuple(sorted(group.ops)),
-                   passes=tuple(p for p in (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) if p in group.passes),
+                   layers=tuple(group.layers), ops=tuple(sorted(group.ops)), passes=passes,
                    message=message, fix=fix, flop_share=None if share is None else round(share, 4))
-
 
 
 class NoRuleAppliedWarning(UserWarning):
     """The check ran, but no Tensor Core rule applied (float32 without TF32, or no GEMM recorded)."""
 
 
-def warn_if_nothing_checked(report: Report, precision_hint: str) -> Report:
+def warn_if_nothing_checked(report: AlignmentReport, precision_hint: str) -> AlignmentReport:
     """Warn, instead of passing silently, when a report is clean only because no rule applied."""
     fp32 = any(n.dimension == "dtype" for n in report.notes)
     if report.ops_seen == 0:
