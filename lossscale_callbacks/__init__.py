@@ -2,7 +2,10 @@
 
 The core (this package) never imports a framework. Framework callbacks live in
 ``lossscale_callbacks.keras``, ``lossscale_callbacks.torch`` and ``lossscale_callbacks.lightning``; sinks in
-``lossscale_callbacks.tensorboard`` and ``lossscale_callbacks.wandb``.
+``lossscale_callbacks.tensorboard`` and ``lossscale_callbacks.wandb``; the Tensor Core checker in
+``lossscale_callbacks.alignment``. Each package exports what users type; everything else is imported
+from the module that defines it (``lossscale_callbacks.health.HealthMonitor``,
+``lossscale_callbacks.metrics.MetricsTracker``, ``lossscale_callbacks.policy.policy_from_config``...).
 
 Example:
     >>> from lossscale_callbacks import DynamicPolicy, initial_state, next_state
@@ -13,54 +16,25 @@ Example:
 """
 
 from lossscale_callbacks._version import __version__
-from lossscale_callbacks.health import (
-    ConsecutiveSkips,
-    HealthMonitor,
-    LossScaleHealthError,
-    LossScaleHealthWarning,
-    ScaleOnlyDecreases,
-    SkipRate,
-    StuckAtMinScale,
-    Verdict,
-    default_rules,
-)
+from lossscale_callbacks.health import LossScaleHealthError, LossScaleHealthWarning
 from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.metrics import METRIC_NAMES, MetricsTracker, Snapshot
-from lossscale_callbacks.ops import NUMPY_OPS, NumpyOps, Ops
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy, policy_from_config
-from lossscale_callbacks.sinks import GuardedSink, InMemorySink, Sink, SinkGroup
+from lossscale_callbacks.metrics import METRIC_NAMES
+from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy
+from lossscale_callbacks.sinks import InMemorySink, Sink
 from lossscale_callbacks.state import LossScaleState
-from lossscale_callbacks.summary import summarize
 from lossscale_callbacks.update import initial_state, next_state
 
 __all__ = [
     "METRIC_NAMES",
-    "NUMPY_OPS",
-    "ConsecutiveSkips",
     "DynamicPolicy",
     "FixedPolicy",
-    "GuardedSink",
-    "HealthMonitor",
     "InMemorySink",
     "LoggingLoop",
     "LossScaleHealthError",
     "LossScaleHealthWarning",
     "LossScaleState",
-    "MetricsTracker",
-    "NumpyOps",
-    "Ops",
-    "Policy",
-    "ScaleOnlyDecreases",
     "Sink",
-    "SinkGroup",
-    "SkipRate",
-    "Snapshot",
-    "StuckAtMinScale",
-    "Verdict",
     "__version__",
-    "default_rules",
     "initial_state",
     "next_state",
-    "policy_from_config",
-    "summarize",
 ]

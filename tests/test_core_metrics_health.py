@@ -4,19 +4,15 @@ import pytest
 
 from lossscale_callbacks import (
     METRIC_NAMES,
-    ConsecutiveSkips,
     DynamicPolicy,
-    HealthMonitor,
     LossScaleHealthError,
     LossScaleHealthWarning,
-    MetricsTracker,
-    SkipRate,
-    StuckAtMinScale,
     initial_state,
     next_state,
-    summarize,
 )
-from lossscale_callbacks.health import evaluate
+from lossscale_callbacks.health import ConsecutiveSkips, HealthMonitor, SkipRate, StuckAtMinScale, evaluate
+from lossscale_callbacks.metrics import MetricsTracker
+from lossscale_callbacks.summary import summarize
 
 
 def run(policy, flags, tracker, every):
@@ -179,7 +175,7 @@ def test_a_second_read_at_the_same_step_keeps_the_runs():
 
 
 def test_raise_comes_after_the_other_verdicts_are_warned():
-    from lossscale_callbacks import Verdict
+    from lossscale_callbacks.health import Verdict
 
     monitor = HealthMonitor([])
     with pytest.warns(LossScaleHealthWarning, match="first"), \

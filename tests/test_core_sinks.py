@@ -2,8 +2,8 @@ import warnings
 
 import pytest
 
-from lossscale_callbacks import GuardedSink, InMemorySink, Sink, SinkGroup
-from lossscale_callbacks.sinks import SinkFailureWarning
+from lossscale_callbacks import InMemorySink, Sink
+from lossscale_callbacks.sinks import GuardedSink, SinkFailureWarning, SinkGroup
 
 
 class Exploding(InMemorySink):

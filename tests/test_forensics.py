@@ -166,7 +166,7 @@ def test_torch_loop_names_the_layer_and_the_causes(tmp_path, fused):
     assert "Layers with non-finite gradients in skipped steps: `decoder.0` (2)" in report
     assert "1 non-finite loss" in report
     if not fused:  # W&B: the same series, and the interval's report as a Table
-        from lossscale_callbacks.wandb import read_run, read_tables, wait_until_finished
+        from lossscale_callbacks.wandb.reader import read_run, read_tables, wait_until_finished
 
         wait_until_finished(str(tmp_path / "wb"))
         series = read_run(str(tmp_path / "wb"))

@@ -21,11 +21,11 @@ from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
 
 from lossscale_callbacks import (  # noqa: E402
     METRIC_NAMES,
-    ConsecutiveSkips,
     DynamicPolicy,
     InMemorySink,
     LossScaleHealthWarning,
 )
+from lossscale_callbacks.health import ConsecutiveSkips  # noqa: E402
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=256.0, growth_interval=4, max_scale=4096.0)

@@ -18,7 +18,8 @@ from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
 import lossscale_callbacks  # noqa: E402
 import lossscale_callbacks.lightning  # noqa: E402
 import lossscale_callbacks.torch  # noqa: E402
-from lossscale_callbacks import ConsecutiveSkips, DynamicPolicy, LossScaleHealthWarning  # noqa: E402
+from lossscale_callbacks import DynamicPolicy, LossScaleHealthWarning  # noqa: E402
+from lossscale_callbacks.health import ConsecutiveSkips  # noqa: E402
 from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin  # noqa: E402
 from lossscale_callbacks.metrics import METRIC_NAMES  # noqa: E402
 

@@ -70,7 +70,7 @@ def test_dashboards_block(tmp_path, monkeypatch):
     for sink in namespace["sinks"]:
         sink.write(1, {"loss_scale/scale": 1024.0})
         sink.close()
-    from lossscale_callbacks.tensorboard import read_run
+    from lossscale_callbacks.tensorboard.reader import read_run
 
     assert read_run(str(tmp_path / "runs" / "exp1"))["loss_scale/scale"] == [(1, 1024.0)]
 

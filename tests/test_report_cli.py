@@ -18,7 +18,8 @@ from lossscale_callbacks import metrics as m
 from lossscale_callbacks.cli import main
 from lossscale_callbacks.report import available_readers, build_report, write_png
 from lossscale_callbacks.tensorboard import TensorBoardSink
-from lossscale_callbacks.wandb import WandbSink, wait_until_finished
+from lossscale_callbacks.wandb import WandbSink
+from lossscale_callbacks.wandb.reader import wait_until_finished
 
 CLI = Path(sys.executable).with_name("lossscale-callbacks")
 
@@ -250,7 +251,7 @@ def test_report_on_a_keras_run(tmp_path, capsys):
 
     from lossscale_callbacks.keras import LossScaleCallback
     from lossscale_callbacks.sinks import InMemorySink
-    from lossscale_callbacks.tensorboard import read_run
+    from lossscale_callbacks.tensorboard.reader import read_run
 
     log_dir = tmp_path / "logs"
     memory = InMemorySink()

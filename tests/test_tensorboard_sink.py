@@ -13,14 +13,9 @@ from repo_scripts import load_script
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.sinks import SinkFailureWarning
-from lossscale_callbacks.tensorboard import (
-    LAYOUT_CATEGORY,
-    RunReadError,
-    TensorBoardSink,
-    read_run,
-    read_texts,
-)
-from lossscale_callbacks.tensorboard.reader import iter_events
+from lossscale_callbacks.tensorboard import TensorBoardSink
+from lossscale_callbacks.tensorboard.reader import RunReadError, iter_events, read_run, read_texts
+from lossscale_callbacks.tensorboard.sink import LAYOUT_CATEGORY
 
 PYTHON = sys.executable
 
@@ -95,7 +90,7 @@ def test_a_fifo_named_like_an_event_file_is_skipped_not_opened(tmp_path):
     os.mkfifo(tmp_path / "events.out.tfevents.fifo")
     (tmp_path / "deep").mkdir()
     os.mkfifo(tmp_path / "deep" / "events.out.tfevents.fifo")
-    code = f"from lossscale_callbacks.tensorboard import read_run; print(read_run({str(tmp_path)!r}))"
+    code = f"from lossscale_callbacks.tensorboard.reader import read_run; print(read_run({str(tmp_path)!r}))"
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "loss_scale/scale" in out.stdout
@@ -227,7 +222,8 @@ def test_bad_arguments_raise_value_error(kwargs, message):
 def test_importing_the_sink_imports_neither_tensorflow_nor_torch(tmp_path):
     code = (
         "import sys\n"
-        "from lossscale_callbacks.tensorboard import TensorBoardSink, read_run\n"
+        "from lossscale_callbacks.tensorboard import TensorBoardSink\n"
+        "from lossscale_callbacks.tensorboard.reader import read_run\n"
         f"s = TensorBoardSink({str(tmp_path)!r})\n"
         "s.write(1, {'loss_scale/scale': 2.0}); s.write_text('t', 'x'); s.close()\n"
         f"assert read_run({str(tmp_path)!r})['loss_scale/scale'] == [(1, 2.0)]\n"

@@ -36,7 +36,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.optim import Optimizer
 
-from lossscale_callbacks.lightning import LossScalePlugin, LossScaler
+from lossscale_callbacks.lightning import LossScalePlugin
+from lossscale_callbacks.torch import LossScaler
 
 _LIGHTNING_2_6 = lightning.__version__.startswith("2.6.")
 

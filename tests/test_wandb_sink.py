@@ -16,18 +16,20 @@ from repo_scripts import load_script
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.health import Verdict
-from lossscale_callbacks.wandb import (
-    FINAL_SCALE,
-    OVERALL_SKIP_RATE,
-    STEP_METRIC,
-    TOTAL_SKIPPED_STEPS,
+from lossscale_callbacks.wandb import WandbSink
+from lossscale_callbacks.wandb.reader import (
     RunReadError,
-    WandbOfflineWarning,
-    WandbSink,
     read_run,
     read_run_info,
     read_tables,
     wait_until_finished,
+)
+from lossscale_callbacks.wandb.sink import (
+    FINAL_SCALE,
+    OVERALL_SKIP_RATE,
+    STEP_METRIC,
+    TOTAL_SKIPPED_STEPS,
+    WandbOfflineWarning,
 )
 
 

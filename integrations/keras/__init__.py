@@ -1,8 +1,9 @@
-"""Keras 3 on any backend (TensorFlow, JAX, torch): LossScaleOptimizer on the shared core, LossScaleCallback.
+"""Keras 3 on any backend (TensorFlow, JAX, torch): ``LossScaleCallback`` and ``LossScaleOptimizer`` on the
+shared core, and ``DynamicLossScale`` (the ``tf.train.experimental`` seed API, TensorFlow only).
 
-TensorFlow is imported only on the TensorFlow backend, or when one of its pieces is asked for:
-``DynamicLossScale`` (the ``tf.train.experimental`` seed API), ``TFOps``/``TF_OPS`` and the
-alignment checker (``check_alignment``) need it.
+TensorFlow is imported only on the TensorFlow backend, or when ``DynamicLossScale`` is asked for. The
+rest is imported from its module: ``wrap`` and ``resolve_policy`` (``lossscale_callbacks.keras.optimizer``),
+the ops (``.keras_ops``, ``.tf_ops``), the alignment capture (``.alignment``).
 
 Example:
     >>> from lossscale_callbacks.keras import LossScaleCallback  # doctest: +SKIP
@@ -13,39 +14,13 @@ import importlib
 from typing import Any
 
 from lossscale_callbacks.keras.callback import LossScaleCallback
-from lossscale_callbacks.keras.keras_ops import KERAS_OPS, KerasOps
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer, resolve_policy, wrap
+from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
 
-__all__ = [
-    "KERAS_OPS",
-    "TF_OPS",
-    "DynamicLossScale",
-    "KerasOps",
-    "LossScaleCallback",
-    "LossScaleOptimizer",
-    "TFOps",
-    "all_finite",
-    "check_alignment",
-    "resolve_policy",
-    "wrap",
-]
-
-_LAZY = {
-    "DynamicLossScale": "lossscale_callbacks.keras.loss_scale",
-    "TF_OPS": "lossscale_callbacks.keras.tf_ops",
-    "TFOps": "lossscale_callbacks.keras.tf_ops",
-    # The alignment checker traces the model's graph; imported only when asked for.
-    "check_alignment": "lossscale_callbacks.keras.alignment",
-}
+__all__ = ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "all_finite":
-        # The backend's: TensorFlow's also reads tf.IndexedSlices.
-        import keras
-
-        module = "tf_ops" if keras.backend.backend() == "tensorflow" else "keras_ops"
-        return importlib.import_module(f"lossscale_callbacks.keras.{module}").all_finite
+    if name == "DynamicLossScale":
+        # The seed's TensorFlow API: TensorFlow is imported only when it is asked for.
+        return importlib.import_module("lossscale_callbacks.keras.loss_scale").DynamicLossScale
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

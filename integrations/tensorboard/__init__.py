@@ -1,24 +1,18 @@
-"""TensorBoard for lossscale-callbacks: a sink that writes event files, and a reader for the report command.
+"""TensorBoard for lossscale-callbacks: ``TensorBoardSink``, a sink that writes event files.
 
-Needs only the ``tensorboard`` package (``pip install lossscale-callbacks[tensorboard]``);
-neither TensorFlow nor torch is imported.
+Needs only the ``tensorboard`` package (``pip install "lossscale-callbacks[tensorboard]"``); neither
+TensorFlow nor torch is imported. The run reader behind the ``report`` command is
+:mod:`lossscale_callbacks.tensorboard.reader`.
 
 Example:
-    >>> from lossscale_callbacks.tensorboard import TensorBoardSink, read_run
+    >>> from lossscale_callbacks.tensorboard import TensorBoardSink
+    >>> from lossscale_callbacks.tensorboard.reader import read_run
     >>> sink = TensorBoardSink("runs/fp16")                          # doctest: +SKIP
     >>> sink.write(100, {"loss_scale/scale": 32768.0}); sink.close()  # doctest: +SKIP
     >>> read_run("runs/fp16")["loss_scale/scale"]                     # doctest: +SKIP
     [(100, 32768.0)]
 """
 
-from lossscale_callbacks.tensorboard.reader import RunReadError, read_run, read_texts
-from lossscale_callbacks.tensorboard.sink import LAYOUT_CATEGORY, TensorBoardSink, loss_scale_layout
+from lossscale_callbacks.tensorboard.sink import TensorBoardSink
 
-__all__ = [
-    "LAYOUT_CATEGORY",
-    "RunReadError",
-    "TensorBoardSink",
-    "loss_scale_layout",
-    "read_run",
-    "read_texts",
-]
+__all__ = ["TensorBoardSink"]

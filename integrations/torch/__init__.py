@@ -1,7 +1,9 @@
-"""PyTorch: ``LossScaler`` (a ``torch.amp.GradScaler`` on the core), torch ops, stock scalers, alignment.
+"""PyTorch: ``LossScaler``, a ``torch.amp.GradScaler`` drop-in on the shared loss-scaling core.
 
-Everything here needs only ``torch`` (``pip install lossscale-callbacks[torch]``); the Lightning
-plugin and monitor live in :mod:`lossscale_callbacks.lightning`, which re-exports ``LossScaler``.
+Needs only ``torch`` (``pip install "lossscale-callbacks[torch]"``); the Lightning plugins and monitor
+live in :mod:`lossscale_callbacks.lightning`. The rest is imported from its module: the torch ops
+(``lossscale_callbacks.torch.ops``), the readers of a stock ``GradScaler`` (``.stock``) and of
+DeepSpeed's scaler (``.deepspeed_reader``), the alignment capture (``.alignment``).
 
 Example:
     >>> from lossscale_callbacks.torch import LossScaler
@@ -9,25 +11,6 @@ Example:
     65536.0
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-from lossscale_callbacks.torch.ops import TorchOps
 from lossscale_callbacks.torch.scaler import LossScaler
-from lossscale_callbacks.torch.stock import StockScalerReader
 
-_LAZY = {
-    # The alignment checker imports torch's dispatch machinery; only when asked for.
-    "check_alignment": "lossscale_callbacks.torch.alignment",
-    "DeepSpeedScalerReader": "lossscale_callbacks.torch.deepspeed_reader",
-}
-
-__all__ = ["DeepSpeedScalerReader", "LossScaler", "StockScalerReader", "TorchOps", "check_alignment"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["LossScaler"]
