@@ -13,8 +13,35 @@ Example:
 import importlib
 from typing import Any
 
-from lossscale_callbacks.keras.callback import LossScaleCallback
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
+from lossscale_callbacks.extras import MissingExtraError, require
+
+_BACKENDS = ("Keras 3 runs on a backend you install yourself: tensorflow (or tensorflow-cpu), jax or torch; "
+             "choose it with the KERAS_BACKEND environment variable (tensorflow, jax or torch; Keras' "
+             "default is tensorflow)")
+_NEEDS_TENSORFLOW = ("DynamicLossScale is TensorFlow's tf.train.experimental API and needs tensorflow "
+                     "(pip install tensorflow, or tensorflow-cpu), which is not installed")
+_WITHOUT_TENSORFLOW = "LossScaleOptimizer and LossScaleCallback run on every Keras backend without it"
+# The backends' packages, by the name an import error gives (jax needs jaxlib too).
+_BACKEND_PACKAGES = {"tensorflow": "tensorflow", "jax": "jax", "jaxlib": "jax", "torch": "torch"}
+
+
+def _require_keras() -> None:
+    """Keras, and the backend it was told to use; each missing one said as such."""
+    try:
+        require("keras", "keras", feature="lossscale_callbacks.keras", hint=_BACKENDS)
+    except MissingExtraError as exc:
+        backend = _BACKEND_PACKAGES.get((exc.name or "").split(".")[0])
+        if backend is None:
+            raise
+        cause = exc.__cause__
+        raise ImportError(f"lossscale_callbacks.keras: Keras is installed, but its backend {backend!r} is "
+                          f"not ({cause}). {_BACKENDS}.", name=exc.name) from cause
+
+
+_require_keras()
+
+from lossscale_callbacks.keras.callback import LossScaleCallback  # noqa: E402
+from lossscale_callbacks.keras.optimizer import LossScaleOptimizer  # noqa: E402
 
 __all__ = ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"]
 
@@ -22,5 +49,10 @@ __all__ = ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"]
 def __getattr__(name: str) -> Any:
     if name == "DynamicLossScale":
         # The seed's TensorFlow API: TensorFlow is imported only when it is asked for.
-        return importlib.import_module("lossscale_callbacks.keras.loss_scale").DynamicLossScale
+        try:
+            return importlib.import_module("lossscale_callbacks.keras.loss_scale").DynamicLossScale
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "tensorflow":
+                raise
+            raise ImportError(f"{_NEEDS_TENSORFLOW} ({exc}); {_WITHOUT_TENSORFLOW}", name=exc.name) from exc
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

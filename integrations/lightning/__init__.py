@@ -11,8 +11,27 @@ Example:
     65536.0
 """
 
-from lossscale_callbacks.lightning.fsdp import LossScaleFSDPPlugin
-from lossscale_callbacks.lightning.monitor import LossScaleMonitor
-from lossscale_callbacks.lightning.plugin import LossScalePlugin
+from lossscale_callbacks.extras import MissingExtraError, require
+
+_FEATURE = "lossscale_callbacks.lightning"
+
+
+def _require_lightning() -> None:
+    """torch, and either Lightning namespace; when neither is there, the error names `lightning`."""
+    require("torch", "lightning", feature=_FEATURE)
+    try:
+        require("lightning.pytorch", "lightning", feature=_FEATURE)
+    except MissingExtraError as missing:
+        try:
+            require("pytorch_lightning", "lightning", feature=_FEATURE)
+        except MissingExtraError:
+            raise missing from None
+
+
+_require_lightning()
+
+from lossscale_callbacks.lightning.fsdp import LossScaleFSDPPlugin  # noqa: E402
+from lossscale_callbacks.lightning.monitor import LossScaleMonitor  # noqa: E402
+from lossscale_callbacks.lightning.plugin import LossScalePlugin  # noqa: E402
 
 __all__ = ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"]

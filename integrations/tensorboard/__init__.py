@@ -13,6 +13,11 @@ Example:
     [(100, 32768.0)]
 """
 
-from lossscale_callbacks.tensorboard.sink import TensorBoardSink
+from lossscale_callbacks.extras import require
+
+# The event-file protos: TensorBoard installed without protobuf is reported here too, naming the extra.
+require("tensorboard.compat.proto.event_pb2", "tensorboard", feature="lossscale_callbacks.tensorboard")
+
+from lossscale_callbacks.tensorboard.sink import TensorBoardSink  # noqa: E402
 
 __all__ = ["TensorBoardSink"]

@@ -11,6 +11,10 @@ Example:
     65536.0
 """
 
-from lossscale_callbacks.torch.scaler import LossScaler
+from lossscale_callbacks.extras import require
+
+require("torch", "torch", feature="lossscale_callbacks.torch")
+
+from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
 
 __all__ = ["LossScaler"]

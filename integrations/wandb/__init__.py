@@ -12,6 +12,10 @@ Example:
     [(100, 32768.0)]
 """
 
-from lossscale_callbacks.wandb.sink import WandbSink
+from lossscale_callbacks.extras import require
+
+require("wandb", "wandb", feature="lossscale_callbacks.wandb")
+
+from lossscale_callbacks.wandb.sink import WandbSink  # noqa: E402
 
 __all__ = ["WandbSink"]
