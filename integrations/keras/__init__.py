@@ -12,9 +12,11 @@ Example:
 import importlib
 from typing import Any
 
+from lossscale_callbacks.keras.arguments import resolve_policy
 from lossscale_callbacks.keras.callback import LossScaleCallback
 from lossscale_callbacks.keras.keras_ops import KERAS_OPS, KerasOps
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer, resolve_policy, wrap
+from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
+from lossscale_callbacks.keras.wrapping import wrap
 
 __all__ = [
     "KERAS_OPS",

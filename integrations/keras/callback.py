@@ -13,7 +13,10 @@ import keras
 from lossscale_callbacks._validation import check_bool, check_int, check_policy
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.health import HealthMonitor
-from lossscale_callbacks.keras.optimizer import _DIAGNOSE_TF_ONLY, LossScaleOptimizer, wrap
+from lossscale_callbacks.keras.config import record_in_compile_config
+from lossscale_callbacks.keras.forensics_wiring import DIAGNOSE_TF_ONLY
+from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
+from lossscale_callbacks.keras.wrapping import wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import METRIC_NAMES, Snapshot
 from lossscale_callbacks.policy import Policy
@@ -117,7 +120,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.diagnose = check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
         if diagnose and keras.backend.backend() != "tensorflow":
-            raise ValueError(_DIAGNOSE_TF_ONLY)
+            raise ValueError(DIAGNOSE_TF_ONLY)
         self.headroom_every = headroom_every
         HealthMonitor.from_spec(health)  # validated here, used by each fit's logging loop
         self.log_every = log_every
@@ -177,11 +180,7 @@ class LossScaleCallback(keras.callbacks.Callback):
             if model.built and model.trainable_variables:
                 ours.build(model.trainable_variables)
         model.optimizer = ours
-        # model.save() writes the compile config: it must name our optimizer, or
-        # load_model() would rebuild the old one and skip our variables.
-        compile_config = getattr(model, "_compile_config", None)
-        if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):
-            compile_config.config["optimizer"] = ours
+        record_in_compile_config(model, ours)  # what model.save() names (see keras.config)
         # fit() made (but has not traced) the train function for the old optimizer.
         model.make_train_function(force=True)
         return ours
