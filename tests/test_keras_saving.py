@@ -178,6 +178,22 @@ def test_load_weights_of_a_bad_state_loads_nothing_into_the_optimizer(saved, tmp
         np.testing.assert_array_equal(a, b.numpy())  # the inner optimizer's slots as well
 
 
+def test_weights_saved_by_keras_own_optimizer_are_refused_with_what_to_do(tmp_path):
+    def compiled(optimizer):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=optimizer, loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    keras_own = compiled(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))
+    keras_own.save_weights(tmp_path / "k.weights.h5")
+    ours = compiled(LossScaleOptimizer(keras.optimizers.Adam(), policy=POLICY))
+    ours.optimizer.assign_state(STATE)
+    with pytest.raises(ValueError, match="saved by Keras' own LossScaleOptimizer loads into that class"):
+        ours.load_weights(tmp_path / "k.weights.h5")
+    assert ours.optimizer.read_state() == _built_optimizer().read_state()
+
+
 # ---- issue 19: a saved model loads without this library ----
 
 WITHOUT_LIBRARY = textwrap.dedent("""

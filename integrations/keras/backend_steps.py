@@ -97,6 +97,12 @@ class TensorFlowStep(_Step):
     def tensor(self, value: Any) -> Any:
         return self._tf.convert_to_tensor(value)  # keras.ops gives a tf.Variable back as it is
 
+    def pack_state(self, state: LossScaleState) -> Any:
+        """The state as one int64 vector: the float32 scale's bits, then the counters (TensorFlow's ops:
+        a third of keras.ops' Python cost per read)."""
+        tf = self._tf
+        return tf.stack([tf.cast(tf.bitcast(state.scale, tf.int32), tf.int64), *state[1:]])
+
     def unscale(self, grad: Any, scale: Any) -> Any:
         return self._tf_ops.unscale(grad, scale)  # also tf.IndexedSlices
 
@@ -196,6 +202,14 @@ def _jax_gradients(fn: Callable[[], Any], variables: list[Any]) -> list[Any]:
     return list(jax.grad(of_values)([v.value for v in variables]))
 
 
+def _jax_pack(scale: Any, *counters: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    bits = jax.lax.bitcast_convert_type(scale, jnp.int32).astype(counters[0].dtype)
+    return jnp.stack([bits, *counters])
+
+
 def _torch_gradients(fn: Callable[[], Any], variables: list[Any]) -> list[Any]:
     import torch
 
@@ -206,6 +220,15 @@ class JaxStep(_KerasOpsStep):
     """JAX: one stateless step for ``fit`` and custom loops alike."""
 
     _gradients = staticmethod(_jax_gradients)
+
+    def __init__(self) -> None:
+        import jax
+
+        self._pack = jax.jit(_jax_pack)
+
+    def pack_state(self, state: LossScaleState) -> Any:
+        """The state as one integer vector: the float32 scale's bits, then the counters (one jitted call)."""
+        return self._pack(*state)
 
     def apply(self, opt: Any, grads: list[Any], variables: list[Any] | None, unscaled: bool) -> None:
         """The stateless step on the current values, written back to the variables."""
@@ -226,6 +249,13 @@ class TorchStep(_KerasOpsStep):
 
     def __init__(self) -> None:
         self._rule_ops: Any = None
+
+    def pack_state(self, state: LossScaleState) -> Any:
+        """The state as one int64 vector: the float32 scale's bits, then the counters (torch's own ops)."""
+        import torch
+
+        bits = state.scale.view(torch.int32).to(state.growth_counter.dtype)
+        return torch.stack([bits, *state[1:]])
 
     def apply(self, opt: Any, grads: list[Any], variables: list[Any] | None, unscaled: bool) -> None:
         """One host read (the branch on the overflow flag), as Keras' own LossScaleOptimizer on torch."""

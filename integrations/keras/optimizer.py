@@ -130,7 +130,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer = inner_optimizer
         # As Keras does: the inner optimizer must not scale the loss a second time.
         inner_optimizer.loss_scale_factor = None
-        self._state_variables = LossScaleVariables(self, resolved)
+        self._state_variables = LossScaleVariables(self, resolved, step.pack_state)
         # An attribute of its own: Keras saves it under optimizer/loss_scale_counters and
         # tf.train.Checkpoint tracks it (see state_variables).
         self.loss_scale_counters = self._state_variables.counters

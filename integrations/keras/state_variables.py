@@ -67,19 +67,25 @@ class LossScaleVariables:
         optimizer: the optimizer that owns the scale and the growth counter (created with its
             ``add_variable``, right after its iteration and learning rate: Keras' layout).
         policy: the policy the state runs under (checked on every load).
+        pack: the backend's way to stack a state of tensors into one integer vector, the float32
+            scale as its bits first (the backend step's ``pack_state``).
 
     Example:
-        >>> opt = keras.optimizers.SGD(0.1)
+        >>> from lossscale_callbacks.keras.backend_steps import backend_step
         >>> from lossscale_callbacks.policy import DynamicPolicy
-        >>> variables = LossScaleVariables(opt, DynamicPolicy(initial_scale=8.0, hysteresis=2))
+        >>> opt = keras.optimizers.SGD(0.1)
+        >>> policy = DynamicPolicy(initial_scale=8.0, hysteresis=2)
+        >>> variables = LossScaleVariables(opt, policy, backend_step().pack_state)
         >>> variables.read()
         LossScaleState(scale=np.float32(8.0), growth_counter=np.int64(0), hysteresis_left=np.int64(2), \
 skipped_steps=np.int64(0), steps=np.int64(0))
     """
 
-    def __init__(self, optimizer: keras.optimizers.Optimizer, policy: Policy) -> None:
+    def __init__(self, optimizer: keras.optimizers.Optimizer, policy: Policy,
+                 pack: Callable[[LossScaleState], Any]) -> None:
         dtype = counter_dtype()
         self.policy = policy
+        self._pack = pack
         # Keras' order: step_counter, then dynamic_scale.
         self.growth_counter = optimizer.add_variable(
             shape=(), dtype=dtype, initializer=keras.initializers.Constant(0),
@@ -107,10 +113,7 @@ skipped_steps=np.int64(0), steps=np.int64(0))
         The scale's float32 bits ride along with the counters (a bitcast to int32, exact both ways), so
         the five values are one stacked tensor on the device and one copy to the host.
         """
-        values = self.values()
-        bits = ops.cast(ops.view(values.scale, "int32"), self.growth_counter.dtype)
-        stacked = ops.stack([bits, *values[1:]])
-        host = np.asarray(ops.convert_to_numpy(stacked)).astype(np.int64)
+        host = np.asarray(ops.convert_to_numpy(self._pack(self.values()))).astype(np.int64)
         scale = host[:1].astype(np.int32).view(np.float32)[0]
         return LossScaleState(scale, *host[1:])
 
@@ -149,8 +152,11 @@ skipped_steps=np.int64(0), steps=np.int64(0))
             return  # the optimizer's own list was skipped: keep the state as it is
         layout, saved = staged
         if len(counters) != 3:
-            raise ValueError(f"the saved optimizer holds {len(counters)} loss-scale counters under "
-                             "loss_scale_counters, expected 3 (hysteresis_left, skipped_steps, steps)")
+            raise ValueError(
+                f"the saved optimizer holds {len(counters)} loss-scale counters "
+                "(optimizer/loss_scale_counters), expected 3 (hysteresis_left, skipped_steps, steps): a file "
+                "saved by Keras' own LossScaleOptimizer loads into that class (LossScaleCallback then "
+                "carries its scale over)")
         by_variable = {id(var): value for var, value in zip(layout, saved, strict=True)}
         state = validate_state(self.policy, {
             "scale": by_variable[id(self.scale)], "growth_counter": by_variable[id(self.growth_counter)],
