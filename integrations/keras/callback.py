@@ -58,15 +58,17 @@ class LossScaleCallback(keras.callbacks.Callback):
     sinks passed in ``sinks=`` belong to the caller and are only flushed.
 
     Saving: the loss-scale state is saved with the model (``model.save()``, ``save_weights()``,
-    ``ModelCheckpoint``, ``BackupAndRestore``) and checked whole when it is loaded. With the default
-    policy, or any ``DynamicPolicy`` that only changes ``initial_scale`` and ``growth_interval``, a
+    ``ModelCheckpoint``, ``BackupAndRestore``) and checked whole when it is loaded. When the callback
+    installed the optimizer (the model was compiled with a Keras optimizer) and the policy is the
+    default, or any ``DynamicPolicy`` that only changes ``initial_scale`` and ``growth_interval``, a
     ``.keras`` file names Keras' own ``LossScaleOptimizer``: ``keras.models.load_model()`` in a process
     that never imports this library (a serving job) gets the model compiled with Keras' class, its scale
     and growth counter, and can keep training (Keras' class does not clamp the scale to ``[1, 2**24]``);
     where ``lossscale_callbacks.keras`` is imported the same file comes back with our optimizer and its
-    whole state. Any other policy (hysteresis, other bounds or factors, a ``FixedPolicy``) needs this
-    library: ``import lossscale_callbacks.keras`` before ``load_model()``, or load with
-    ``compile=False``; without it Keras' error says so and names the policy.
+    whole state. Any other policy (hysteresis, other bounds or factors, a ``FixedPolicy``), or a model
+    compiled with our ``LossScaleOptimizer`` itself, needs this library: ``import
+    lossscale_callbacks.keras`` before ``load_model()``, or load with ``compile=False``; without it
+    Keras' error says so (and names the policy Keras' class cannot run).
 
     Cost: the state read happens once per interval. Like any callback with a batch-end hook,
     it makes Keras convert ``logs`` to Python numbers after every batch and dispatch batch ends
