@@ -32,7 +32,8 @@ from lossscale_callbacks.update import next_state
 
 
 class _Step:
-    """What every backend's step shares: unscaling every gradient but those that overwrite their variable."""
+    """What every backend's step shares: unscaling (every gradient but those that overwrite their variable),
+    where a call comes from, a variable's value as a tensor."""
 
     def tensor(self, value: Any) -> Any:
         """``value`` (a variable's) as a tensor of the backend."""
@@ -49,39 +50,6 @@ class _Step:
     def call_site(self) -> tuple[Any, Any]:
         """(the replica, the trace) a call comes from; only TensorFlow has several of either."""
         return None, None
-
-    def stateless(self, opt: Any, optimizer_values: list[Any], grads: list[Any], trainable_values: list[Any],
-                  unscaled: bool) -> tuple[list[Any], list[Any]]:
-        """Keras' functional step: new trainable values and new values of ``opt.variables``. No host read.
-
-        The inner optimizer's ``stateless_apply`` runs in an ``ops.cond`` on the overflow flag, so a
-        skipped step returns every trainable and optimizer value unchanged.
-        """
-        variables, inner = opt.variables, opt.inner_optimizer
-        if len(optimizer_values) != len(variables):
-            raise ValueError(f"optimizer_variables: expected {len(variables)} values (this optimizer's "
-                             f"`variables`), got {len(optimizer_values)}")
-        own = variables[:len(variables) - len(inner.variables)]
-        own_values, inner_values = optimizer_values[:len(own)], optimizer_values[len(own):]
-        by_variable = {id(v): value for v, value in zip(own, own_values, strict=True)}
-        fields = opt.loss_scale_variables.fields
-        state = LossScaleState(*(by_variable[id(v)] for v in fields))
-        finite = keras_ops.all_finite(grads)
-        if not unscaled:
-            grads = self.unscale_all(grads, opt._trainable_variables, state.scale)
-
-        def apply_inner() -> tuple[list[Any], list[Any]]:
-            new = inner.stateless_apply(inner_values, grads, trainable_values)
-            return list(new[0]), list(new[1])
-
-        def skip() -> tuple[list[Any], list[Any]]:
-            return list(trainable_values), list(inner_values)
-
-        new_trainable, new_inner = ops.cond(finite, apply_inner, skip)
-        new_state = next_state(opt.policy, state, finite, keras_ops.KERAS_OPS)
-        for var, value in zip(fields, new_state, strict=True):
-            by_variable[id(var)] = ops.cast(value, var.dtype)
-        return new_trainable, [by_variable[id(v)] for v in own] + new_inner
 
 
 class TensorFlowStep(_Step):
@@ -179,7 +147,8 @@ class TensorFlowStep(_Step):
 
 
 class _KerasOpsStep(_Step):
-    """JAX and torch: gradients of a callable loss with the backend's own autodiff (``_gradients``)."""
+    """JAX and torch: Keras' stateless step in ``keras.ops``; gradients of a callable loss with the backend's
+    own autodiff (``_gradients``)."""
 
     _gradients: Callable[[Callable[[], Any], list[Any]], list[Any]]
 
@@ -190,6 +159,39 @@ class _KerasOpsStep(_Step):
                              f"{keras.backend.backend()} backend; a loss tensor with a tape is "
                              "TensorFlow's form")
         return self._gradients(lambda: opt.scale_loss(loss()), var_list)
+
+    def stateless(self, opt: Any, optimizer_values: list[Any], grads: list[Any], trainable_values: list[Any],
+                  unscaled: bool) -> tuple[list[Any], list[Any]]:
+        """Keras' functional step: new trainable values and new values of ``opt.variables``. No host read.
+
+        The inner optimizer's ``stateless_apply`` runs in an ``ops.cond`` on the overflow flag, so a
+        skipped step returns every trainable and optimizer value unchanged.
+        """
+        variables, inner = opt.variables, opt.inner_optimizer
+        if len(optimizer_values) != len(variables):
+            raise ValueError(f"optimizer_variables: expected {len(variables)} values (this optimizer's "
+                             f"`variables`), got {len(optimizer_values)}")
+        own = variables[:len(variables) - len(inner.variables)]
+        own_values, inner_values = optimizer_values[:len(own)], optimizer_values[len(own):]
+        by_variable = {id(v): value for v, value in zip(own, own_values, strict=True)}
+        fields = opt.loss_scale_variables.fields
+        state = LossScaleState(*(by_variable[id(v)] for v in fields))
+        finite = keras_ops.all_finite(grads)
+        if not unscaled:
+            grads = self.unscale_all(grads, opt._trainable_variables, state.scale)
+
+        def apply_inner() -> tuple[list[Any], list[Any]]:
+            new = inner.stateless_apply(inner_values, grads, trainable_values)
+            return list(new[0]), list(new[1])
+
+        def skip() -> tuple[list[Any], list[Any]]:
+            return list(trainable_values), list(inner_values)
+
+        new_trainable, new_inner = ops.cond(finite, apply_inner, skip)
+        new_state = next_state(opt.policy, state, finite, keras_ops.KERAS_OPS)
+        for var, value in zip(fields, new_state, strict=True):
+            by_variable[id(var)] = ops.cast(value, var.dtype)
+        return new_trainable, [by_variable[id(v)] for v in own] + new_inner
 
 
 def _jax_gradients(fn: Callable[[], Any], variables: list[Any]) -> list[Any]:

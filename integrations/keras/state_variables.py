@@ -71,12 +71,11 @@ class LossScaleVariables:
             scale as its bits first (the backend step's ``pack_state``).
 
     Example:
-        >>> from lossscale_callbacks.keras.backend_steps import backend_step
+        >>> from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
         >>> from lossscale_callbacks.policy import DynamicPolicy
-        >>> opt = keras.optimizers.SGD(0.1)
         >>> policy = DynamicPolicy(initial_scale=8.0, hysteresis=2)
-        >>> variables = LossScaleVariables(opt, policy, backend_step().pack_state)
-        >>> variables.read()
+        >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), policy=policy)
+        >>> opt.loss_scale_variables.read()
         LossScaleState(scale=np.float32(8.0), growth_counter=np.int64(0), hysteresis_left=np.int64(2), \
 skipped_steps=np.int64(0), steps=np.int64(0))
     """
