@@ -73,6 +73,15 @@ def test_fit_skips_an_inf_batch_bit_identically_and_logs(results, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_read_state_is_one_copy_of_the_stacked_state_on_every_backend(results, backend):
+    read = results(backend)["one_read"]
+    assert (read["convert_to_numpy"], read["variable_reads"]) == (1, 0)
+    assert read["exact"]  # float32 scale bits; counters at 2**40 (int32 max on JAX without x64)
+    assert read["dtypes"] == ["float32"] + ["int64"] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_metrics_reach_tensorboard_on_every_backend(results, backend):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

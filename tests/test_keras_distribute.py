@@ -113,3 +113,17 @@ def test_contrast_keras_own_optimizer_applies_an_inf_seen_by_one_replica(tmp_pat
     first_poisoned = POISONED[0]
     assert records["finite_weights"][first_poisoned - 1] == [True, True]
     assert records["finite_weights"][first_poisoned] == [False, False]
+
+
+@pytest.mark.slow
+def test_tf_keras_custom_loop_on_two_replicas_unscales_once_per_replica():
+    """get_unscaled_gradients → (a sync point) → apply_gradients in each replica's thread: every replica's
+    apply takes its own gradients as unscaled, eagerly and in a tf.function (see PendingUnscales)."""
+    script = os.path.join(os.path.dirname(__file__), "keras_scripts", "mirrored_custom_loop.py")
+    proc = subprocess.run([sys.executable, script], env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["replicas"] == 2
+    assert result["moved"] == {"eager": -2.0, "function": -2.0}  # -1.125 if one replica divided twice
+    assert (result["steps"], result["skipped"]) == (2, 0)

@@ -13,7 +13,10 @@ import keras
 from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.health import HealthMonitor
-from lossscale_callbacks.keras.optimizer import _DIAGNOSE_TF_ONLY, LossScaleOptimizer, wrap
+from lossscale_callbacks.keras.config import record_in_compile_config
+from lossscale_callbacks.keras.forensics_wiring import DIAGNOSE_TF_ONLY
+from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
+from lossscale_callbacks.keras.wrapping import wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import METRIC_NAMES, Snapshot
 from lossscale_callbacks.policy import Policy, check_policy
@@ -53,6 +56,19 @@ class LossScaleCallback(keras.callbacks.Callback):
     ``MultiWorkerMirroredStrategy``. Sinks made from ``tensorboard=``/``wandb=`` are opened
     at each ``fit()``'s start and closed at its end (so each ``fit()`` is one W&B run);
     sinks passed in ``sinks=`` belong to the caller and are only flushed.
+
+    Saving: the loss-scale state is saved with the model (``model.save()``, ``save_weights()``,
+    ``ModelCheckpoint``, ``BackupAndRestore``) and checked whole when it is loaded. When the callback
+    installed the optimizer (the model was compiled with a Keras optimizer) and the policy is the
+    default, or any ``DynamicPolicy`` that only changes ``initial_scale`` and ``growth_interval``, a
+    ``.keras`` file names Keras' own ``LossScaleOptimizer``: ``keras.models.load_model()`` in a process
+    that never imports this library (a serving job) gets the model compiled with Keras' class, its scale
+    and growth counter, and can keep training (Keras' class does not clamp the scale to ``[1, 2**24]``);
+    where ``lossscale_callbacks.keras`` is imported the same file comes back with our optimizer and its
+    whole state. Any other policy (hysteresis, other bounds or factors, a ``FixedPolicy``), or a model
+    compiled with our ``LossScaleOptimizer`` itself, needs this library: ``import
+    lossscale_callbacks.keras`` before ``load_model()``, or load with ``compile=False``; without it
+    Keras' error says so (and names the policy Keras' class cannot run).
 
     Cost: the state read happens once per interval. Like any callback with a batch-end hook,
     it makes Keras convert ``logs`` to Python numbers after every batch and dispatch batch ends
@@ -117,7 +133,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.diagnose = check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
         if diagnose and keras.backend.backend() != "tensorflow":
-            raise ValueError(_DIAGNOSE_TF_ONLY)
+            raise ValueError(DIAGNOSE_TF_ONLY)
         self.headroom_every = headroom_every
         HealthMonitor.from_spec(health)  # validated here, used by each fit's logging loop
         self.log_every = log_every
@@ -177,11 +193,7 @@ class LossScaleCallback(keras.callbacks.Callback):
             if model.built and model.trainable_variables:
                 ours.build(model.trainable_variables)
         model.optimizer = ours
-        # model.save() writes the compile config: it must name our optimizer, or
-        # load_model() would rebuild the old one and skip our variables.
-        compile_config = getattr(model, "_compile_config", None)
-        if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):
-            compile_config.config["optimizer"] = ours
+        record_in_compile_config(model, ours)  # what model.save() names (see keras.config)
         # fit() made (but has not traced) the train function for the old optimizer.
         model.make_train_function(force=True)
         return ours

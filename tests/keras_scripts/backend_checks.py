@@ -7,7 +7,8 @@ Checks: the core rule in ``keras.ops`` against the NumPy reference (all conforma
 JAX), the tf.keras documentation's ``minimize`` (0.5) and tape-style (0.25) examples, ``fit`` with
 ``LossScaleCallback`` and a batch holding an Inf (the step skipped, weights and optimizer slots
 bit-identical, the metrics in ``logs`` and TensorBoard), ``model.save``/``load_model`` resuming the
-state, and the alignment check's answer on this backend.
+state, ``read_state()`` as one conversion of the stacked state, and the alignment check's answer on this
+backend.
 """
 
 from __future__ import annotations
@@ -179,6 +180,35 @@ def jax_data_parallel() -> dict:
         keras.distribution.set_distribution(None)
 
 
+def one_read() -> dict:
+    """``read_state()``: one conversion to NumPy (the stacked state), no variable read; values bit-exact."""
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    opt.build([keras.Variable(np.ones(2, "float32"))])
+    steps = 2**31 - 1 if opt.state_variables.steps.dtype == "int32" else 2**40 + 1  # JAX without x64: int32
+    opt.assign_state({"scale": 1234.5678, "growth_counter": 7, "skipped_steps": 3, "steps": steps})
+    variable_type = type(opt.state_variables.scale)
+    counts = {"convert_to_numpy": 0, "variable_reads": 0}
+    convert, numpy_of, array_of = ops.convert_to_numpy, variable_type.numpy, variable_type.__array__
+
+    def counting(key, fn):
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    ops.convert_to_numpy = counting("convert_to_numpy", convert)
+    variable_type.numpy = counting("variable_reads", numpy_of)
+    variable_type.__array__ = counting("variable_reads", array_of)
+    try:
+        state = opt.read_state()
+    finally:
+        ops.convert_to_numpy, variable_type.numpy, variable_type.__array__ = convert, numpy_of, array_of
+    separately = [np.asarray(ops.convert_to_numpy(v.value)) for v in opt.state_variables]
+    return {**counts, "exact": [np.asarray(x).item() for x in state] == [x.item() for x in separately]
+            and state.scale.tobytes() == separately[0].tobytes() and int(state.steps) == steps,
+            "dtypes": [np.asarray(x).dtype.name for x in state]}
+
+
 def diagnose() -> str:
     """Overflow forensics: built on TensorFlow; elsewhere both entry points refuse with the same words."""
     from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
@@ -209,7 +239,7 @@ def main() -> None:
     out = sys.argv[1]
     result = {"backend": BACKEND, "conformance_cases": conformance(), "seed": seed_examples(),
               "fit": fit_with_inf_batch(out), "alignment": alignment(),
-              "diagnose": diagnose()}
+              "diagnose": diagnose(), "one_read": one_read()}
     if BACKEND == "jax":
         result["data_parallel"] = jax_data_parallel()
     print("RESULT " + json.dumps(result))
