@@ -10,6 +10,7 @@ says so, takes no timings, and still prints what the checker finds.
 Run:
     python benchmarks/alignment_gemm.py                 # default shapes
     python benchmarks/alignment_gemm.py --size 8192 --json out.json --strict
+    python benchmarks/alignment_gemm.py --quick        # 64 features, 2 timed passes: checks it runs
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import sys
 
 import torch
+from _quick import parse_args
 
 from lossscale_callbacks.torch.alignment import check_alignment
 
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None, help="GPU target for the checker (a100, h100...)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when checker and timings disagree")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, size=64, iters=2, warmup=1)
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -1,6 +1,6 @@
 """What overflow forensics cost per step: ``diagnose=True`` and ``"every_step"`` against ``diagnose=False``.
 
-    python benchmarks/forensics_overhead.py [--rounds 11] [--steps 20] [--json out.json]
+    python benchmarks/forensics_overhead.py [--rounds 11] [--steps 20] [--json out.json] [--quick]
 
 Two frameworks, each with three arms of the same model in one process, the arms alternating round by
 round (the order reversed every other round):
@@ -29,26 +29,30 @@ import os
 import statistics
 import time
 
+from _quick import parse_args
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 ARMS = ("off", "on", "every")
 MODES = {"off": False, "on": True, "every": "every_step"}
 
 
-def torch_rounds(rounds: int, steps: int, fused: bool) -> dict[str, list[float]]:
+def torch_rounds(rounds: int, steps: int, fused: bool, width: int = 2048,
+                 batch: int = 256) -> dict[str, list[float]]:
     import torch
 
     from lossscale_callbacks import DynamicPolicy
     from lossscale_callbacks.torch import LossScaler
 
     torch.manual_seed(0)
-    x = torch.randn(256, 256)
+    x = torch.randn(batch, 256)
     arms = {}
     for name in ARMS:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048),
-                                    torch.nn.GELU(), torch.nn.Linear(2048, 2048), torch.nn.GELU(),
-                                    torch.nn.Linear(2048, 256))
+        model = torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.GELU(),
+                                    torch.nn.Linear(width, width), torch.nn.GELU(),
+                                    torch.nn.Linear(width, width), torch.nn.GELU(),
+                                    torch.nn.Linear(width, 256))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
         scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**10), diagnose=MODES[name])
         if MODES[name]:
@@ -123,20 +127,23 @@ def summarize(times: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--steps", type=int, default=20, help="steps per arm and round (torch)")
     parser.add_argument("--keras-steps", type=int, default=300)
+    parser.add_argument("--width", type=int, default=2048, help="torch MLP's hidden width (2048: 8.9M parameters)")
+    parser.add_argument("--batch", type=int, default=256, help="batch of the torch MLP")
     parser.add_argument("--only", choices=("torch", "keras"), default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
-    if args.rounds < 3:
+    args = parse_args(parser, argv, rounds=2, steps=2, keras_steps=5, width=64, batch=16)
+    if args.rounds < 3 and not args.quick:
         parser.error("--rounds must be >= 3")
     results = {}
     if args.only in (None, "torch"):
-        results["torch_adamw_foreach"] = summarize(torch_rounds(args.rounds, args.steps, fused=False))
-        results["torch_adamw_fused"] = summarize(torch_rounds(args.rounds, args.steps, fused=True))
+        for name, fused in (("torch_adamw_foreach", False), ("torch_adamw_fused", True)):
+            times = torch_rounds(args.rounds, args.steps, fused, args.width, args.batch)
+            results[name] = summarize(times)
     if args.only in (None, "keras"):
         results["keras_fit"] = summarize(keras_rounds(args.rounds, args.keras_steps))
     print(f"{os.cpu_count()} CPU cores, {args.rounds} alternating rounds\n")

@@ -1,6 +1,6 @@
 """Overhead of lossscale-callbacks in Keras 3 ``fit``: ours vs ``keras.optimizers.LossScaleOptimizer``.
 
-    python benchmarks/keras_overhead.py [--rounds 7] [--steps 300]
+    python benchmarks/keras_overhead.py [--rounds 7] [--steps 300] [--quick]
     KERAS_BACKEND=jax python benchmarks/keras_overhead.py      # or torch: any Keras 3 backend
 
 Four arms train the same mixed_float16 MLP (same initial weights, same data) in one process:
@@ -34,6 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras
 import numpy as np
+from _quick import parse_args
 
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
 
@@ -49,14 +50,14 @@ def build(width: int, features: int, seed: int = 0) -> keras.Model:
     ])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=128)
-    args = parser.parse_args()
-    if args.rounds < 5:
+    args = parse_args(parser, argv, rounds=2, steps=5, width=32, batch=16)
+    if args.rounds < 5 and not args.quick:
         parser.error("--rounds must be >= 5")
 
     keras.mixed_precision.set_global_policy("mixed_float16")

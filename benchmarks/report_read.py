@@ -11,6 +11,7 @@ event, then times, each in its own process (wall time and peak memory of that pr
 
     python benchmarks/report_read.py                      # 1,000,000 events
     python benchmarks/report_read.py --events 100000 --skip-tensorboard
+    python benchmarks/report_read.py --quick              # 3,000 events: checks it runs
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from _quick import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", default=None, help="where to write the event file (default: a temp folder)")
     parser.add_argument("--skip-tensorboard", action="store_true", help="time only ours")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, events=3000)
 
     folder = args.dir or tempfile.mkdtemp(prefix="report_read_")
     path = write_event_file(folder, args.events, args.loss_scale_every)

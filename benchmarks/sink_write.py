@@ -8,7 +8,7 @@ last flush; finishing the W&B run).
 W&B runs offline here (no network in the benchmark); ``run.log`` only hands the row to W&B's
 service process over a local socket in either mode, so the per-call cost is the same online.
 
-    python benchmarks/sink_write.py [--writes 10000] [--json]
+    python benchmarks/sink_write.py [--writes 10000] [--json] [--quick]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+
+from _quick import parse_args
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.sinks import GuardedSink, InMemorySink, Sink
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--writes", type=int, default=10_000)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, writes=200)
     os.environ.setdefault("WANDB_SILENT", "true")
 
     from lossscale_callbacks.tensorboard import TensorBoardSink
@@ -75,8 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         factories: dict[str, Callable[[], Sink]] = {
             "InMemorySink": InMemorySink,
             "GuardedSink(InMemorySink)": lambda: GuardedSink(InMemorySink()),
-            "TensorBoardSink": lambda: TensorBoardSink(os.path.join(tmp, "tb"), min_scale=1.0,
-                                                       max_scale=2.0**24),
+            "TensorBoardSink": lambda: TensorBoardSink(os.path.join(tmp, "tb")),
             "WandbSink (offline)": lambda: WandbSink(project="bench", dir=tmp, mode="offline"),
         }
         for name, factory in factories.items():

@@ -14,6 +14,7 @@ floor measured in the same run: bytes read and written by the pass over the band
 
     python benchmarks/torch_overhead.py                      # CUDA when available, else CPU
     python benchmarks/torch_overhead.py --device cpu --rounds 9 --json out.json
+    python benchmarks/torch_overhead.py --quick              # a tiny model, 2 rounds: checks it runs
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _quick import parse_args
 from torch.overrides import TorchFunctionMode
 
 from lossscale_callbacks import DynamicPolicy
@@ -268,12 +270,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--clock", choices=["auto", "wall", "process"], default="auto",
                         help="auto: wall time on CUDA, process CPU time on the CPU")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, width=64, depth=2, batch=8, rounds=2, steps=2, warmup=1,
+                      unscale_repeats=3)
     if args.clock == "auto":
         args.clock = "wall" if torch.device(args.device).type == "cuda" else "process"
     global _clock
     _clock = time.perf_counter if args.clock == "wall" else time.process_time
-    if math.prod((args.width, args.width, args.depth)) < 10_000_000:
+    if math.prod((args.width, args.width, args.depth)) < 10_000_000 and not args.quick:
         print("note: fewer than 10M parameters; the acceptance figure asks for at least 10M")
     results = run(args)
     print(report(results))

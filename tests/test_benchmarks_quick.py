@@ -1,0 +1,120 @@
+"""Every benchmark runs in its quick mode and prints its figures, so none goes stale unnoticed.
+
+Each script runs as a user runs it (``python benchmarks/<script>.py --quick``, in a subprocess) and its
+output must hold every figure of its table. Only the shape of the figures is checked (a number where a
+number belongs, never ``nan``), not their values: timings on a shared machine are not test material.
+"""
+
+from __future__ import annotations
+
+import argparse
+import doctest
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from repo_scripts import ROOT, load_script
+
+NUM = r"\d+\.\d+"  # a finite decimal figure: nan and inf do not match
+
+# script -> (extra arguments besides --quick, patterns its output must hold, one per figure line)
+SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    "alignment_gemm.py": ([], [
+        r"^aligned\s+64\s+64\s+128\s+none",
+        r"^in-1\s+63\s+64\s+128\s+high",
+        r"^tokens-1\s+64\s+64\s+127\s+low",
+        # No GPU: the checker's verdicts and the sentence that timings need one. A GPU: its timing columns.
+        rf"(Tensor Core timings need a CUDA GPU|^out-1 .* high\s+{NUM}\s+{NUM}\s+{NUM}$)",
+    ]),
+    "forensics_overhead.py": ([], [
+        rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
+        for name in ("torch_adamw_foreach", "torch_adamw_fused", "keras_fit")
+    ]),
+    "keras_overhead.py": ([], [
+        *(rf"^{arm}\s+{NUM}\s+{NUM}\s+{NUM}$" for arm in ("keras", "ours", r"ours\+cb", r"ours\+null")),
+        *(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$" for label in (
+            "ours / keras LossScaleOptimizer", "ours + LossScaleCallback(100) / ours",
+            "ours + empty batch-end callback / ours", "ours + LossScaleCallback / ours + empty")),
+        rf"^LossScaleCallback host work: {NUM} us per batch, \d+ us per log",
+    ]),
+    "report_read.py": (["--dir", "{tmp}"], [
+        r"^3000 events \(30 with loss_scale/\*\)",
+        rf"^lossscale-callbacks report: {NUM} s, peak \d+ MiB$",
+        rf"^TensorBoard EventAccumulator \(all scalars\): {NUM} s, peak \d+ MiB$",
+        rf"^ours / TensorBoard's: {NUM} \(time\)$",
+    ]),
+    "sink_write.py": ([], [
+        rf"^{re.escape(sink)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
+        for sink in ("InMemorySink", "GuardedSink(InMemorySink)", "TensorBoardSink", "WandbSink (offline)")
+    ]),
+    "torch_overhead.py": ([], [
+        *(rf"^\| {kind} \| {NUM}M \| {NUM} \| {NUM} \| {NUM} \| \d+/\d+ \| {NUM}/{NUM} \| {NUM} \| {NUM} "
+          rf"\| \d+/\d+ \| {NUM} \|$" for kind in ("sgd_foreach", "adamw_fused")),
+        rf"^copy bandwidth measured: {NUM} GB/s",
+    ]),
+}
+
+# Modules of benchmarks/ that are not benchmarks: the shared quick option and the GPU command.
+NOT_BENCHMARKS = {"_quick.py", "gpu.py"}
+
+
+def test_every_benchmark_script_has_a_quick_run_here():
+    scripts = {path.name for path in (ROOT / "benchmarks").glob("*.py")} - NOT_BENCHMARKS
+    assert scripts == set(SCRIPTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_benchmark_quick_run_prints_its_figures(script, tmp_path):
+    extra, patterns = SCRIPTS[script]
+    command = [sys.executable, str(ROOT / "benchmarks" / script), "--quick",
+               *(arg.format(tmp=tmp_path) for arg in extra)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.startswith("quick mode:") or "\nquick mode:" in done.stdout
+    missing = [p for p in patterns if not re.search(p, done.stdout, re.MULTILINE)]
+    assert not missing, f"figures missing from the output of {script}: {missing}\n{done.stdout}"
+
+
+@pytest.fixture
+def quick_module():
+    return load_script("benchmarks/_quick.py")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--width", type=int, default=1792)
+    return parser
+
+
+def test_quick_replaces_defaults_but_not_values_given(quick_module, capsys):
+    args = quick_module.parse_args(_parser(), ["--quick", "--rounds", "3"], rounds=1, width=8)
+    assert (args.quick, args.rounds, args.width) == (True, 3, 8)
+    assert capsys.readouterr().out.startswith("quick mode:")
+    args = quick_module.parse_args(_parser(), [], rounds=1, width=8)
+    assert (args.quick, args.rounds, args.width) == (False, 11, 1792)
+    assert capsys.readouterr().out == ""
+
+
+def test_quick_refuses_a_value_for_an_option_the_script_lacks(quick_module):
+    with pytest.raises(ValueError, match=r"\['steps'\]"):
+        quick_module.parse_args(_parser(), ["--quick"], rounds=1, steps=2)
+
+
+def test_check_args_parses_and_exits_without_running(quick_module, capsys):
+    with pytest.raises(SystemExit) as stop:
+        quick_module.parse_args(_parser(), ["--rounds", "5", "--check-args"], rounds=1)
+    assert stop.value.code == 0
+    assert "'rounds': 5" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:  # a bad argument is argparse's usage error, status 2
+        quick_module.parse_args(_parser(), ["--rounds", "many", "--check-args"], rounds=1)
+    assert stop.value.code == 2
+
+
+def test_quick_docstring_example(quick_module):
+    failures, attempted = doctest.testmod(quick_module)
+    assert (failures, attempted) == (0, 3)
