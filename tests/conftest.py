@@ -1,10 +1,14 @@
 """Test-wide settings: quiet TensorFlow, keep W&B offline and inside temporary folders.
 
 CUDA is never hidden: on a machine with a GPU the CUDA tests run, and the header of the run says
-whether they do (and why not, when they are skipped).
+whether they do (and why not, when they are skipped). A CUDA test carries ``@pytest.mark.cuda``:
+it is skipped, with that reason, where torch sees no CUDA device, and the summary line counts the
+CUDA tests collected. ``pytest -m cuda`` selects them (``python3 dev.py gpu`` runs them).
 """
 
 import os
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -12,24 +16,46 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_DISABLE_GIT", "true")
 os.environ.setdefault("WANDB_CONSOLE", "off")
 
+_CUDA_TESTS = pytest.StashKey[int]()
 
-def _cuda_line() -> str:
+
+def _cuda_devices() -> tuple[str | None, str]:
+    """The CUDA devices torch sees (None when none), and the reason when none."""
     try:
         import torch
     except ImportError:
-        return "CUDA tests: skipped (torch is not installed)"
+        return None, "torch is not installed"
     if not torch.cuda.is_available():
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         why = (f"CUDA_VISIBLE_DEVICES={hidden!r} hides the GPUs" if hidden is not None and not hidden.strip()
                else f"no CUDA device visible to torch {torch.__version__}")
-        return f"CUDA tests: skipped ({why})"
-    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-    return f"CUDA tests: run on {names}"
+        return None, why
+    return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), ""
+
+
+def _cuda_line(config=None) -> str:
+    devices, why = _cuda_devices()
+    count = config.stash.get(_CUDA_TESTS, None) if config is not None else None
+    tests = "" if count is None else f": {count} test{'s' * (count != 1)} marked cuda"
+    if devices is None:
+        return f"CUDA tests: skipped ({why}){tests}"
+    return f"CUDA tests: run on {devices}{tests}"
 
 
 def pytest_report_header(config):
     return _cuda_line()
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k have deselected: count what runs
+def pytest_collection_modifyitems(config, items):
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    config.stash[_CUDA_TESTS] = len(cuda_items)
+    devices, why = _cuda_devices()
+    if devices is None:
+        skip = pytest.mark.skip(reason=f"needs a CUDA device ({why})")
+        for item in cuda_items:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    terminalreporter.write_line(_cuda_line())
+    terminalreporter.write_line(_cuda_line(config))

@@ -63,7 +63,7 @@ def test_python_bools_and_float_flags_are_accepted():
     assert torch.equal(a.scale, b.scale) and int(a.skipped_steps) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_conformance_on_cuda():
     for case in conformance_cases(num_random=8, max_len=300):
         assert_conforms(case, _run_torch(case, "cuda"))

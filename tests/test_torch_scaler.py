@@ -117,7 +117,7 @@ def test_no_host_read_in_a_step_with_a_fused_optimizer(kind, inject_inf):
     assert scaler.get_state().skipped_steps == (1 if inject_inf else 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["adam_fused", "adamw_fused", "sgd_fused"])
 def test_fused_step_on_cuda_passes_sync_debug_mode_error(kind):
     model = _model().cuda()
