@@ -7,10 +7,14 @@ The README's quick start is these two commands, on a machine with nothing but Py
     python3 dev.py test    # set everything up, then lint (ruff), run the test suite (pytest) and
                            # install the built wheel into a fresh venv and run the README there (smoke)
     python3 dev.py wheel   # the README's every install path, each in a fresh venv from the built wheel
+    python3 dev.py gpu     # on a CUDA machine without network: the CUDA tests and GPU benchmarks, one
+                           # markdown file of figures (docs/gpu.md); elsewhere a dry run that exits 0
 
-Both create ``.venv/`` inside the repository on first use and reuse it afterwards: the
+The first three create ``.venv/`` inside the repository on first use and reuse it afterwards: the
 install is redone only when ``pyproject.toml`` or the pins below change. Extra arguments
-after ``test`` go to pytest (``python3 dev.py test -k policy``).
+after ``test`` go to pytest (``python3 dev.py test -k policy``). ``gpu`` uses the Python that runs
+it and the packages already on the machine, installs offline (``benchmarks/gpu.py``), and passes
+its arguments on (``python3 dev.py gpu --wheels DIR``).
 """
 
 from __future__ import annotations
@@ -123,11 +127,18 @@ def wheel(python: Path, extra: list[str]) -> int:
     return _run([str(python), "tests/wheel_paths.py", *extra])
 
 
+def gpu(extra: list[str]) -> int:
+    """The GPU command, with this interpreter: no ``.venv`` and no network (it installs what it needs)."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *extra]).returncode
+
+
 def main(argv: list[str]) -> int:
     commands = {"demo": demo, "test": test, "wheel": wheel}
-    if not argv or argv[0] not in commands:
-        print(f"usage: python3 dev.py {{{'|'.join(commands)}}} [args...]", file=sys.stderr)
+    if not argv or argv[0] not in (*commands, "gpu"):
+        print(f"usage: python3 dev.py {{{'|'.join([*commands, 'gpu'])}}} [args...]", file=sys.stderr)
         return 2
+    if argv[0] == "gpu":
+        return gpu(argv[1:])
     python = setup()
     return commands[argv[0]](python, argv[1:])
 

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--steps", type=int, default=20, help="steps per arm and round (torch)")
     parser.add_argument("--keras-steps", type=int, default=300)
-    parser.add_argument("--width", type=int, default=2048, help="torch MLP's hidden width (2048: 8.9M parameters)")
+    parser.add_argument("--width", type=int, default=2048, help="torch MLP's width (2048: 8.9M parameters)")
     parser.add_argument("--batch", type=int, default=256, help="batch of the torch MLP")
     parser.add_argument("--only", choices=("torch", "keras"), default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
