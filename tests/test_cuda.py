@@ -111,7 +111,7 @@ def test_the_launch_count_counts_launches():
 
 @pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_update_is_at_most_two_launches(policy, overflow):
+def test_update_is_at_most_two_launches_as_the_cuda_runtime_counts_them(policy, overflow):
     model = mlp(2)
     opt = OPTIMIZERS["adamw_fused"](model.parameters())
     scaler = LossScaler(policy=POLICIES[policy], device="cuda")

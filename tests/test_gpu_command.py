@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -245,6 +246,15 @@ def test_wheel_names_and_versions(tmp_path):
     assert install.find_wheel(tmp_path, "numpy") is None and install.find_wheel(None, "keras") is None
     assert install.version_tuple("80.9.0") == (80, 9, 0) and install.version_tuple("77.0rc1") == (77, 0)
     assert install.build_requirement(ROOT) == ("setuptools", (77,))
+
+
+def test_every_test_that_needs_cuda_carries_the_marker_the_gpu_command_selects():
+    """A CUDA test skipped by its own ``skipif`` would be left out of ``pytest -m cuda`` on the GPU."""
+    pattern = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)")
+    unmarked = [f"{path.name}:{text[:match.start()].count(chr(10)) + 1}"
+                for path in sorted((ROOT / "tests").glob("test_*.py"))
+                for text in [path.read_text()] for match in pattern.finditer(text)]
+    assert not unmarked, f"use @pytest.mark.cuda (tests/conftest.py skips it without CUDA) at {unmarked}"
 
 
 @pytest.mark.slow
