@@ -90,7 +90,7 @@ def tests_section(result: Result) -> tuple[list[str], str]:
     cuda = [ln for ln in lines if ln.startswith("CUDA tests:")]
     failures = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
     figure = closing[-1].strip("= ") if closing else "no closing line (see the log)"
-    body = [f"pytest: **{figure}**", ""] + [f"{ln}" for ln in cuda[-1:]]
+    body = [f"pytest: **{figure}**", "", *cuda[-1:]]
     if failures:
         body += ["", "Failed:", "", *(f"- `{ln}`" for ln in failures)]
     return body, figure
@@ -183,30 +183,35 @@ SECTIONS: dict[str, Callable[[Result], tuple[list[str], str]]] = {
 }
 
 
+def _guarded(build: Callable[..., tuple[list[str], str]], *args: Any,
+             fallback: str = "unreadable") -> tuple[list[str], str]:
+    """``build(*args)``, or a line saying why the figures could not be read (a renamed JSON key...)."""
+    try:
+        return build(*args)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        return [f"The figures could not be read ({type(exc).__name__}: {exc}); see the log below."], fallback
+
+
 def _section(result: Result) -> tuple[list[str], str]:
     build = SECTIONS.get(result.name)
     if build is None or not result.output:
         return [], ""
-    try:
-        return build(result)
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        return [f"The figures could not be read ({type(exc).__name__}: {exc}); see the log below."], \
-            "unreadable"
+    return _guarded(build, result)
 
 
 def render(meta: Meta, results: list[Result]) -> str:
     """The whole markdown file."""
     by_name = {r.name: r for r in results}
-    machine, device = machine_section(by_name.get("environment"))
+    machine, device = _guarded(machine_section, by_name.get("environment"), fallback="unknown device")
     sections, summary = [], []
     for result in results:
         body, figure = _section(result)
         summary.append([result.title, result.status, f"{result.seconds:.0f}", figure or "-"])
         if body:
             sections += [f"## {result.title}", "", f"`{' '.join(result.command)}`", "", *body, ""]
-        if result.name == "torch-large":
-            sections += ["## Unscale pass against the memory-bandwidth floor", "",
-                         *bandwidth_section(by_name), ""]
+    if {"torch-small", "torch-large"} & set(by_name):
+        bandwidth, _ = _guarded(lambda: (bandwidth_section(by_name), ""))
+        sections += ["## Unscale pass against the memory-bandwidth floor", "", *bandwidth, ""]
     spent = sum(r.seconds for r in results)
     lines = [f"# GPU figures: {device}", "",
              f"`{meta.command}` on {meta.started}, checkout {meta.checkout}; {spent:.0f} s of a "

@@ -186,9 +186,14 @@ def test_a_part_whose_figures_cannot_be_read_says_so(tmp_path):
     broken.write_text(json.dumps({"optimizers": {"sgd_foreach": {"renamed": 1}}}))
     result = report.Result("torch-small", "small", ["torch_overhead.py"], "ok", True, 1.0, "| table |",
                            broken)
-    text = report.render(report.Meta("now", "x", 10, "gpu"), [result])
+    machine = tmp_path / "machine.json"
+    machine.write_text(json.dumps({"device": {"cuda": True}, "versions": {}}))
+    env = report.Result("environment", "The machine", ["probe"], "ok", True, 1.0, "probe output", machine)
+    text = report.render(report.Meta("now", "x", 10, "gpu"), [env, result])
     assert "The figures could not be read (KeyError: 'median_step_s'); see the log below." in text
-    assert "# GPU figures: unknown device" in text
+    assert "The figures could not be read (KeyError: 'name'); see the log below." in text
+    assert text.startswith("# GPU figures: unknown device\n")
+    assert "## Unscale pass against the memory-bandwidth floor\n\nThe figures could not be read" in text
 
 
 # ------------------------------------------------------------------------------ the offline install
