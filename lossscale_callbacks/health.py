@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from lossscale_callbacks.metrics import Snapshot
-from lossscale_callbacks.process import user_stacklevel
+from lossscale_callbacks.stacklevel import user_stacklevel
 
 ACTIONS: tuple[str, ...] = ("warn", "raise", "stop")
 

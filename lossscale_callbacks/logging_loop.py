@@ -25,7 +25,7 @@ from lossscale_callbacks.forensics import (
 from lossscale_callbacks.health import HealthMonitor, HealthSpec, Verdict
 from lossscale_callbacks.metrics import ALIGNMENT_TAG, SUMMARY_TAG, MetricsTracker, Snapshot
 from lossscale_callbacks.policy import check_policy
-from lossscale_callbacks.process import is_rank_zero
+from lossscale_callbacks.ranks import is_rank_zero
 from lossscale_callbacks.sinks import Sink, SinkGroup
 from lossscale_callbacks.summary import summarize
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from lossscale_callbacks.at_exit import close_at_exit, forget_at_exit
+from lossscale_callbacks.ranks import is_rank_zero
 
 
 @runtime_checkable
@@ -168,6 +171,61 @@ class GuardedSink:
             self.sink.close()
         except Exception:  # already reported once when the sink was disabled
             pass
+
+
+class ManagedSink(GuardedSink):
+    """A sink backend run behind the guard, on rank 0 only, and closed at interpreter exit.
+
+    The dashboard sinks (TensorBoard, W&B) are built on this class so that a plain training
+    loop that uses one directly gets the same protection as the framework callbacks: the
+    first failure (unwritable folder, full disk, W&B down) is warned once and disables the
+    sink, and training goes on. The rank is looked up at the first call (after the program has
+    set up ``torch.distributed``); on other ranks every call is a no-op and the backend never
+    opens anything. Once the backend has written, it is closed at interpreter exit unless
+    :meth:`close` was called before.
+
+    Args:
+        backend: the object doing the work, with ``write``, ``write_text``, ``flush``, ``close``.
+        name: how warnings name the sink.
+        all_ranks: write on every rank, not only rank 0 (for per-rank log folders).
+
+    Example:
+        >>> memory = InMemorySink()
+        >>> sink = ManagedSink(memory, name="memory", all_ranks=True)
+        >>> sink.write(1, {"loss_scale/scale": 2.0}); sink.close()
+        >>> memory.records, memory.closed
+        ([(1, {'loss_scale/scale': 2.0})], True)
+    """
+
+    def __init__(self, backend: Any, name: str, all_ranks: bool = False) -> None:
+        super().__init__(backend, name=name)
+        self.all_ranks = bool(all_ranks)
+        self._writes: bool | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether calls reach the backend: not disabled, and on a writing rank."""
+        if self.disabled:
+            return False
+        if self._writes is None:
+            self._writes = self.all_ranks or is_rank_zero()
+        return self._writes
+
+    def _call(self, method: str, *args: object) -> None:
+        if method == "close" and self.disabled:
+            forget_at_exit(self)
+            try:  # release what the failed backend holds; its failure was warned already
+                self.sink.close()
+            except Exception:
+                pass
+            return
+        if not self.active:
+            return
+        if method == "close":
+            forget_at_exit(self)
+        GuardedSink._call(self, method, *args)
+        if method != "close" and not self.disabled:
+            close_at_exit(self)
 
 
 class SinkGroup:

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from lossscale_callbacks.process import ManagedSink, process_rank
-from lossscale_callbacks.sinks import InMemorySink, SinkFailureWarning
+from lossscale_callbacks.ranks import process_rank
+from lossscale_callbacks.sinks import InMemorySink, ManagedSink, SinkFailureWarning
 
 RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "JSM_NAMESPACE_RANK",
              "LOCAL_RANK", "TF_CONFIG")
@@ -82,7 +82,8 @@ def test_a_disabled_sink_still_closes_its_backend_quietly(clean_env):
 def test_the_core_report_and_cli_import_no_framework_or_dashboard_package():
     code = (
         "import sys\n"
-        "import lossscale_callbacks.cli, lossscale_callbacks.report, lossscale_callbacks.process\n"
+        "import lossscale_callbacks.cli, lossscale_callbacks.report\n"
+        "import lossscale_callbacks.ranks, lossscale_callbacks.sinks, lossscale_callbacks.at_exit\n"
         "heavy = ('tensorflow', 'torch', 'keras', 'lightning', 'pytorch_lightning', 'wandb', 'tensorboard',"
         " 'matplotlib')\n"
         "print(sorted({k.split('.')[0] for k in sys.modules} & set(heavy)))\n"

@@ -24,7 +24,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks._validation import check_number
-from lossscale_callbacks.process import ManagedSink
+from lossscale_callbacks.sinks import ManagedSink
 
 __all__ = ["LAYOUT_CATEGORY", "TensorBoardSink", "loss_scale_layout"]
 
@@ -184,7 +184,7 @@ class TensorBoardSink(ManagedSink):
     is TensorBoard's pure-Python record checksum), paid once per log interval.
 
     Neither TensorFlow nor torch is imported. Nothing is created until the first write, and
-    only on rank 0 (see :func:`lossscale_callbacks.process.process_rank`); writes from several
+    only on rank 0 (see :func:`lossscale_callbacks.ranks.process_rank`); writes from several
     threads go to one file. A failure (the folder cannot be created, the disk is full) is warned
     once and disables the sink; training and the other sinks go on. The file is flushed on
     :meth:`flush`, on :meth:`close`, by the first write that comes ``flush_secs`` or more after

@@ -23,7 +23,8 @@ import wandb
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks._validation import check_number
 from lossscale_callbacks.health import Verdict
-from lossscale_callbacks.process import ManagedSink, user_stacklevel
+from lossscale_callbacks.sinks import ManagedSink
+from lossscale_callbacks.stacklevel import user_stacklevel
 
 __all__ = [
     "FINAL_SCALE",
@@ -258,7 +259,7 @@ class WandbSink(ManagedSink):
     between online and offline, instead of ``wandb.init`` waiting its 90 s ``init_timeout``
     for a server it cannot reach. A failure (``wandb.init`` raising, the run gone) is warned once
     and disables the sink; training and the other sinks go on. Only rank 0 logs (see
-    :func:`lossscale_callbacks.process.process_rank`). A run the sink started is finished on
+    :func:`lossscale_callbacks.ranks.process_rank`). A run the sink started is finished on
     :meth:`close` or at interpreter exit; a run it was given or found is left to its owner.
 
     Args:
