@@ -63,10 +63,23 @@ __all__ = [
 
 def check_diagnose(diagnose: Any) -> bool | str:
     """``diagnose``: ``False`` (off), ``True`` (causes and layers every step, headroom sampled), or
-    ``"every_step"`` (also the headroom and the Inf/NaN kind on every step)."""
-    if diagnose not in VALID_DIAGNOSE or (isinstance(diagnose, int) and not isinstance(diagnose, bool)):
-        raise ValueError(f"diagnose must be one of {list(VALID_DIAGNOSE)}, got {diagnose!r}")
-    return diagnose
+    ``"every_step"`` (also the headroom and the Inf/NaN kind on every step).
+
+    Only these three values: ``1.0``, ``0``, ``np.bool_(True)`` or a tensor compare equal to a bool but
+    are refused, so a mistyped value never switches the forensics on or off silently.
+
+    Example:
+        >>> check_diagnose("every_step")
+        'every_step'
+        >>> check_diagnose(1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: diagnose must be one of [False, True, 'every_step'], got 1.0 (float)
+    """
+    if diagnose is True or diagnose is False or (type(diagnose) is str and diagnose == "every_step"):
+        return diagnose
+    raise ValueError(f"diagnose must be one of {list(VALID_DIAGNOSE)}, got {diagnose!r} "
+                     f"({type(diagnose).__name__})")
 
 
 def layer_of(parameter_name: str, separator: str = ".") -> str:

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from lossscale_callbacks._validation import check_int
 from lossscale_callbacks.metrics import Snapshot
 from lossscale_callbacks.stacklevel import user_stacklevel
 
@@ -349,7 +350,7 @@ class HealthMonitor:
 
     Args:
         rules: the rules to apply.
-        max_history: snapshots kept (the skip-rate window is measured inside them).
+        max_history: snapshots kept (the skip-rate window is measured inside them), an integer >= 1.
 
     Example:
         >>> monitor = HealthMonitor.from_spec("warn")
@@ -364,6 +365,7 @@ class HealthMonitor:
                 raise ValueError(
                     f"health rules must be callables with an action in {list(ACTIONS)}, got {rule!r}"
                 )
+        check_int("max_history", max_history, 1, 2**31 - 1)
         self.history: deque[Snapshot] = deque(maxlen=max_history)
         self._active: set[str] = set()
         self.verdicts: list[Verdict] = []
@@ -396,11 +398,26 @@ class HealthMonitor:
                 f"health must be None, a bool, one of {list(ACTIONS)}, or health rules; got {spec!r}"
             ) from None
 
+    def restart(self) -> None:
+        """Judge from scratch from the next snapshot on (a new segment of the run: its steps went back).
+
+        The problems found so far stay in :attr:`verdicts`; a rule that fires again in the new
+        segment is reported again.
+        """
+        self.history.clear()
+        self._active.clear()
+
     def observe(self, snapshot: Snapshot) -> list[Verdict]:
-        """Add a snapshot, return the new verdicts (each firing rule once)."""
+        """Add a snapshot, return the new verdicts (each firing rule once).
+
+        Raises:
+            ValueError: ``snapshot`` is not a :class:`~lossscale_callbacks.metrics.Snapshot`.
+        """
+        if not isinstance(snapshot, Snapshot):
+            raise ValueError(f"snapshot must be a lossscale_callbacks.metrics.Snapshot, got "
+                             f"{type(snapshot).__name__}")
         if self.history and snapshot.step < self.history[-1].step:
-            self.history.clear()
-            self._active.clear()
+            self.restart()
         self.history.append(snapshot)
         found = evaluate(self.rules, self.history)
         firing = {v.rule for v in found}

@@ -16,12 +16,17 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from lossscale_callbacks._validation import check_int, check_number
+from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
+
 SCALE = "loss_scale/scale"
 LOG2_SCALE = "loss_scale/log2_scale"
 GROWTH_COUNTER = "loss_scale/growth_counter"
 SKIPPED_STEPS = "loss_scale/skipped_steps"
 SKIPPED_IN_INTERVAL = "loss_scale/skipped_in_interval"
 SKIP_RATE = "loss_scale/skip_rate"
+# Written only after a restart (the steps went backwards): which segment of the run a row belongs to.
+SEGMENT = "loss_scale/segment"
 # The optimizer steps attempted, as a value: a logger whose own step axis counts something else
 # (Lightning's logging step counts batches, from 0) still carries the count the rates are based on.
 STEPS = "loss_scale/steps"
@@ -32,8 +37,10 @@ METRIC_NAMES: tuple[str, ...] = (
 # Written once per run (text or config), not as series: the policy's settings and bounds
 # (lossscale_callbacks.sinks.POLICY_TAG); and the reports.
 SUMMARY_TAG = "loss_scale/summary"
+RESTART_TAG = "loss_scale/restart"
 ALIGNMENT_TAG = "loss_scale/alignment"
-COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)
+COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS, SEGMENT)
+INTERVAL_METRICS: tuple[str, ...] = (SKIPPED_IN_INTERVAL, SKIP_RATE)
 
 # The "Loss scale" dashboard section: (chart title, tag), in order. The TensorBoard sink and the
 # Lightning monitor both build their Custom Scalars layout from this one list.
@@ -47,6 +54,10 @@ DASHBOARD_CHARTS: tuple[tuple[str, str], ...] = (
     ("loss scale", SCALE),
 )
 STEP_AXIS = "optimizer steps attempted (skipped steps included)"
+_INT64_MAX = 2**63 - 1
+_SNAPSHOT_COUNTS = ("step", "growth_counter", "hysteresis_left", "skipped_steps", "interval_steps",
+                    "skipped_in_interval", "consecutive_skipped", "steps_at_min_scale",
+                    "total_steps_at_min_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +82,32 @@ class Snapshot:
     steps_at_min_scale: int
     total_steps_at_min_scale: int
 
+    def __post_init__(self) -> None:
+        try:  # the invariants first, cheaply: the report rebuilds a million snapshots
+            consistent = (0 <= self.skipped_steps <= self.step and 0 <= self.skipped_in_interval
+                          <= self.interval_steps and 0.0 <= self.skip_rate <= 1.0
+                          and min(self.growth_counter, self.hysteresis_left, self.consecutive_skipped,
+                                  self.steps_at_min_scale, self.total_steps_at_min_scale) >= 0)
+        except TypeError:
+            consistent = False
+        integral = (type(self.step) is type(self.skipped_steps) is type(self.interval_steps)
+                    is type(self.skipped_in_interval) is type(self.growth_counter)
+                    is type(self.hysteresis_left) is type(self.consecutive_skipped)
+                    is type(self.steps_at_min_scale) is type(self.total_steps_at_min_scale) is int)
+        if not (consistent and integral) or type(self.scale) is not float:
+            self._explain()
+
+    def _explain(self) -> None:
+        """Raise the ``ValueError`` that names what is wrong with this snapshot."""
+        for name in _SNAPSHOT_COUNTS:
+            check_int(f"Snapshot.{name}", getattr(self, name), 0, _INT64_MAX)
+        check_number("Snapshot.skip_rate", self.skip_rate, 0.0, 1.0)
+        if type(self.scale) is not float:
+            raise ValueError(f"Snapshot.scale must be a float, got {self.scale!r}")
+        raise ValueError(f"Snapshot: more skipped steps than steps (skipped_steps={self.skipped_steps}, "
+                         f"step={self.step}, skipped_in_interval={self.skipped_in_interval}, "
+                         f"interval_steps={self.interval_steps})")
+
     def metrics(self) -> dict[str, float | int]:
         """The metric schema as plain numbers, ready for any logger: counts are ``int``, the rest ``float``.
 
@@ -94,10 +131,87 @@ def log2_scale(scale: float) -> float:
     return math.log2(scale) if math.isfinite(scale) and scale > 0 else math.nan
 
 
-def _host_value(state: Any, name: str) -> Any:
+def _count(owner: str, name: str, value: Any) -> int:
+    return check_int(f"{owner}{name}", value, 0, _INT64_MAX, allow_integral_float=True)
+
+
+def _raw_fields(state: Any) -> tuple[Any, ...]:
+    """The five fields of ``state`` in :data:`STATE_FIELDS` order; a ``ValueError`` names a missing one."""
+    if type(state) is LossScaleState:
+        return tuple(state)
     if isinstance(state, Mapping):
-        return state[name]
-    return getattr(state, name)
+        missing = [name for name in STATE_FIELDS if name not in state]
+        if missing:
+            raise ValueError(f"state: the field {missing[0]!r} is missing; a loss-scale state has "
+                             f"{list(STATE_FIELDS)}")
+        return tuple(state[name] for name in STATE_FIELDS)
+    if not all(hasattr(state, name) for name in STATE_FIELDS):
+        raise ValueError(f"state must be a LossScaleState or a mapping with {list(STATE_FIELDS)}, "
+                         f"got {type(state).__name__}")
+    return tuple(getattr(state, name) for name in STATE_FIELDS)
+
+
+def _host_number(value: Any) -> Any:
+    # 0-d arrays and tensors already copied to the host: their Python number.
+    if type(value) not in (int, float) and getattr(value, "size", None) == 1 and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def observed_state(state: Any) -> LossScaleState:
+    """A state read from a scaler, checked and as Python numbers: the input of every observation.
+
+    The counters must be integers >= 0 (an integral float such as ``3.0``, as a float64 read
+    gives them, is accepted) with ``skipped_steps <= steps``; the scale must be a real number. A
+    scale that is NaN, Inf, zero or negative is kept: it is what a broken stock scaler holds, and
+    the dashboards must show it.
+
+    Raises:
+        ValueError: naming the field that is missing or wrong.
+
+    Example:
+        >>> observed_state({"steps": 10.0, "skipped_steps": 2, "scale": 8, "growth_counter": 0,
+        ...                 "hysteresis_left": 1})
+        LossScaleState(scale=8.0, growth_counter=0, hysteresis_left=1, skipped_steps=2, steps=10)
+        >>> observed_state({"steps": 3, "skipped_steps": 5, "scale": 8.0, "growth_counter": 0,
+        ...                 "hysteresis_left": 1})
+        Traceback (most recent call last):
+        ...
+        ValueError: state: skipped_steps (5) cannot exceed steps (3)
+    """
+    if type(state) is dict:  # the common case, without the checks' cost (a million reads in a report)
+        try:
+            scale, growth, hysteresis, skipped, steps = (state["scale"], state["growth_counter"],
+                                                         state["hysteresis_left"], state["skipped_steps"],
+                                                         state["steps"])
+        except KeyError:
+            scale, growth, hysteresis, skipped, steps = _raw_fields(state)  # names the missing field
+    else:
+        scale, growth, hysteresis, skipped, steps = _raw_fields(state)
+    if not (type(growth) is int and type(hysteresis) is int and type(skipped) is int and type(steps) is int
+            and 0 <= growth <= _INT64_MAX and 0 <= hysteresis <= _INT64_MAX and 0 <= steps <= _INT64_MAX):
+        growth, hysteresis, skipped, steps = (
+            _count("state: ", name, _host_number(value))
+            for name, value in zip(STATE_FIELDS[1:], (growth, hysteresis, skipped, steps), strict=True))
+    if type(scale) is not float:
+        scale = _host_number(scale)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ValueError(f"state: scale must be a real number, got {scale!r} ({type(scale).__name__})")
+    if not 0 <= skipped <= steps:
+        raise ValueError(f"state: skipped_steps ({skipped}) cannot exceed steps ({steps})")
+    return LossScaleState(float(scale), growth, hysteresis, skipped, steps)
+
+
+def counts_restarted(prev_steps: int, prev_skipped: int, steps: int, skipped: int) -> bool:
+    """Whether two reads of the counters cannot come from one continuous run (a restart between them).
+
+    Example:
+        >>> counts_restarted(500, 3, 300, 1), counts_restarted(290, 0, 300, 21)
+        (True, True)
+        >>> counts_restarted(10, 1, 20, 4)
+        False
+    """
+    return steps < prev_steps or skipped < prev_skipped or skipped - prev_skipped > steps - prev_steps
 
 
 class MetricsTracker:
@@ -121,7 +235,8 @@ class MetricsTracker:
     """
 
     def __init__(self, min_scale: float | None) -> None:
-        self.min_scale = None if min_scale is None else float(min_scale)
+        self.min_scale = (None if min_scale is None
+                          else check_number("min_scale", min_scale, 0.0, low_open=True))
         self.reset()
 
     @classmethod
@@ -137,15 +252,19 @@ class MetricsTracker:
         return self._last
 
     def observe(self, state: Any) -> Snapshot:
-        """Record one host read. ``state`` is a :class:`LossScaleState` or a mapping of host numbers."""
-        step = int(_host_value(state, "steps"))
-        skipped = int(_host_value(state, "skipped_steps"))
-        scale = float(_host_value(state, "scale"))
+        """Record one host read. ``state`` is a :class:`LossScaleState` or a mapping of host numbers.
+
+        Raises:
+            ValueError: a field is missing or wrong (see :func:`observed_state`).
+        """
+        state = observed_state(state)
+        step, skipped, scale = state.steps, state.skipped_steps, state.scale
         prev = self._last
         prev_step = prev.step if prev is not None else 0
         prev_skipped = prev.skipped_steps if prev is not None else 0
-        # A restored checkpoint or a new run can move the counters backwards; start afresh.
-        if step < prev_step or skipped < prev_skipped:
+        # A restored checkpoint or a new scaler can move the counters backwards, or add more skips than
+        # steps: no continuous run does either, so the counts start afresh.
+        if counts_restarted(prev_step, prev_skipped, step, skipped):
             prev, prev_step, prev_skipped = None, 0, 0
         interval = step - prev_step
         skipped_now = skipped - prev_skipped
@@ -161,8 +280,8 @@ class MetricsTracker:
         snapshot = Snapshot(
             step=step,
             scale=scale,
-            growth_counter=int(_host_value(state, "growth_counter")),
-            hysteresis_left=int(_host_value(state, "hysteresis_left")),
+            growth_counter=state.growth_counter,
+            hysteresis_left=state.hysteresis_left,
             skipped_steps=skipped,
             interval_steps=interval,
             skipped_in_interval=skipped_now,
