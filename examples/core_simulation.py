@@ -24,7 +24,7 @@ def main(steps: int = 3000, log_every: int = 250, seed: int = 0) -> InMemorySink
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=200, hysteresis=2)
     state = initial_state(policy)
     sink = InMemorySink()
-    loop = LoggingLoop(policy, sinks=[sink], every_steps=log_every)
+    loop = LoggingLoop(policy, sinks=[sink], log_every=log_every)
 
     print(f"policy: {policy}")
     print(f"{'step':>6} {'scale':>10} {'log2':>6} {'skipped':>8} {'in interval':>12} {'growth ctr':>11}")

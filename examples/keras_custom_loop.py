@@ -53,7 +53,7 @@ def main() -> None:
     from lossscale_callbacks.tensorboard import TensorBoardSink
 
     loop = LoggingLoop(optimizer.policy, sinks=[TensorBoardSink(os.path.join("runs", "keras_custom_loop"))],
-                       every_steps=LOG_EVERY)
+                       log_every=LOG_EVERY)
     for step, (inputs, targets) in enumerate(dataset, start=1):
         loss = train_step(inputs, targets)
         # optimizer.read_state() (the one host read of an interval) runs only when one ends.

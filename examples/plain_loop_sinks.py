@@ -46,7 +46,7 @@ def train(sinks: Sequence[Sink], steps: int = 2000, log_every: int = 100, seed: 
     policy = policy or DynamicPolicy(initial_scale=2.0**16, growth_interval=200)
     state = initial_state(policy)
     memory = InMemorySink()  # what was written, for the caller
-    loop = LoggingLoop(policy, sinks=[*sinks, memory], every_steps=log_every)
+    loop = LoggingLoop(policy, sinks=[*sinks, memory], log_every=log_every)
     for _ in range(steps):
         # gradients of ~1e-1..1e2 with rare spikes (a bad batch), like a real run
         grad_max = rng.lognormal(mean=0.0, sigma=1.5) * (1e3 if rng.random() < 0.003 else 1.0)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> InMemorySink:
         from lossscale_callbacks.tensorboard import TensorBoardSink  # only when asked for
 
         sinks.append(TensorBoardSink(args.tensorboard))
-    loop = LoggingLoop(policy, sinks=sinks, every_steps=args.log_every)
+    loop = LoggingLoop(policy, sinks=sinks, log_every=args.log_every)
 
     x = torch.randn(512, 64, device=device)
     y = x[:, :1].sin()

@@ -359,16 +359,25 @@ class HealthMonitor:
     """
 
     def __init__(self, rules: Iterable[Rule], max_history: int = 10_000) -> None:
-        self.rules = tuple(rules)
-        for rule in self.rules:
-            if not callable(rule) or getattr(rule, "action", None) not in ACTIONS:
-                raise ValueError(
-                    f"health rules must be callables with an action in {list(ACTIONS)}, got {rule!r}"
-                )
+        self.rules = self._checked(rules)
         check_int("max_history", max_history, 1, 2**31 - 1)
         self.history: deque[Snapshot] = deque(maxlen=max_history)
         self._active: set[str] = set()
         self.verdicts: list[Verdict] = []
+
+    @staticmethod
+    def _checked(rules: Iterable[Rule]) -> tuple[Rule, ...]:
+        rules = tuple(rules)
+        for rule in rules:
+            if not callable(rule) or getattr(rule, "action", None) not in ACTIONS:
+                raise ValueError(
+                    f"health rules must be callables with an action in {list(ACTIONS)}, got {rule!r}"
+                )
+        return rules
+
+    def replace_rules(self, rules: Iterable[Rule]) -> None:
+        """Judge with ``rules`` from now on (the policy changed); the snapshots and verdicts so far stay."""
+        self.rules = self._checked(rules)
 
     @classmethod
     def from_spec(cls, spec: HealthSpec, growth_interval: int | None = None,

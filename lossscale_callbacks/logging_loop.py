@@ -1,17 +1,18 @@
-"""The one logging loop: a host read of the state, turned into metrics, sinks, health rules and a summary.
+"""The one logging loop: when an interval ends, the sinks, and each host read made metrics, verdicts, summary.
 
-Every integration runs this same object. The Keras callback, the Lightning monitor and a plain
-training loop only say *when* an interval ends and hand over the state they read from the device
-(the one host read of the interval); everything after that, the metric schema, what the sinks
-receive, how the health rules act, which process writes and what the end-of-run summary says, is
-decided here, once.
+Every integration runs this same object. The Keras callback, the Lightning, Fabric, Accelerate and
+Trainer monitors and a plain training loop only tell it their step count and hand it the state they
+read from the device (the one host read of an interval); everything else is decided here, once: when
+an interval ends (:meth:`LoggingLoop.due`), which sinks are open (those it opened from
+``tensorboard=``/``wandb=`` and the caller's ``sinks=``), the metric schema, the restarts, how the
+health rules act, which process writes and what the end-of-run summary says.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from lossscale_callbacks._validation import check_bool, check_int, check_number
@@ -23,23 +24,66 @@ from lossscale_callbacks.forensics import (
     IntervalForensics,
 )
 from lossscale_callbacks.health import HealthMonitor, HealthSpec, Verdict
-from lossscale_callbacks.metrics import ALIGNMENT_TAG, SUMMARY_TAG, MetricsTracker, Snapshot
+from lossscale_callbacks.metrics import (
+    ALIGNMENT_TAG,
+    INTERVAL_METRICS,
+    RESTART_TAG,
+    SEGMENT,
+    SUMMARY_TAG,
+    MetricsTracker,
+    Snapshot,
+    counts_restarted,
+    observed_state,
+)
+from lossscale_callbacks.owned_sinks import check_tensorboard, check_wandb, owned_sinks
 from lossscale_callbacks.policy import check_policy
 from lossscale_callbacks.ranks import is_rank_zero
-from lossscale_callbacks.sinks import Sink, SinkGroup
+from lossscale_callbacks.sinks import GuardedSink, Sink, SinkGroup
 from lossscale_callbacks.summary import summarize
 
 __all__ = ["LoggingLoop"]
 
+_KEEP: Any = object()  # start(policy=...) not given: the policy stays
+
+
+def _guarded(sinks: Any, name: str = "sinks") -> list[GuardedSink]:
+    """``sinks`` checked (an iterable of objects with the Sink methods), each behind its guard."""
+    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
+        raise ValueError(f"{name} must be an iterable of Sink objects (write, write_text, flush, close), "
+                         f"got {sinks!r}")
+    try:
+        return [s if isinstance(s, GuardedSink) else GuardedSink(s) for s in sinks]
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _check_callable(name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(f"{name} must be None or a callable, got {value!r}")
+
 
 class LoggingLoop:
-    """Read state → metrics → sinks → health rules → summary, the same way for every framework.
+    """When an interval ends → read state → metrics → sinks → health rules → summary, alike everywhere.
 
-    Call :meth:`observe` with the state you read at the end of a log interval (a
+    Call :meth:`maybe_observe` after each optimizer step with the step count and a function that
+    reads the state (it runs only when :meth:`due` says an interval ended, so the device is read
+    only then), or :meth:`observe` with a state you read yourself (a
     :class:`~lossscale_callbacks.state.LossScaleState` or a mapping of host numbers); call
-    :meth:`finish` at the end of training. :meth:`due` and :meth:`maybe_observe` decide the
-    interval for loops that have no trigger of their own (every ``every_steps`` optimizer steps
-    and/or every ``every_seconds`` seconds by ``clock``), so the device is read only then.
+    :meth:`finish` at the end of training.
+
+    Sinks: ``tensorboard=`` and ``wandb=`` are sinks the loop *owns*: it opens them for each run
+    (:meth:`start`) and closes them when the run ends (:meth:`finish`), so each run is its own W&B
+    run; a run that never finished (a crash) has its owned sinks closed when the next starts.
+    ``sinks=`` are the caller's: written and flushed, closed only by :meth:`close`. Every argument
+    is checked here, and the extras ``tensorboard=``/``wandb=`` need are required here
+    (:class:`~lossscale_callbacks.extras.MissingExtraError`), never in the middle of training.
+
+    Restarts: when the steps read go backwards (an old checkpoint loaded, a new scaler), or the
+    skips grow more than the steps (which no continuous run does), a new *segment* begins: every
+    later metrics write carries ``loss_scale/segment`` (1, 2, ...; never written in a run without a
+    restart), a ``loss_scale/restart`` text says from which step to which, the first read of the
+    segment writes no interval metrics (its interval is not known), the health rules judge the new
+    segment from scratch and the summary names the restarts. Nothing is written over silently.
 
     Rank rules, the same in every integration: only the writer process (global rank 0 by default)
     writes to the sinks and prints; the health rules run on every rank (each rank holds the same
@@ -51,12 +95,17 @@ class LoggingLoop:
             ``growth_interval`` when a scale that only decreases is a problem, and it is written
             to the sinks once); ``None`` for a scaler without one (a stock ``GradScaler``: 1.0
             counts as its minimum). :meth:`set_policy` changes it later (a restored checkpoint).
-        sinks: where metrics and reports go; each runs guarded (a failure warns once).
+        log_every: an interval ends each time the step count passes a multiple of this (>= 1).
+        every_seconds: ... or once this many seconds passed since the last read.
+        tensorboard: a log directory: the loop writes a
+            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
+        wandb: ``True`` (the active run, or a new one) or a dict of ``wandb.init`` arguments: the
+            loop writes a :class:`~lossscale_callbacks.wandb.WandbSink`.
+        sinks: more sinks (the caller's); each runs guarded (a failure warns once).
         health: ``None``/``False`` (off), ``True``/``"warn"``/``"raise"``/``"stop"`` (the default
             rules with that action) or rule objects.
-        writer: whether this process writes to the sinks and prints (default: global rank 0).
-        every_steps: :meth:`due` is true once the step count crosses a multiple of this.
-        every_seconds: :meth:`due` is true once this many seconds passed since the last read.
+        writer: whether this process writes to the sinks and prints (default: global rank 0,
+            looked up when first needed).
         clock: the time source for ``every_seconds`` (``time.monotonic``; tests pass a fake one).
         stop: called when a ``"stop"`` rule fires (a trainer's ``should_stop``).
         echo: prints the end-of-run summary on the writer (default ``print``; ``None`` is silent).
@@ -65,7 +114,7 @@ class LoggingLoop:
         >>> from lossscale_callbacks import DynamicPolicy, InMemorySink, initial_state, next_state
         >>> policy = DynamicPolicy(initial_scale=1024.0, growth_interval=4)
         >>> memory = InMemorySink()
-        >>> loop = LoggingLoop(policy, sinks=[memory], every_steps=5, echo=None)
+        >>> loop = LoggingLoop(policy, sinks=[memory], log_every=5, echo=None)
         >>> state = initial_state(policy)
         >>> for step in range(1, 11):
         ...     state = next_state(policy, state, finite=step != 3)
@@ -80,41 +129,89 @@ class LoggingLoop:
         self,
         policy: Any = None,
         *,
+        log_every: int | None = None,
+        every_seconds: float | None = None,
+        tensorboard: Any = None,
+        wandb: Any = None,
         sinks: Iterable[Sink] = (),
         health: HealthSpec = "warn",
         writer: bool | None = None,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         stop: Callable[[], None] | None = None,
         echo: Callable[[str], Any] | None = print,
     ) -> None:
         check_policy("policy", policy)
-        if every_steps is not None:
-            check_int("every_steps", every_steps)
-        if every_seconds is not None:
-            check_number("every_seconds", every_seconds, 0.0, float("inf"), low_open=True)
-        if writer is not None:
-            check_bool("writer", writer)
+        self.log_every = None if log_every is None else check_int("log_every", log_every)
+        self.every_seconds = (None if every_seconds is None else
+                              check_number("every_seconds", every_seconds, 0.0, float("inf"), low_open=True))
+        self._writer = None if writer is None else check_bool("writer", writer)
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        _check_callable("stop", stop)
+        _check_callable("echo", echo)
+        HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
+        self._user_sinks = _guarded(sinks)
+        self._tensorboard, self._wandb = check_tensorboard(tensorboard), check_wandb(wandb)
+        self._owned: list[Sink] = owned_sinks(self._tensorboard, self._wandb)  # checks them, extras too
         self._health_spec = health
-        HealthMonitor.from_spec(health)  # validate now, with the caller's argument name in the message
-        self.sinks = sinks if isinstance(sinks, SinkGroup) else SinkGroup(sinks)
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
         self.clock = clock
         self.stop = stop
         self.echo = echo
-        self._writer = writer
+        self._policy = policy
+        self._run_sinks: list[GuardedSink] = []
+        self._begin_run()
+
+    # ------------------------------------------------------------------------------ runs
+
+    def start(self, *, policy: Any = _KEEP, writer: bool | None = None, sinks: Iterable[Sink] = ()
+              ) -> LoggingLoop:
+        """Begin a run (a new loop has begun one already): call it for each later run, e.g. every ``fit``.
+
+        Owned sinks a previous run left open (it raised before :meth:`finish`) are closed first, then
+        fresh ones are made (on the writer only), so every run is its own W&B run and TensorBoard
+        file. ``sinks`` join for this run only (a trainer's loggers): written and flushed, never
+        closed by the loop. The tracker, the health rules, the forensics totals, the segments and
+        the summary start over.
+
+        Args:
+            policy: the run's policy, when it became known only now (default: unchanged).
+            writer: whether this process writes (default: unchanged).
+            sinks: sinks for this run only.
+
+        Returns:
+            The loop itself.
+        """
+        run_sinks = _guarded(sinks)
+        if policy is not _KEEP:
+            check_policy("policy", policy)
+            self._policy = policy
+        if writer is not None:
+            self._writer = check_bool("writer", writer)
+        self._close_owned()
+        self._owned = [] if self._writer is False else owned_sinks(self._tensorboard, self._wandb)
+        self._run_sinks = run_sinks
+        self._begin_run()
+        return self
+
+    def _begin_run(self) -> None:
+        self.sinks = SinkGroup([*self._owned, *self._user_sinks, *self._run_sinks])
         self.summary: str | None = None
         self.forensics = ForensicsTotals()
+        self.segment = 0
+        self.restarts: list[tuple[int, int]] = []
+        self._restart_text: str | None = None
         self._loss_verdict_given = False
         self._config_written = False
-        self._policy: Any = None
-        self.set_policy(policy)
+        self._mark = 0
+        self._last_read_time = self.clock()
+        self.tracker = MetricsTracker(1.0)
+        self.health: HealthMonitor | None = None
+        self._judge_by(self._policy)
 
-    # ------------------------------------------------------------------------------ setup
+    def _close_owned(self) -> None:
+        for sink in self._owned:
+            sink.close()  # a ManagedSink: guarded, and a disabled one still releases its file or run
+        self._owned = []
 
     @property
     def writer(self) -> bool:
@@ -128,18 +225,27 @@ class LoggingLoop:
         return self._policy
 
     def set_policy(self, policy: Any) -> None:
-        """Use ``policy`` from now on (rebuilds the tracker and the rules; keeps the sinks).
+        """Judge against ``policy`` from now on: a restored checkpoint brought its own.
 
-        Call it before the first :meth:`observe` of a run whose policy became known late (a
-        checkpoint restored after the loop was made). Starts a new run of snapshots.
+        The tracker's minimum and the health rules' thresholds follow it (the snapshots and the
+        problems found so far are kept), and the sinks get the policy again with the next metrics.
         """
         check_policy("policy", policy)
+        if policy == self._policy:
+            return
         self._policy = policy
-        self.tracker = MetricsTracker.for_policy(policy) if policy is not None else MetricsTracker(1.0)
+        self._config_written = False
+        self._judge_by(policy)
+
+    def _judge_by(self, policy: Any) -> None:
+        self.tracker.min_scale = MetricsTracker.for_policy(policy).min_scale if policy is not None else 1.0
         growth_interval = policy.constants.growth_interval if policy is not None and policy.dynamic else None
-        self.health = HealthMonitor.from_spec(self._health_spec, growth_interval,
-                                              dynamic=policy is None or policy.dynamic)
-        self._last_read_time: float | None = self.clock()
+        fresh = HealthMonitor.from_spec(self._health_spec, growth_interval,
+                                        dynamic=policy is None or policy.dynamic)
+        if self.health is None or fresh is None:
+            self.health = fresh
+        else:
+            self.health.replace_rules(fresh.rules)
 
     @property
     def last(self) -> Snapshot | None:
@@ -151,27 +257,33 @@ class LoggingLoop:
         """Every problem the health rules reported so far."""
         return list(self.health.verdicts) if self.health is not None else []
 
-    # ---------------------------------------------------------------------------- reading
-
-    def baseline(self, state: Any) -> Snapshot:
-        """Record a state without writing it: the start of a resumed run, so the first interval
-        covers only its own steps."""
-        self._last_read_time = self.clock()
-        return self.tracker.observe(state)
+    # ---------------------------------------------------------------------------- intervals
 
     def due(self, step: int) -> bool:
-        """Whether an interval ends at optimizer step ``step`` (by ``every_steps``/``every_seconds``)."""
-        last = self.tracker.last
-        last_step = last.step if last is not None else 0
-        if step <= last_step:
+        """Whether an interval ends at ``step``: the one rule of every integration.
+
+        True when ``step`` passed a multiple of ``log_every`` since the previous call (crossing, not
+        landing on it: a call may come several steps later), or when ``every_seconds`` passed since
+        the last read and ``step`` moved. ``step`` is the integration's count: optimizer steps, or
+        Keras' batch index in the epoch (see :meth:`restart_interval`). A count that went back
+        without :meth:`restart_interval` starts again just before ``step``.
+        """
+        if type(step) is not int or step < -1:  # called every step: the full check only when needed
+            step = check_int("step", step, -1, 2**63 - 1)
+        previous, self._mark = self._mark, step
+        if step < previous:
+            previous = step - 1
+        if step == previous:
             return False
-        if self.every_steps is not None and step // self.every_steps > last_step // self.every_steps:
+        if self.log_every is not None and step // self.log_every > previous // self.log_every:
             return True
-        if self.every_seconds is not None:
-            if self._last_read_time is None:
-                self._last_read_time = self.clock()
-            return self.clock() - self._last_read_time >= self.every_seconds
-        return False
+        return self.every_seconds is not None and self.clock() - self._last_read_time >= self.every_seconds
+
+    def restart_interval(self, at: int) -> None:
+        """The integration's count starts again at ``at``: the next multiple of ``log_every`` it passes
+        ends an interval (Keras: ``-1`` at each epoch, so that batch 0 logs, as ``WandbMetricsLogger``
+        does; a monitor: the trainer's step count when training starts or resumes)."""
+        self._mark = check_int("at", at, -1, 2**63 - 1)
 
     def maybe_observe(self, step: int, read: Callable[[], Any], sink_step: int | None = None,
                       read_forensics: Callable[[], IntervalForensics | None] | None = None,
@@ -182,6 +294,20 @@ class LoggingLoop:
             return None
         return self.observe(read(), sink_step=sink_step,
                             forensics=read_forensics() if read_forensics is not None else None)
+
+    # ---------------------------------------------------------------------------- reading
+
+    def baseline(self, state: Any) -> Snapshot:
+        """Record a state without writing it: the start of a resumed run, so the first interval
+        covers only its own steps (a baseline whose steps went back starts a new segment).
+
+        Raises:
+            ValueError: a field of ``state`` is missing or wrong, naming it.
+        """
+        state = observed_state(state)
+        self._last_read_time = self.clock()
+        self._restart_if_needed(state)
+        return self.tracker.observe(state)
 
     def observe(self, state: Any, sink_step: int | None = None,
                 forensics: IntervalForensics | None = None) -> Snapshot:
@@ -198,29 +324,62 @@ class LoggingLoop:
         health verdicts; a non-finite loss is a verdict of its own (``NonFiniteLoss``, once a run).
 
         Raises:
+            ValueError: a field of ``state`` is missing or wrong (negative, fractional or NaN counts,
+                ``skipped_steps > steps``), naming it; nothing is recorded then.
             LossScaleHealthError: a ``"raise"`` rule fired.
         """
+        state = observed_state(state)
         self._last_read_time = self.clock()
         last = self.tracker.last
-        step = int(state["steps"] if isinstance(state, Mapping) else state.steps)
-        if last is not None and step == last.step:
+        restarted = self._restart_if_needed(state)
+        if not restarted and last is not None and state.steps == last.step:
             if forensics is not None:
                 self._add_forensics(forensics, last.step if sink_step is None else int(sink_step))
             return last
         snapshot = self.tracker.observe(state)
         at = snapshot.step if sink_step is None else int(sink_step)
         if self.writer:
-            metrics = snapshot.metrics()
-            if forensics is not None:
-                metrics.update(forensics.metrics())
-            self.sinks.write(at, metrics)
-            self._write_config_once()  # after the first metrics: a text lands at their step
+            self._write_metrics(at, snapshot, forensics, interval_known=not restarted)
         if forensics is not None:
             self._add_forensics(forensics, at, metrics_written=True)
         if self.health is not None:
             verdicts = self.health.observe(snapshot)
             self._act(self._with_forensics(verdicts, forensics, snapshot.step))
         return snapshot
+
+    def _restart_if_needed(self, state: Any) -> bool:
+        """A new segment when ``state`` cannot follow the last read in one continuous run."""
+        last = self.tracker.last
+        if last is None or not counts_restarted(last.step, last.skipped_steps, state.steps,
+                                                state.skipped_steps):
+            return False
+        self.segment += 1
+        self.restarts.append((last.step, state.steps))
+        self.tracker.reset()
+        if self.health is not None:
+            self.health.restart()
+        self._restart_text = (
+            f"Restart: the optimizer steps went from {last.step} ({last.skipped_steps} skipped) back to "
+            f"{state.steps} ({state.skipped_steps} skipped): an older checkpoint was loaded or the scaler "
+            f"was replaced. The metrics written from here on belong to segment {self.segment} "
+            f"({SEGMENT}); the earlier ones are kept, not overwritten.")
+        return True
+
+    def _write_metrics(self, at: int, snapshot: Snapshot, forensics: IntervalForensics | None,
+                       interval_known: bool) -> None:
+        metrics = snapshot.metrics()
+        if not interval_known:  # the first read of a segment: where its interval began is not known
+            for name in INTERVAL_METRICS:
+                metrics.pop(name)
+        if self.segment:
+            metrics[SEGMENT] = self.segment
+        if forensics is not None:
+            metrics.update(forensics.metrics())
+        self.sinks.write(at, metrics)
+        self._write_config_once()  # after the metrics: a text lands at their step
+        if self._restart_text is not None:
+            self.sinks.write_text(RESTART_TAG, self._restart_text)
+            self._restart_text = None
 
     def _add_forensics(self, forensics: IntervalForensics, at: int, metrics_written: bool = False) -> None:
         self.forensics.add(forensics)
@@ -278,19 +437,38 @@ class LoggingLoop:
             self.sinks.write_text(ALIGNMENT_TAG, markdown)
 
     def finish(self, state: Any = None, note: str = "") -> str:
-        """End of training: a last read (if given), the run-level verdicts, the summary everywhere.
+        """End of the run: a last read (if given), the run-level verdicts, the summary everywhere.
 
-        The summary (steps, skips, final scale, time at the minimum, then the health assessment,
-        which never calls a rule's check passed when the run was too short for it, then ``note``)
-        is written to the sinks under ``loss_scale/summary``, flushed, printed by ``echo`` and
-        returned, on the writer; other ranks only return it.
+        The summary (steps, skips, final scale, time at the minimum, the restarts, then the health
+        assessment, which never calls a rule's check passed when the run was too short for it,
+        then ``note``) is written to the sinks under ``loss_scale/summary``, flushed, printed by
+        ``echo`` and returned, on the writer; other ranks only return it. The owned sinks are
+        closed (the next :meth:`start` opens new ones); the caller's are flushed.
         """
         if state is not None:
             self.observe(state)
         if self.health is not None:
             self._act(self.health.final())
+        text = self._summary_text(note)
+        self.summary = text
+        if self.writer:
+            if self._restart_text is not None:  # a restart seen by a baseline, never followed by a read
+                self.sinks.write_text(RESTART_TAG, self._restart_text)
+                self._restart_text = None
+            self.sinks.write_text(SUMMARY_TAG, text)
+            self.sinks.flush()
+            if self.echo is not None:
+                self.echo(text)
+        self._close_owned()
+        return text
+
+    def _summary_text(self, note: str) -> str:
         min_scale = self._policy.min_scale if self._policy is not None else None
         text = summarize(self.tracker.last, min_scale)
+        if self.restarts:
+            moves = ", ".join(f"from {before} back to {after}" for before, after in self.restarts)
+            text += (f" The run restarted {len(self.restarts)} time(s) (optimizer steps {moves}); these "
+                     f"numbers and the health assessment are those of its last segment.")
         if self.health is not None:
             text += "\n" + self.health.assessment()
         diagnosis = self.forensics.sentences()
@@ -298,12 +476,6 @@ class LoggingLoop:
             text += "\nForensics: " + " ".join(diagnosis)
         if note:
             text += "\n" + note
-        self.summary = text
-        if self.writer:
-            self.sinks.write_text(SUMMARY_TAG, text)
-            self.sinks.flush()
-            if self.echo is not None:
-                self.echo(text)
         return text
 
     def flush(self) -> None:
@@ -311,5 +483,7 @@ class LoggingLoop:
             self.sinks.flush()
 
     def close(self) -> None:
-        """Close the sinks (releasing files and runs; a disabled sink is closed too)."""
-        self.sinks.close()
+        """Close every sink: the owned ones and the caller's (releasing files and runs; a disabled sink
+        is closed too). A loop that must leave the caller's sinks open ends its runs with :meth:`finish`."""
+        self.sinks.close()  # the owned sinks are among them
+        self._owned = []

@@ -77,7 +77,7 @@ def _write_plain_run(log_dir: Path) -> None:
     from lossscale_callbacks.tensorboard import TensorBoardSink
 
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=40)
-    loop = LoggingLoop(policy, sinks=[TensorBoardSink(log_dir)], every_steps=PLAIN_EVERY, health=None,
+    loop = LoggingLoop(policy, sinks=[TensorBoardSink(log_dir)], log_every=PLAIN_EVERY, health=None,
                        echo=None)
     rng = np.random.default_rng(0)
     state = initial_state(policy)

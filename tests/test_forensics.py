@@ -131,7 +131,7 @@ def _torch_run(tmp_path, fused: bool, steps: int = 10, diagnose=True, wandb: boo
     sinks = [memory, TensorBoardSink(str(tmp_path / "tb"))]
     if wandb:
         sinks.append(WandbSink(project="forensics", dir=str(tmp_path / "wb"), mode="offline"))
-    loop = LoggingLoop(scaler.policy, sinks=sinks, every_steps=5, echo=None, health=None)
+    loop = LoggingLoop(scaler.policy, sinks=sinks, log_every=5, echo=None, health=None)
     x = torch.randn(64, 8)
     for step in range(steps):
         opt.zero_grad()

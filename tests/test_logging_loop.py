@@ -47,9 +47,9 @@ def test_every_seconds_reads_only_when_the_fake_clock_says_so():
     assert [s for s, _ in memory.records] == [30, 60, 90]
 
 
-def test_every_steps_crossing_a_multiple_counts_even_when_the_count_jumps():
+def test_log_every_crossing_a_multiple_counts_even_when_the_count_jumps():
     memory = InMemorySink()
-    loop = LoggingLoop(DynamicPolicy(), sinks=[memory], every_steps=10, echo=None)
+    loop = LoggingLoop(DynamicPolicy(), sinks=[memory], log_every=10, echo=None)
     for step in (4, 8, 12, 13, 25, 26, 30):  # several optimizer steps per call
         loop.maybe_observe(step, lambda step=step: _host(step, 0))
     assert [s for s, _ in memory.records] == [12, 25, 30]
@@ -58,7 +58,7 @@ def test_every_steps_crossing_a_multiple_counts_even_when_the_count_jumps():
 def test_the_policy_is_written_once_and_the_summary_at_the_end():
     memory = InMemorySink()
     policy = DynamicPolicy(initial_scale=64.0, growth_interval=5)
-    loop = LoggingLoop(policy, sinks=[memory], every_steps=5, echo=None)
+    loop = LoggingLoop(policy, sinks=[memory], log_every=5, echo=None)
     state = initial_state(policy)
     for _ in range(20):
         state = next_state(policy, state, True)
@@ -151,8 +151,8 @@ def test_a_fixed_scale_is_never_at_its_minimum_and_has_no_growth_rule():
 
 
 def test_arguments_are_checked():
-    with pytest.raises(ValueError, match="every_steps"):
-        LoggingLoop(every_steps=0)
+    with pytest.raises(ValueError, match="log_every"):
+        LoggingLoop(log_every=0)
     with pytest.raises(ValueError, match="every_seconds"):
         LoggingLoop(every_seconds=-1)
     with pytest.raises(ValueError, match="health must be"):

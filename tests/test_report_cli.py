@@ -350,7 +350,7 @@ def _loop_run(folder, steps, p_inf, seed=0, growth_interval=50):
     from lossscale_callbacks import LoggingLoop, initial_state, next_state
 
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=growth_interval)
-    loop = LoggingLoop(policy, sinks=[TensorBoardSink(folder)], every_steps=25, health=None, echo=None)
+    loop = LoggingLoop(policy, sinks=[TensorBoardSink(folder)], log_every=25, health=None, echo=None)
     rng = np.random.default_rng(seed)
     state = initial_state(policy)
     for _ in range(steps):

@@ -152,7 +152,7 @@ class FabricLossScaleMonitor:
         if writer:
             all_sinks = [*(logger_sink(lg) for lg in fabric.loggers), *(GuardedSink(s) for s in sinks)]
         self.loop = LoggingLoop(scaler.policy if self._stock is None else None, sinks=all_sinks,
-                                health=health, writer=writer, every_steps=every_steps)
+                                health=health, writer=writer, log_every=every_steps)
         self.summary: str | None = None
 
     def _read(self) -> Any:

@@ -13,6 +13,7 @@ import netrc
 import os
 import socket
 import time
+import typing
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,6 +82,23 @@ def _unreachable_server(timeout: float) -> str | None:
             return None
     except OSError as exc:
         return f"the W&B server {host}:{port} cannot be reached ({exc.strerror or exc})"
+
+
+def _check_mode(init_kwargs: Mapping[str, Any]) -> None:
+    """Refuse a ``mode`` (argument or ``settings``) that ``wandb.init`` would refuse at the first write."""
+    settings = init_kwargs.get("settings")
+    given = [("mode", init_kwargs.get("mode"))]
+    if isinstance(settings, Mapping):
+        given.append(("settings['mode']", settings.get("mode")))
+    for name, mode in given:
+        if mode is None:
+            continue
+        try:
+            wandb.Settings(mode=mode)
+        except Exception:  # pydantic's ValidationError: the allowed values are W&B's own
+            field = getattr(wandb.Settings, "model_fields", {}).get("mode")
+            allowed = list(typing.get_args(field.annotation)) if field is not None else "W&B's modes"
+            raise ValueError(f"{name} must be one of {allowed}, got {mode!r}") from None
 
 
 def _requested_mode(init_kwargs: Mapping[str, Any]) -> str | None:
@@ -290,6 +308,7 @@ class WandbSink(ManagedSink):
             inspect.signature(wandb.init).bind(**init_kwargs)
         except TypeError as exc:
             raise ValueError(f"init_kwargs must be arguments of wandb.init: {exc}") from None
+        _check_mode(init_kwargs)
         check_number("summary_secs", summary_secs, 0.0)
         self._backend = _WandbBackend(run, dict(init_kwargs), float(summary_secs))
         super().__init__(self._backend, name="W&B", all_ranks=all_ranks)
