@@ -47,7 +47,7 @@ def train(fabric: Fabric, args: argparse.Namespace, first: int, last: int,
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
-    monitor = FabricLossScaleMonitor(fabric, every_steps=args.log_every)
+    monitor = FabricLossScaleMonitor(fabric, log_every=args.log_every)
     if checkpoint is not None:
         # The checkpoint's other entries come back as the remainder, on every strategy.
         remainder = fabric.load(checkpoint, {"model": model, "optimizer": optimizer})

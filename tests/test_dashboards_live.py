@@ -67,7 +67,7 @@ def _write_lightning_run(root: Path) -> None:
     logger = pl.loggers.TensorBoardLogger(str(root), name="lightning", version=0)
     policy = DynamicPolicy(initial_scale=2.0**10, growth_interval=3)
     trainer = pl.Trainer(plugins=[LossScalePlugin(device="cpu", policy=policy)],
-                         callbacks=[LossScaleMonitor(logging_interval=2, health=None)],
+                         callbacks=[LossScaleMonitor(log_every=2, health=None)],
                          **tiny.trainer_kwargs(max_steps=8, logger=[logger]))
     trainer.fit(tiny.module_class(pl)(inject_inf_at=(1, 5), snapshots=False), tiny.data())
 

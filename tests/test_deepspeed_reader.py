@@ -141,7 +141,7 @@ def test_lightning_monitor_logs_a_deepspeed_engines_scaler(tmp_path):
     strategy = DeepSpeedShaped(device=torch.device("cpu"), precision_plugin=Fp16Label())
     logger = pl.loggers.TensorBoardLogger(str(tmp_path), name="ds", version=0)
     trainer = pl.Trainer(strategy=strategy, max_steps=len(OVERFLOWS), logger=logger,
-                         callbacks=[LossScaleMonitor(logging_interval=1, health=None)],
+                         callbacks=[LossScaleMonitor(log_every=1, health=None)],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=2)
     trainer.fit(Module(), data)

@@ -286,7 +286,7 @@ def test_lightning_run_names_the_layer_and_the_causes(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     logger = pl.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
-    monitor = LossScaleMonitor(logging_interval=5, health=None, diagnose=True)
+    monitor = LossScaleMonitor(log_every=5, health=None, diagnose=True)
     trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=logger, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          plugins=[LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=2.0**10))],

@@ -109,7 +109,7 @@ def test_resume_from_a_checkpoint_gives_the_same_state_at_every_step(tmp_path):
         plugin = LossScalePlugin(device="cpu", policy=POLICY)
         recorder = _Recorder()
         model = tiny.module_class(pl)(inject_inf_at=INJECT, snapshots=False)
-        trainer = pl.Trainer(plugins=[plugin], callbacks=[recorder, LossScaleMonitor(logging_interval=1)],
+        trainer = pl.Trainer(plugins=[plugin], callbacks=[recorder, LossScaleMonitor(log_every=1)],
                              **tiny.trainer_kwargs(max_steps=max_steps))
         # Lightning does not resume the exact batch order mid-run; identical batches make the
         # weights comparable too (they then depend only on the restored optimizer and scaler).

@@ -48,7 +48,7 @@ def _train(fabric, steps=10, every=1, monitor=None):
     # inside the module: Fabric casts what the wrapped model returns back to float32
     model.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    monitor = monitor or FabricLossScaleMonitor(fabric, every_steps=every, health=None)
+    monitor = monitor or FabricLossScaleMonitor(fabric, log_every=every, health=None)
     x = torch.randn(16, 8)
     for step in range(steps):
         optimizer.zero_grad()
@@ -112,16 +112,16 @@ def test_monitor_state_round_trip_through_fabric_save_and_load(tmp_path, stock):
     monitor, _, _, model, optimizer = _train(fabric, steps=5)
     path = str(tmp_path / "ckpt.pt")
     fabric.save(path, {"model": model, "optimizer": optimizer, "loss_scale": monitor})
-    saved = monitor._read()
+    saved = monitor.reader.read()
     saved_skipped = (saved if isinstance(saved, dict) else saved._asdict())["skipped_steps"]
 
     other = _fabric(plugin(), tmp_path, name="b")
     new_model = torch.nn.Linear(8, 4)
     new_model, new_optimizer = other.setup(new_model, torch.optim.SGD(new_model.parameters(), lr=0.1))
-    new_monitor = FabricLossScaleMonitor(other, every_steps=1, health=None)
+    new_monitor = FabricLossScaleMonitor(other, log_every=1, health=None)
     # Single-device Fabric calls load_state_dict itself for objects in `state`.
     other.load(path, {"model": new_model, "optimizer": new_optimizer, "loss_scale": new_monitor})
-    restored = new_monitor._read()
+    restored = new_monitor.reader.read()
     def as_dict(state):
         return state if isinstance(state, dict) else state._asdict()
 
@@ -141,16 +141,16 @@ def test_monitor_refuses_bad_arguments_and_bad_state(tmp_path):
     with pytest.raises(ValueError, match="loss scaler"):
         FabricLossScaleMonitor(plain)
     fabric = _fabric(LossScaleFabricPlugin(device="cpu", policy=POLICY), tmp_path)
-    with pytest.raises(ValueError, match="every_steps"):
-        FabricLossScaleMonitor(fabric, every_steps=0)
-    monitor = FabricLossScaleMonitor(fabric, every_steps=1, health=None)
+    with pytest.raises(ValueError, match="log_every"):
+        FabricLossScaleMonitor(fabric, log_every=0)
+    monitor = FabricLossScaleMonitor(fabric, log_every=1, health=None)
     before = monitor.scaler.get_state()
     stock_state = {"steps": 2, "skipped_steps": 0}
     for bad in ({}, {"steps": -1, "scaler": {}}, {"steps": 2, "scaler": {}, "stock": stock_state},
                 {"steps": 2, "scaler": {"scale": float("nan")}}):
         with pytest.raises(ValueError):
             monitor.load_state_dict(bad)
-        assert monitor.scaler.get_state() == before and monitor._steps == 0  # nothing half-loaded
+        assert monitor.scaler.get_state() == before and monitor.reader.steps == 0  # nothing half-loaded
 
 
 def test_plugins_check_their_arguments():

@@ -101,7 +101,7 @@ def test_logs_the_schema_through_every_logger_at_log_every_n_steps(pl):
 def test_other_logging_intervals(interval, expected):
     import lightning.pytorch as pl
 
-    monitor = LossScaleMonitor(logging_interval=interval)
+    monitor = LossScaleMonitor(log_every=interval)
     _, loggers = _fit(pl, monitor, max_steps=10 if interval == "epoch" else 7)
     # After the last step a final read is logged when it was not already (for the summary).
     assert [s for s, _ in loggers[0].series("loss_scale/scale")] == expected
@@ -115,7 +115,7 @@ def test_model_checkpoint_and_early_stopping_can_monitor_loss_scale_metrics(pl, 
                                         every_n_train_steps=4)
     model = tiny.module_class(pl)(inject_inf_at=(1, 3), snapshots=False)
     trainer = pl.Trainer(plugins=[LossScalePlugin(device="cpu")],
-                         callbacks=[LossScaleMonitor(logging_interval=1), stop, ckpt],
+                         callbacks=[LossScaleMonitor(log_every=1), stop, ckpt],
                          **tiny.trainer_kwargs(max_epochs=3, max_steps=-1, enable_checkpointing=True))
     trainer.fit(model, tiny.data())
     assert trainer.global_step == 8 and stop.stopped_epoch == 0
@@ -132,7 +132,7 @@ def test_health_stop_sets_should_stop(pl):
 
 
 def test_progress_bar_shows_scale(pl):
-    monitor = LossScaleMonitor(prog_bar=True, logging_interval=1)
+    monitor = LossScaleMonitor(prog_bar=True, log_every=1)
     trainer, _ = _fit(pl, monitor, max_steps=2)
     assert trainer.progress_bar_metrics["loss_scale/scale"] == 1024.0
 
@@ -140,7 +140,7 @@ def test_progress_bar_shows_scale(pl):
 def test_reads_the_stock_mixed_precision_grad_scaler(pl):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)
-    monitor = LossScaleMonitor(logging_interval=1)
+    monitor = LossScaleMonitor(log_every=1)
     model = tiny.module_class(pl)(inject_inf_at=(2, 5, 6), snapshots=False)
     trainer, loggers = _fit(pl, monitor, plugin=plugin, model=model, max_steps=9)
     assert set(model.autocast_dtypes) == {torch.float16}
@@ -213,7 +213,7 @@ def test_several_optimizer_steps_per_batch_are_each_counted_once(stock):
             "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
     else:
         plugin = LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=2.0**10, growth_interval=3))
-    monitor = LossScaleMonitor(logging_interval=3)
+    monitor = LossScaleMonitor(log_every=3)
     trainer, loggers = _fit(pl, monitor, plugin=plugin, model=two_optimizer_module(pl, inject_at=4),
                             max_steps=12)
     assert trainer.global_step == 12
@@ -231,7 +231,7 @@ def test_a_resumed_run_counts_its_first_interval_from_the_checkpoint(tmp_path):
     import lightning.pytorch as pl
 
     def fit(max_steps, ckpt_path=None):
-        monitor = LossScaleMonitor(logging_interval=2)
+        monitor = LossScaleMonitor(log_every=2)
         model = tiny.module_class(pl)(inject_inf_at=(1,), snapshots=False)
         loggers = [capture_logger(pl)]
         trainer = pl.Trainer(plugins=[LossScalePlugin(device="cpu")], callbacks=[monitor],
@@ -307,9 +307,9 @@ def test_missing_alignment_module_warns(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"logging_interval": 0}, "logging_interval"),
-    ({"logging_interval": "batch"}, "logging_interval"),
-    ({"logging_interval": True}, "logging_interval"),
+    ({"log_every": 0}, "log_every"),
+    ({"log_every": "batch"}, "log_every"),
+    ({"log_every": True}, "log_every"),
     ({"prog_bar": "yes"}, "prog_bar"),
     ({"health": "loud"}, "health"),
     ({"check_alignment": 1}, "check_alignment"),

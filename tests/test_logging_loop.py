@@ -206,7 +206,7 @@ def test_lightning_monitor_drives_the_loop():
 
     tiny.quiet_lightning_warnings()
     memory = InMemorySink()
-    monitor = LossScaleMonitor(logging_interval=3, sinks=[memory], health=None)
+    monitor = LossScaleMonitor(log_every=3, sinks=[memory], health=None)
     trainer = pl.Trainer(plugins=[LossScalePlugin(device="cpu", policy=DynamicPolicy(initial_scale=256.0))],
                          callbacks=[monitor], **tiny.trainer_kwargs(max_steps=7))
     trainer.fit(tiny.module_class(pl)(inject_inf_at=(1,), snapshots=False), tiny.data())

@@ -24,8 +24,7 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"],
-    # ScalerReader joins LossScaler here when the one torch-side reader lands (contracts.md).
-    "lossscale_callbacks.torch": ["LossScaler"],
+    "lossscale_callbacks.torch": ["LossScaler", "ScalerReader"],
     "lossscale_callbacks.lightning": ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"],
     "lossscale_callbacks.lightning.fabric": [
         "FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"],
@@ -63,7 +62,7 @@ MOVED: dict[str, list[str]] = {
     "lossscale_callbacks.keras.tf_ops": ["TF_OPS", "TFOps", "all_finite"],
     "lossscale_callbacks.keras.alignment": ["check_alignment"],
     "lossscale_callbacks.torch.ops": ["TorchOps"],
-    "lossscale_callbacks.torch.stock": ["StockScalerReader"],
+    "lossscale_callbacks.torch.stock": ["StockSkipCounter", "check_stock_state"],
     "lossscale_callbacks.torch.deepspeed_reader": ["DeepSpeedScalerReader"],
     "lossscale_callbacks.torch.alignment": ["check_alignment"],
     "lossscale_callbacks.tensorboard.reader": ["RunReadError", "read_run", "read_texts"],

@@ -322,7 +322,7 @@ def test_report_on_a_lightning_run(tmp_path, capsys):
     logger = pl.loggers.TensorBoardLogger(str(tmp_path / "tb"), name="run", version=0)
     plugin = LossScalePlugin("16-mixed", device="cpu", policy=DynamicPolicy(initial_scale=2.0**24,
                                                                              growth_interval=6))
-    trainer = pl.Trainer(max_steps=20, plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=2,
+    trainer = pl.Trainer(max_steps=20, plugins=[plugin], callbacks=[LossScaleMonitor(log_every=2,
                                                                                      health=None)],
                          logger=logger, accelerator="cpu", devices=1, log_every_n_steps=2,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

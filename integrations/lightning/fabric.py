@@ -2,26 +2,28 @@
 
 ``Fabric(plugins=[LossScaleFabricPlugin()])`` (DDP, one device, ...) or
 ``Fabric(strategy="fsdp", plugins=[LossScaleFabricFSDPPlugin()])``; then
-``monitor = FabricLossScaleMonitor(fabric)`` and ``monitor.step()`` after each ``optimizer.step()``.
+``monitor = FabricLossScaleMonitor(fabric, log_every=100)`` and ``monitor.step()`` after each
+``optimizer.step()``.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_int
-from lossscale_callbacks.health import HealthMonitor, HealthSpec
+from lossscale_callbacks.health import HealthSpec
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.lightning._settings import default_device, resolve_scaling, split_plugin_state
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import Snapshot
 from lossscale_callbacks.policy import Policy
-from lossscale_callbacks.sinks import GuardedSink, Sink
+from lossscale_callbacks.sinks import Sink
+from lossscale_callbacks.torch.reader import ScalerReader
 from lossscale_callbacks.torch.scaler import LossScaler
-from lossscale_callbacks.torch.stock import StockScalerReader
 
 try:
     from lightning.fabric.plugins.precision import FSDPPrecision as _FabricFSDPPrecision
@@ -116,101 +118,125 @@ class FabricLossScaleMonitor:
     """The loss scale of a Fabric run on the Fabric's loggers, like ``LossScaleMonitor`` for the Trainer.
 
     Reads the scaler of the Fabric's precision plugin (ours, or a stock ``GradScaler``/
-    ``ShardedGradScaler``, whose skipped steps it counts on the device) once every ``every_steps``
-    optimizer steps and runs the core's :class:`~lossscale_callbacks.LoggingLoop`: metrics to
-    ``fabric.loggers`` and ``sinks`` (from rank 0), health rules on every rank, the summary at the end.
+    ``ShardedGradScaler``, whose skipped steps it counts on the device) through
+    :class:`~lossscale_callbacks.torch.reader.ScalerReader`, once every ``log_every`` optimizer
+    steps, and runs the core's :class:`~lossscale_callbacks.logging_loop.LoggingLoop`: metrics to
+    ``fabric.loggers`` and the sinks (from rank 0), health rules on every rank, the summary at the end.
+
+    Its step count is the scaler's: our scaler counts its own steps, and a stock scaler's count is
+    kept here and saved beside its state; :meth:`step` before the scaler has scaled any loss (before
+    ``fabric.setup`` and ``fabric.backward``) is an error, not a phantom step, and a checkpoint whose
+    count disagrees with its scaler's is refused.
 
     Args:
         fabric: the launched ``lightning.fabric.Fabric``.
-        every_steps: optimizer steps between reads (>= 1).
+        log_every: optimizer steps between reads (>= 1); the library's one name for the interval.
         health: the health rules (``"warn"``, ``"raise"``, rules, or ``None``).
+        tensorboard: a log directory: also write to a
+            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
+        wandb: ``True``, or a dict of ``wandb.init`` arguments: also write to a
+            :class:`~lossscale_callbacks.wandb.WandbSink`.
         sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
 
+    Raises:
+        ValueError: ``fabric`` is not a Fabric with an enabled loss scaler; an argument is invalid.
+        MissingExtraError: ``tensorboard=``/``wandb=`` without their extra installed.
+
     Example:
-        >>> monitor = FabricLossScaleMonitor(fabric, every_steps=50)    # doctest: +SKIP
+        >>> monitor = FabricLossScaleMonitor(fabric, log_every=50)      # doctest: +SKIP
         >>> for batch in loader:                                        # doctest: +SKIP
         ...     fabric.backward(loss); optimizer.step(); monitor.step()
         >>> monitor.finish()                                            # doctest: +SKIP
     """
 
-    def __init__(self, fabric: Any, every_steps: int = 100, health: HealthSpec = "warn",
-                 sinks: list[Sink] | tuple[Sink, ...] = ()) -> None:
-        check_int("every_steps", every_steps)
-        HealthMonitor.from_spec(health)
-        precision = getattr(fabric.strategy, "precision", None)
+    def __init__(self, fabric: Any, log_every: int = 100, health: HealthSpec = "warn", *,
+                 tensorboard: str | os.PathLike[str] | None = None,
+                 wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = ()) -> None:
+        precision = getattr(getattr(fabric, "strategy", None), "precision", None)
         scaler = getattr(precision, "scaler", None)
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
-            raise ValueError("FabricLossScaleMonitor needs a Fabric whose precision plugin has an enabled "
+            raise ValueError("fabric must be a lightning.fabric.Fabric whose precision plugin has an enabled "
                              "loss scaler: Fabric(plugins=[LossScaleFabricPlugin()]) or precision='16-mixed' "
-                             "on a GPU")
+                             f"on a GPU; got {type(fabric).__name__}")
         self.fabric = fabric
-        self.scaler = scaler
-        self._stock = None if isinstance(scaler, LossScaler) else StockScalerReader(scaler)
-        self._steps = 0
+        self.precision = precision
+        self.reader = ScalerReader(scaler)
         writer = bool(fabric.is_global_zero)
-        all_sinks: list[Sink] = []
-        if writer:
-            all_sinks = [*(logger_sink(lg) for lg in fabric.loggers), *(GuardedSink(s) for s in sinks)]
-        self.loop = LoggingLoop(scaler.policy if self._stock is None else None, sinks=all_sinks,
-                                health=health, writer=writer, log_every=every_steps)
-        self.summary: str | None = None
+        self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
+                                sinks=sinks, health=health, writer=writer)
+        self.loop.start(sinks=[logger_sink(lg) for lg in fabric.loggers] if writer else [])
+        self.loop.restart_interval(self.reader.steps)
+        self._started = False
 
-    def _read(self) -> Any:
-        return self.scaler.get_state() if self._stock is None else self._stock.read()
+    @property
+    def scaler(self) -> Any:
+        """The precision plugin's loss scaler."""
+        return self.reader.scaler
+
+    @property
+    def summary(self) -> str | None:
+        """The end-of-run summary (after :meth:`finish`)."""
+        return self.loop.summary
 
     def step(self) -> Snapshot | None:
         """Call after each optimizer step: counts it, and reads the scaler when an interval ends.
 
         Returns the interval's :class:`~lossscale_callbacks.metrics.Snapshot` when it read the
         scaler (one host sync), else ``None`` (no sync).
-        """
-        self._steps += 1
-        if self._stock is not None:
-            self._stock.after_optimizer_step()  # device ops only, no host sync
-        return self.loop.maybe_observe(self._steps, self._read, read_forensics=self._read_forensics)
 
-    def _read_forensics(self) -> Any:
-        # A LossScaler(diagnose=True) in the plugin: its forensics join each interval.
-        return self.scaler.read_forensics() if self._stock is None else None
+        Raises:
+            RuntimeError: the scaler has not scaled a loss yet, so no optimizer step was taken.
+        """
+        if not self._started:
+            if not self.reader.started:
+                raise RuntimeError(
+                    "FabricLossScaleMonitor.step() counts an optimizer step, but the loss scaler has not "
+                    "scaled any loss yet: call it after optimizer.step(), once fabric.setup(model, "
+                    "optimizer) and fabric.backward(loss) ran")
+            self._started = True
+        self.reader.after_optimizer_step()  # device ops only for a stock scaler, no host sync
+        return self.loop.maybe_observe(self.reader.steps, self.reader.read,
+                                       read_forensics=self.reader.read_forensics)
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state and the monitor's counts, for ``fabric.save(path, {"loss_scale": monitor})``.
+        """The scaler's state and the step count, for ``fabric.save(path, {"loss_scale": monitor})``.
 
         Fabric does not checkpoint its precision plugin, so this carries the scaler too: saving the
-        monitor is enough to resume the scale, its counters and the step count. One host read.
+        monitor is enough to resume the scale, its counters and the step count (a stock scaler's
+        skipped steps too, under ``"stock"``). One host read.
         """
-        state: dict[str, Any] = {"steps": self._steps, "scaler": self.scaler.state_dict()}
-        if self._stock is not None:
-            state["stock"] = self._stock.state_dict()
-        return state
+        return self.reader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; all checked before anything changes.
+        """Restore what :meth:`state_dict` saved; everything checked before anything changes.
 
         Pass ``fabric.load(path, {"model": ..., "optimizer": ...})["loss_scale"]``: Fabric's FSDP
         loader puts saved entries back into ``state`` instead of calling this, other strategies call
-        it; the remainder has it everywhere.
+        it; the remainder has it everywhere. The scaler's state goes through the core's state gate
+        (a stock GradScaler's too, before it reaches the GradScaler); unknown keys, a ``steps`` that
+        disagrees with the scaler's, and a scaling (fp16) state for a ``"bf16-mixed"`` plugin are
+        refused. The logging loop then judges against the loaded policy, from the loaded step on.
+
+        Raises:
+            ValueError: naming the key or field; nothing was loaded.
         """
-        steps = state.get("steps") if isinstance(state, dict) else None
-        if not isinstance(steps, int) or steps < 0 or "scaler" not in state:
-            raise ValueError("state: expected FabricLossScaleMonitor.state_dict()'s keys 'steps' "
-                             f"(an int >= 0) and 'scaler', got {state!r}")
-        if (self._stock is None) != ("stock" not in state):
-            raise ValueError("state: saved with a different kind of scaler (ours vs torch's GradScaler)")
-        if self._stock is not None:
-            StockScalerReader.check_state(state["stock"])
-        self.scaler.load_state_dict(state["scaler"])
-        if self._stock is not None:
-            self._stock.load_state_dict(state["stock"])
-        self._steps = steps
-        if steps:
-            # One read now, not a step: the first interval after resuming covers only its own steps.
-            self.loop.baseline(self._read())
+        self._check_for_the_plugin(state)
+        self.reader.load_state_dict(state)
+        self.loop.set_policy(self.reader.policy)
+        self.loop.restart_interval(self.reader.steps)
+        # One read now, not a step: the first interval after resuming covers only its own steps.
+        self.loop.baseline(self.reader.read())
+
+    def _check_for_the_plugin(self, state: Any) -> None:
+        """The plugin's own checkpoint rules for the scaler's part: keys it never writes, and a scaling
+        (fp16) state offered to a ``"bf16-mixed"`` plugin, refused with what to do."""
+        saved = state.get("scaler") if isinstance(state, Mapping) else None
+        if isinstance(saved, Mapping):
+            split_plugin_state(type(self.precision).__name__, getattr(self.precision, "precision", ""), saved)
 
     def finish(self) -> str:
         """End of training: one last read, the summary (printed on rank 0, returned everywhere)."""
-        self.summary = self.loop.finish(self._read())
-        return self.summary
+        return self.loop.finish(self.reader.read())
 
 
 __all__ = ["FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"]

@@ -59,7 +59,7 @@ def run(mode: str, out: str, steps: int, inject_step: int) -> None:
     logger = CountingLogger()
     model = tiny.module_class(pl)(inject_inf_at=(inject_step,), inject_rank=1)
     trainer = pl.Trainer(
-        plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=1)],
+        plugins=[plugin], callbacks=[LossScaleMonitor(log_every=1)],
         **tiny.trainer_kwargs(strategy="ddp", devices=2, max_steps=steps, logger=[logger]),
     )
     trainer.fit(model, tiny.data(n=8 * 2 * steps))

@@ -136,7 +136,7 @@ def run_trainer(mode: str, out: str, steps: int, inject_steps: list[int], checkp
         plugin = LossScaleFSDPPlugin(device="cpu", policy=POLICY, sync_found_inf=mode != "trainer_unsynced")
     logger = pl.loggers.TensorBoardLogger(os.path.join(out, "tb"), name=mode, version=0)
     model = Module(inject_steps)
-    callbacks = [LossScaleMonitor(logging_interval=1, health=None)]
+    callbacks = [LossScaleMonitor(log_every=1, health=None)]
     if mode == "trainer":
         # how users checkpoint: at each epoch's end (an epoch is --checkpoint-step batches per rank, so that
         # the resumed run sees the same batches; Lightning restarts a plain DataLoader's epoch on resume)
@@ -173,7 +173,7 @@ def run_fabric(mode: str, out: str, steps: int, inject_steps: list[int], checkpo
     model = fabric.setup_module(_net())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(_data(steps), batch_size=8, shuffle=False))
-    monitor = FabricLossScaleMonitor(fabric, every_steps=1, health=None)
+    monitor = FabricLossScaleMonitor(fabric, log_every=1, health=None)
     ckpt = os.path.join(out, "fabric_ckpt")
     first = 0
     if mode == "fabric_resumed":
