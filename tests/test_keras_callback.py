@@ -101,7 +101,7 @@ def test_fit_skips_poisoned_steps_and_logs_to_keras_loggers(tmp_path, capsys):
     batch_logger = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: history_logs.append(
         dict(logs)))
     callbacks = [
-        LossScaleCallback(log_every=2, policy=POLICY, sinks=[sink]),
+        LossScaleCallback(log_every=2, policy=POLICY, sinks=[sink], log_metrics=True),
         batch_logger,
         keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq=1),
         keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),

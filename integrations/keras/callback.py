@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -12,15 +13,17 @@ import keras
 
 from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.forensics import check_diagnose
-from lossscale_callbacks.health import HealthMonitor
 from lossscale_callbacks.keras.config import record_in_compile_config
 from lossscale_callbacks.keras.forensics_wiring import DIAGNOSE_TF_ONLY
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
 from lossscale_callbacks.keras.wrapping import wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.metrics import METRIC_NAMES, Snapshot
+from lossscale_callbacks.metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks.policy import Policy, check_policy
-from lossscale_callbacks.sinks import GuardedSink, Sink
+from lossscale_callbacks.sinks import Sink
+
+# What Keras' progress bar, History and CSVLogger get unless log_metrics= asks for more.
+QUIET_METRICS: tuple[str, ...] = (SCALE, SKIPPED_STEPS)
 
 
 class LossScaleCallback(keras.callbacks.Callback):
@@ -38,13 +41,15 @@ class LossScaleCallback(keras.callbacks.Callback):
     that the loop steps (``ValueError`` otherwise).
 
     On every ``log_every``-th batch of an epoch (Keras' batch index ``0, n, 2n, ...``, the
-    batches ``WandbMetricsLogger(log_freq=n)`` logs) and at the end of each epoch, the
-    callback reads the state once (the only host synchronisation it adds; none happens per
-    step) and hands it to the core's :class:`~lossscale_callbacks.LoggingLoop`, which writes
-    the metrics (``loss_scale/scale``, ``loss_scale/log2_scale``, ``loss_scale/growth_counter``,
-    ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``, ``loss_scale/skip_rate``)
-    to the sinks and applies the health rules; the metrics chosen by ``log_metrics`` also go
-    into ``logs`` (counts as ints). **Put it before** ``TensorBoard``,
+    batches ``WandbMetricsLogger(log_freq=n)`` logs; the core's
+    :class:`~lossscale_callbacks.logging_loop.LoggingLoop` decides, as for every integration) and
+    at the end of each epoch, the callback reads the state once (the only host synchronisation it
+    adds; none happens per step) and hands it to that loop, which writes every metric
+    (``loss_scale/scale``, ``loss_scale/log2_scale``, ``loss_scale/growth_counter``,
+    ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``, ``loss_scale/skip_rate``,
+    ``loss_scale/steps``) to the sinks and applies the health rules. Keras' ``logs`` get only the
+    scale and the skipped steps by default (so the progress bar stays readable); ``log_metrics``
+    asks for more (counts as ints). **Put it before** ``TensorBoard``,
     ``CSVLogger``, ``ModelCheckpoint``, ``EarlyStopping``, ``ReduceLROnPlateau`` and W&B's
     Keras callbacks in ``callbacks=[...]``: Keras passes one ``logs`` dict down the list, so
     only the callbacks after it see the metrics. (``BackupAndRestore`` may stand anywhere: the
@@ -53,9 +58,18 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     The sinks' step axis is the number of optimizer steps attempted (skipped ones
     included), ``state.steps``; only the chief worker writes to sinks under
-    ``MultiWorkerMirroredStrategy``. Sinks made from ``tensorboard=``/``wandb=`` are opened
-    at each ``fit()``'s start and closed at its end (so each ``fit()`` is one W&B run);
-    sinks passed in ``sinks=`` belong to the caller and are only flushed.
+    ``MultiWorkerMirroredStrategy``. The loop opens the sinks of ``tensorboard=``/``wandb=`` at
+    each ``fit()``'s start and closes them at its end (so each ``fit()`` is one W&B run; a ``fit()``
+    that raised has its sinks closed when the next starts); sinks passed in ``sinks=`` belong to
+    the caller and are only flushed. Every argument is checked here, at construction, and so is
+    the extra that ``tensorboard=``/``wandb=`` need (``MissingExtraError`` with the pip command),
+    never in the middle of ``fit()``.
+
+    ``CSVLogger`` without validation data: Keras' CSVLogger adds a ``val_`` twin of every key in
+    ``logs`` when the first epoch has no ``val_`` key (it keeps room for a validation that may come
+    later), ours included; those columns stay ``NA``. Only the CSVLogger decides its columns, so
+    ``log_metrics=False`` is the way to keep the loss-scale metrics out of it (the sinks still have
+    them).
 
     Saving: the loss-scale state is saved with the model (``model.save()``, ``save_weights()``,
     ``ModelCheckpoint``, ``BackupAndRestore``) and checked whole when it is loaded. When the callback
@@ -89,8 +103,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         health: health rules: None/False (off), True/"warn", "raise", "stop" (sets
             ``model.stop_training``), or rule objects.
         log_metrics: which metrics go into Keras' ``logs`` (and so the progress bar, History,
-            CSVLogger, Keras' TensorBoard): ``True`` (all), ``False`` (none; the sinks still get
-            them) or names from ``lossscale_callbacks.METRIC_NAMES``.
+            CSVLogger, Keras' TensorBoard, ``EarlyStopping``): by default ``loss_scale/scale`` and
+            ``loss_scale/skipped_steps``; ``True`` (all of ``lossscale_callbacks.METRIC_NAMES``),
+            ``False`` (none; the sinks still get them) or names from ``METRIC_NAMES``.
         diagnose: overflow forensics on the installed optimizer (TensorFlow backend; ``True`` or
             ``"every_step"``, see :mod:`lossscale_callbacks.forensics`): the skip causes per
             interval join the sinks' metrics, the report (which layer overflowed, and why, in plain
@@ -99,8 +114,13 @@ class LossScaleCallback(keras.callbacks.Callback):
             the step.
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
         check_alignment: run the Tensor Core alignment checker once at the first
-            ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend;
-            on JAX and torch it warns and training goes on).
+            ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend,
+            whose checker is imported here; on JAX and torch it warns and training goes on).
+
+    Raises:
+        ValueError: an argument is invalid, named (``tensorboard=""``, ``wandb={"mode": "x"}``,
+            ``sinks=None``, ``log_every=0``...).
+        MissingExtraError: ``tensorboard=``/``wandb=`` without their extra installed.
 
     Example:
         >>> keras.mixed_precision.set_global_policy("mixed_float16")  # doctest: +SKIP
@@ -117,46 +137,35 @@ class LossScaleCallback(keras.callbacks.Callback):
         wandb: bool | Mapping[str, Any] | None = None,
         sinks: Iterable[Sink] = (),
         health: Any = "warn",
-        log_metrics: bool | Iterable[str] = True,
+        log_metrics: bool | Iterable[str] = QUIET_METRICS,
         check_alignment: bool = False,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
     ) -> None:
         super().__init__()
-        check_int("log_every", log_every)
         check_policy("policy", policy)
-        if tensorboard is not None and not isinstance(tensorboard, (str, os.PathLike)):
-            raise ValueError(f"tensorboard must be None or a log directory path, got {tensorboard!r}")
-        if not (wandb is None or isinstance(wandb, (bool, Mapping))):
-            raise ValueError(f"wandb must be None, a bool, or a dict of wandb.init arguments, got {wandb!r}")
         check_bool("check_alignment", check_alignment)
         self.diagnose = check_diagnose(diagnose)
-        check_int("headroom_every", headroom_every)
+        self.headroom_every = check_int("headroom_every", headroom_every)
         if diagnose and keras.backend.backend() != "tensorflow":
             raise ValueError(DIAGNOSE_TF_ONLY)
-        self.headroom_every = headroom_every
-        HealthMonitor.from_spec(health)  # validated here, used by each fit's logging loop
+        self.log_metrics = _chosen_metrics(log_metrics)
+        # Every argument of the sinks and the interval is checked here, the extras required here.
+        self.loop = LoggingLoop(policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
+                                sinks=sinks, health=health, stop=self._stop)
+        if check_alignment and keras.backend.backend() == "tensorflow":
+            importlib.import_module("lossscale_callbacks.keras.alignment")  # fails now, not in fit()
         self.log_every = log_every
         self.policy = policy
-        self.tensorboard = tensorboard
-        self.wandb = wandb
-        self.health = health
-        self.log_metrics = _chosen_metrics(log_metrics)
         self.check_alignment = check_alignment
-        self._user_sinks = [GuardedSink(s) for s in sinks]
         self.optimizer: LossScaleOptimizer | None = None
-        self.loop: LoggingLoop | None = None
-        self.summary: str | None = None
         self.alignment_report: Any = None
-        self._owned_sinks: list[Sink] = []
         self._primed = False
-        self._is_chief = True
-        self._last_batch = -1
 
     @property
-    def tracker(self) -> Any:
-        """The logging loop's metrics tracker (its ``last`` snapshot), or None before training."""
-        return self.loop.tracker if self.loop is not None else None
+    def summary(self) -> str | None:
+        """The summary of the last ``fit()`` (``None`` before one ended)."""
+        return self.loop.summary
 
     # ---- installation ----
 
@@ -198,27 +207,6 @@ class LossScaleCallback(keras.callbacks.Callback):
         model.make_train_function(force=True)
         return ours
 
-    def _close_owned_sinks(self) -> None:
-        for sink in self._owned_sinks:
-            GuardedSink(sink).close()
-        self._owned_sinks = []
-
-    def _open_loop(self) -> LoggingLoop:
-        # A fit() that raised never reached on_train_end: close its sinks (a W&B run) first.
-        self._close_owned_sinks()
-        owned: list[Sink] = []
-        if self._is_chief and self.tensorboard is not None:
-            from lossscale_callbacks.tensorboard import TensorBoardSink
-
-            owned.append(TensorBoardSink(os.fspath(self.tensorboard)))
-        if self._is_chief and self.wandb:
-            from lossscale_callbacks.wandb import WandbSink
-
-            owned.append(WandbSink(**(dict(self.wandb) if isinstance(self.wandb, Mapping) else {})))
-        self._owned_sinks = owned
-        return LoggingLoop(self.optimizer.policy, sinks=[*owned, *self._user_sinks], health=self.health,
-                           writer=self._is_chief, stop=self._stop)
-
     # ---- reading ----
 
     def _read_state(self) -> Any:
@@ -232,7 +220,7 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def _observe(self, logs: dict[str, Any] | None) -> Snapshot:
         """One host read of the state, through the logging loop; the chosen metrics into ``logs``."""
-        assert self.optimizer is not None and self.loop is not None
+        assert self.optimizer is not None
         state = self._read_state()
         snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics())
         if logs is not None and self.log_metrics:
@@ -254,8 +242,8 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.optimizer = self._install()  # no-op when set_model installed it already
-        self._is_chief = _is_chief(self.model)
-        self.loop = self._open_loop()
+        # Each fit() is a run of the loop: its own W&B run and event file, the optimizer's policy.
+        self.loop.start(policy=self.optimizer.policy, writer=_is_chief(self.model))
         self._primed = False
         if self.check_alignment and self.alignment_report is None:
             self._run_alignment_check()
@@ -273,39 +261,34 @@ class LossScaleCallback(keras.callbacks.Callback):
                           stacklevel=3)
             self.alignment_report = False  # not asked again at the next fit()
             return
-        assert self.loop is not None
         self.loop.report_alignment(self.alignment_report.to_markdown())
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._last_batch = -1
+        # The count is Keras' batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
+        # counts it, so both log on the same batches: it starts before batch 0, which logs.
+        self.loop.restart_interval(-1)
         if not self._primed:
             # After every on_train_begin (BackupAndRestore restores there): the baseline
             # of the first interval is the restored state, not zero.
             self._primed = True
-            assert self.loop is not None and self.optimizer is not None
             self.loop.baseline(self._read_state())
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        # Keras' own batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
-        # counts it, so both log on the same batches. With steps_per_execution=k Keras only
-        # reports every k-th index: log when the execution just run covered a multiple of
-        # log_every (a plain ``batch % log_every`` would never fire for, e.g., k = log_every).
-        previous, self._last_batch = self._last_batch, batch
-        if batch // self.log_every == previous // self.log_every:
-            return
-        self._observe(logs)
+        # With steps_per_execution=k Keras reports only every k-th index: the loop's rule logs when
+        # the execution just run passed a multiple of log_every (landing on one is not needed).
+        if self.loop.due(batch):
+            self._observe(logs)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._observe(logs)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        assert self.loop is not None and self.optimizer is not None
+        assert self.optimizer is not None
         state = self._read_state()
         last = self.loop.last
         if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
             self.loop.observe(state, forensics=self.optimizer.read_forensics())
-        self.summary = self.loop.finish(state)
-        self._close_owned_sinks()
+        self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
 
 
 def _strategy_scope(model: keras.Model) -> Any:
