@@ -283,3 +283,27 @@ def test_reader_reads_simple_value_scalars_and_several_runs(tmp_path):
     sink.close()
     both = read_run(str(tmp_path))
     assert both["torch/" + m.SCALE][0] == (0, 1024.0) and both["tb/" + m.SCALE] == [(1, 2.0)]
+
+
+def test_a_log_directory_deleted_mid_run_warns_once_and_the_rest_of_the_run_is_kept(tmp_path):
+    """Issue 24: on main the later writes went to the unlinked file, without a word."""
+    import shutil
+
+    from lossscale_callbacks.tensorboard.sink import LogDirRemovedWarning
+
+    run = tmp_path / "run"
+    sink = TensorBoardSink(run, flush_secs=0)
+    sink.write_text("loss_scale/policy", "| setting | value |\n|---|---|\n| min_scale | 1.0 |")
+    sink.write(1, {m.SCALE: 2.0})
+    shutil.rmtree(run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2, 6):
+            sink.write(step, {m.SCALE: 4.0})
+        sink.write_text("loss_scale/summary", "done")
+        sink.close()
+    removed = [w for w in caught if issubclass(w.category, LogDirRemovedWarning)]
+    assert len(removed) == 1 and "was deleted" in str(removed[0].message)
+    assert not [w for w in caught if issubclass(w.category, SinkFailureWarning)] and not sink.disabled
+    assert read_run(str(run))[m.SCALE] == [(s, 4.0) for s in range(2, 6)]
+    assert [tag for tag, _, _ in read_texts(str(run))] == ["loss_scale/policy", "loss_scale/summary"]

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
@@ -24,13 +25,18 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks._validation import check_number
-from lossscale_callbacks.sinks import ManagedSink
+from lossscale_callbacks.sinks import POLICY_TAG, ManagedSink
+from lossscale_callbacks.stacklevel import user_stacklevel
 
-__all__ = ["LAYOUT_CATEGORY", "TensorBoardSink", "loss_scale_layout"]
+__all__ = ["LAYOUT_CATEGORY", "LogDirRemovedWarning", "TensorBoardSink", "loss_scale_layout"]
 
 LAYOUT_CATEGORY = m.DASHBOARD_SECTION
 _SCALAR_SHAPE = tensor_shape_pb2.TensorShapeProto()
 _file_ids = itertools.count()
+
+
+class LogDirRemovedWarning(UserWarning):
+    """The event file (its log directory) was deleted while the sink wrote it; a new one was started."""
 
 
 def loss_scale_layout() -> layout_pb2.Layout:
@@ -63,9 +69,39 @@ class _EventFileWriter:
         self._described: set[str] = set()
         self._last_flush = 0.0
         self._last_step = 0
+        self._policy_text: str | None = None  # written again into a file that replaces a deleted one
+
+    def _removed(self) -> bool:
+        """Whether the open event file was deleted (its folder removed): one ``fstat``, no path lookup."""
+        return self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0
+
+    def _reopen_removed(self) -> None:
+        """A deleted file takes every later write with it: warn, and go on in a new file in a new folder.
+
+        Starting again (rather than giving up) keeps the rest of the run, which is what someone who
+        cleaned a folder mid-run still wants to see; the policy text goes into the new file too, so
+        the report can read the run's bounds from it.
+        """
+        gone, handle = self.path, self._file
+        self._file, self._records = None, None
+        try:
+            handle.close()
+        except OSError:  # the data it held is gone with the file; nothing to save
+            pass
+        warnings.warn(f"[lossscale-callbacks] the TensorBoard event file {gone} was deleted (its log "
+                      "directory removed) while this run wrote it: what it held is lost; writing on into a "
+                      f"new event file in {self.log_dir}.", LogDirRemovedWarning,
+                      stacklevel=user_stacklevel())
+        self._open()
+        if self._policy_text is not None:
+            self._text(POLICY_TAG, self._policy_text)
 
     def _open(self) -> RecordWriter:
         if self._records is not None:
+            if not self._removed():
+                return self._records
+            self._reopen_removed()
+            assert self._records is not None
             return self._records
         os.makedirs(self.log_dir, exist_ok=True)
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
@@ -123,12 +159,17 @@ class _EventFileWriter:
     def write_text(self, tag: str, markdown: str) -> None:
         with self._lock:
             self._open()
-            tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, tensor_shape=_SCALAR_SHAPE,
-                                            string_val=[markdown.encode("utf-8")])
-            value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=self._metadata(tag, "text"))
-            self._emit(event_pb2.Event(wall_time=time.time(), step=self._last_step,
-                                       summary=summary_pb2.Summary(value=[value])))
+            self._text(tag, markdown)
+            if tag == POLICY_TAG:
+                self._policy_text = markdown
             self._maybe_flush()
+
+    def _text(self, tag: str, markdown: str) -> None:
+        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, tensor_shape=_SCALAR_SHAPE,
+                                        string_val=[markdown.encode("utf-8")])
+        value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=self._metadata(tag, "text"))
+        self._emit(event_pb2.Event(wall_time=time.time(), step=self._last_step,
+                                   summary=summary_pb2.Summary(value=[value])))
 
     def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
         # tf.summary.histogram's format: a [k, 3] float64 tensor of (left edge, right edge, count),
@@ -155,6 +196,8 @@ class _EventFileWriter:
     def flush(self) -> None:
         with self._lock:
             if self._file is not None:
+                if self._removed():
+                    self._open()  # warns, and carries on in a new file
                 self._file.flush()
 
     def close(self) -> None:
@@ -190,6 +233,13 @@ class TensorBoardSink(ManagedSink):
     :meth:`flush`, on :meth:`close`, by the first write that comes ``flush_secs`` or more after
     the last flush (no background thread: the values of the last write wait for the next write,
     :meth:`flush` or :meth:`close`), and closed at interpreter exit.
+
+    A log directory deleted while the sink writes (a cleanup script, a user emptying ``runs/``)
+    takes the open event file with it, and every later write would go to a file nobody can read.
+    The sink notices before its next write (the file has no link left; one ``fstat``), warns once
+    with a :class:`LogDirRemovedWarning` and goes on in a new event file in a recreated folder,
+    with the policy text again: the rest of the run is kept, rather than dropped by a sink that
+    stops. What the deleted file held is gone.
 
     Args:
         log_dir: the run folder to write into (created when needed).
