@@ -38,23 +38,12 @@ from lossscale_callbacks.metrics import (
 from lossscale_callbacks.owned_sinks import check_tensorboard, check_wandb, owned_sinks
 from lossscale_callbacks.policy import check_policy
 from lossscale_callbacks.ranks import is_rank_zero
-from lossscale_callbacks.sinks import GuardedSink, Sink, SinkGroup
+from lossscale_callbacks.sinks import GuardedSink, Sink, SinkGroup, guarded_sinks
 from lossscale_callbacks.summary import summarize
 
 __all__ = ["LoggingLoop"]
 
 _KEEP: Any = object()  # start(policy=...) not given: the policy stays
-
-
-def _guarded(sinks: Any, name: str = "sinks") -> list[GuardedSink]:
-    """``sinks`` checked (an iterable of objects with the Sink methods), each behind its guard."""
-    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
-        raise ValueError(f"{name} must be an iterable of Sink objects (write, write_text, flush, close), "
-                         f"got {sinks!r}")
-    try:
-        return [s if isinstance(s, GuardedSink) else GuardedSink(s) for s in sinks]
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
 
 
 def _check_callable(name: str, value: Any) -> None:
@@ -150,7 +139,7 @@ class LoggingLoop:
         _check_callable("stop", stop)
         _check_callable("echo", echo)
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
-        self._user_sinks = _guarded(sinks)
+        self._user_sinks = guarded_sinks(sinks)
         self._tensorboard, self._wandb = check_tensorboard(tensorboard), check_wandb(wandb)
         self._owned: list[Sink] = owned_sinks(self._tensorboard, self._wandb)  # checks them, extras too
         self._health_spec = health
@@ -181,7 +170,7 @@ class LoggingLoop:
         Returns:
             The loop itself.
         """
-        run_sinks = _guarded(sinks)
+        run_sinks = guarded_sinks(sinks)
         if policy is not _KEEP:
             check_policy("policy", policy)
             self._policy = policy

@@ -228,6 +228,30 @@ class ManagedSink(GuardedSink):
             close_at_exit(self)
 
 
+def guarded_sinks(sinks: Any, name: str = "sinks") -> list[GuardedSink]:
+    """``sinks`` checked (an iterable of objects with the Sink methods), each behind its guard.
+
+    Raises:
+        ValueError: naming ``name`` when ``sinks`` is not an iterable of sinks (``None``, a string, an
+            object without ``write``...).
+
+    Example:
+        >>> [type(s).__name__ for s in guarded_sinks([InMemorySink()])]
+        ['GuardedSink']
+        >>> guarded_sinks(None)
+        Traceback (most recent call last):
+        ...
+        ValueError: sinks must be an iterable of Sink objects (write, write_text, flush, close), got None
+    """
+    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
+        raise ValueError(f"{name} must be an iterable of Sink objects (write, write_text, flush, close), "
+                         f"got {sinks!r}")
+    try:
+        return [s if isinstance(s, GuardedSink) else GuardedSink(s) for s in sinks]
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
 class SinkGroup:
     """Several guarded sinks written together.
 
@@ -240,7 +264,7 @@ class SinkGroup:
     """
 
     def __init__(self, sinks: Iterable[Sink] = ()) -> None:
-        self.sinks = [s if isinstance(s, GuardedSink) else GuardedSink(s) for s in sinks]
+        self.sinks = guarded_sinks(sinks)
 
     def __len__(self) -> int:
         return len(self.sinks)

@@ -126,3 +126,29 @@ def test_diagnose_refuses_a_tensor():
     with pytest.raises(ValueError, match="diagnose must be one of"):
         check_diagnose(torch.tensor(True))
     assert [check_diagnose(v) for v in (True, False, "every_step")] == [True, False, "every_step"]
+
+
+GARBAGE = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=3))
+
+
+@given(changes=st.dictionaries(st.sampled_from([*STATE_FIELDS, "extra"]), GARBAGE, max_size=3),
+       removed=st.sets(st.sampled_from(STATE_FIELDS), max_size=2))
+def test_the_logging_loop_records_a_valid_read_or_refuses_it_and_stays_as_it_was(changes, removed):
+    from lossscale_callbacks.logging_loop import LoggingLoop
+    from lossscale_callbacks.policy import DynamicPolicy
+    from lossscale_callbacks.sinks import InMemorySink
+
+    memory = InMemorySink()
+    loop = LoggingLoop(DynamicPolicy(), sinks=[memory], echo=None, health="warn")
+    loop.observe(_state())
+    before = (loop.last, list(memory.records), loop.segment, list(loop.health.history))
+    state = {k: v for k, v in {**_state(), **changes}.items() if k not in removed}
+    try:
+        snapshot = loop.observe(state)
+    except ValueError as exc:
+        assert any(name in str(exc) for name in STATE_FIELDS)  # names the field
+        assert (loop.last, memory.records, loop.segment, list(loop.health.history)) == before
+    else:
+        assert 0 <= snapshot.skipped_in_interval <= snapshot.interval_steps
+        assert snapshot.skipped_steps <= snapshot.step

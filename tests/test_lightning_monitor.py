@@ -314,6 +314,10 @@ def test_missing_alignment_module_warns(monkeypatch):
     ({"health": "loud"}, "health"),
     ({"check_alignment": 1}, "check_alignment"),
     ({"alignment_kwargs": [1]}, "alignment_kwargs"),
+    ({"sinks": None}, "sinks must be an iterable"),
+    ({"tensorboard": ""}, "tensorboard must be None or a non-empty"),
+    ({"wandb": {"mode": "nonsense"}}, "mode must be one of"),
+    ({"diagnose": 1.0}, "diagnose must be one of"),
 ])
 def test_monitor_arguments_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
