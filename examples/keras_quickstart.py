@@ -8,8 +8,9 @@ Runs on a laptop CPU in a few seconds:
 A small regression model trains on synthetic data under ``mixed_float16``. Its targets are
 large, so with the default initial scale of 2**15 the float16 gradients overflow: the
 callback skips those steps, backs the scale off until they fit, and grows it again after
-``growth_interval`` clean steps. Everything it logs goes to Keras' progress bar/History
-(``logs``), to TensorBoard and to an offline W&B run under ``runs/``. ``diagnose=True`` adds the
+``growth_interval`` clean steps. The scale and the skipped steps go to Keras' progress bar,
+History and CSV (``logs``; ``log_metrics=True`` adds the rest), every metric to TensorBoard and to
+an offline W&B run under ``runs/``. ``diagnose=True`` adds the
 overflow forensics: the summary names the layer whose gradients overflowed and the cause, and the
 sinks get the report (TensorBoard's Text tab) and a histogram of the scaled gradients.
 """

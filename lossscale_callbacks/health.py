@@ -364,6 +364,7 @@ class HealthMonitor:
         self.history: deque[Snapshot] = deque(maxlen=max_history)
         self._active: set[str] = set()
         self.verdicts: list[Verdict] = []
+        self._since = 0  # the verdicts of the current segment start here (see restart)
 
     @staticmethod
     def _checked(rules: Iterable[Rule]) -> tuple[Rule, ...]:
@@ -415,6 +416,7 @@ class HealthMonitor:
         """
         self.history.clear()
         self._active.clear()
+        self._since = len(self.verdicts)
 
     def observe(self, snapshot: Snapshot) -> list[Verdict]:
         """Add a snapshot, return the new verdicts (each firing rule once).
@@ -436,14 +438,15 @@ class HealthMonitor:
         return new
 
     def final(self) -> list[Verdict]:
-        """Verdicts that only a finished run allows (a short run's overall skip rate), each rule once."""
+        """Verdicts that only a finished run allows (a short run's overall skip rate), each rule once
+        per segment."""
         found = []
         for rule in self.rules:
             judge = getattr(rule, "final", None)
             if judge is None or not self.history:
                 continue
             verdict = judge(self.history)
-            if verdict is not None and verdict.rule not in {v.rule for v in self.verdicts}:
+            if verdict is not None and verdict.rule not in {v.rule for v in self.verdicts[self._since:]}:
                 found.append(verdict)
         self.verdicts.extend(found)
         return found

@@ -256,3 +256,15 @@ def test_os_pathlike_log_dir_is_accepted(tmp_path):
     loop.observe(_host(1, 0))
     loop.close()
     assert os.listdir(tmp_path / "x")
+
+
+def test_a_run_level_verdict_is_given_again_for_a_new_segment():
+    loop = LoggingLoop(DynamicPolicy(), echo=None, health="warn")
+    with pytest.warns(match="were skipped for Inf/NaN gradients"):
+        for step in range(100, 1400, 100):
+            loop.observe(_host(step, step // 10))  # 10 % skipped: fires once the window is full
+        loop.observe(_host(200, 20))  # restarted from an older checkpoint
+        for step in range(300, 900, 100):
+            loop.observe(_host(step, step // 10))
+        loop.finish()  # the new segment, shorter than the window, is judged at the end
+    assert [v.rule for v in loop.verdicts] == ["skip_rate", "skip_rate"]
