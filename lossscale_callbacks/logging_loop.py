@@ -141,7 +141,10 @@ class LoggingLoop:
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
         self._user_sinks = guarded_sinks(sinks)
         self._tensorboard, self._wandb = check_tensorboard(tensorboard), check_wandb(wandb)
-        self._owned: list[Sink] = owned_sinks(self._tensorboard, self._wandb)  # checks them, extras too
+        # Made once here to check them and their extras; each run makes its own at its first write,
+        # so an unstarted loop holds no file or run (a Trainer pickles its callbacks for ddp_spawn).
+        owned_sinks(self._tensorboard, self._wandb)
+        self._owned: list[Sink] | None = None
         self._health_spec = health
         self.clock = clock
         self.stop = stop
@@ -177,13 +180,13 @@ class LoggingLoop:
         if writer is not None:
             self._writer = check_bool("writer", writer)
         self._close_owned()
-        self._owned = [] if self._writer is False else owned_sinks(self._tensorboard, self._wandb)
+        self._owned = None
         self._run_sinks = run_sinks
         self._begin_run()
         return self
 
     def _begin_run(self) -> None:
-        self.sinks = SinkGroup([*self._owned, *self._user_sinks, *self._run_sinks])
+        self._group: SinkGroup | None = None
         self.summary: str | None = None
         self.forensics = ForensicsTotals()
         self.segment = 0
@@ -197,10 +200,20 @@ class LoggingLoop:
         self.health: HealthMonitor | None = None
         self._judge_by(self._policy)
 
+    @property
+    def sinks(self) -> SinkGroup:
+        """The sinks of the current run: the owned ones (made at the run's first write, on the writer
+        only), the caller's and the run's."""
+        if self._group is None:
+            if self._owned is None:
+                self._owned = owned_sinks(self._tensorboard, self._wandb) if self.writer else []
+            self._group = SinkGroup([*self._owned, *self._user_sinks, *self._run_sinks])
+        return self._group
+
     def _close_owned(self) -> None:
-        for sink in self._owned:
+        for sink in self._owned or ():
             sink.close()  # a ManagedSink: guarded, and a disabled one still releases its file or run
-        self._owned = []
+        self._owned = []  # closed for this run; start() lets the next run make new ones
 
     @property
     def writer(self) -> bool:
@@ -474,5 +487,6 @@ class LoggingLoop:
     def close(self) -> None:
         """Close every sink: the owned ones and the caller's (releasing files and runs; a disabled sink
         is closed too). A loop that must leave the caller's sinks open ends its runs with :meth:`finish`."""
-        self.sinks.close()  # the owned sinks are among them
-        self._owned = []
+        self._close_owned()
+        for sink in [*self._user_sinks, *self._run_sinks]:
+            sink.close()

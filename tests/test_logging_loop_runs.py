@@ -268,3 +268,17 @@ def test_a_run_level_verdict_is_given_again_for_a_new_segment():
             loop.observe(_host(step, step // 10))
         loop.finish()  # the new segment, shorter than the window, is judged at the end
     assert [v.rule for v in loop.verdicts] == ["skip_rate", "skip_rate"]
+
+
+def test_a_loop_that_has_not_written_holds_no_file_or_run_and_pickles(tmp_path):
+    """Lightning pickles the callbacks for ddp_spawn: a monitor's loop must pickle before training."""
+    import pickle
+
+    loop = LoggingLoop(DynamicPolicy(), tensorboard=str(tmp_path / "tb"),
+                       wandb={"dir": str(tmp_path), "mode": "offline"}, echo=None)
+    copy = pickle.loads(pickle.dumps(loop))
+    assert copy.log_every is None and not (tmp_path / "tb").exists()
+    pytest.importorskip("lightning")
+    from lossscale_callbacks.lightning.monitor import LossScaleMonitor
+
+    pickle.dumps(LossScaleMonitor(tensorboard=str(tmp_path / "tb")))
