@@ -159,9 +159,9 @@ class LoggingLoop:
               ) -> LoggingLoop:
         """Begin a run (a new loop has begun one already): call it for each later run, e.g. every ``fit``.
 
-        Owned sinks a previous run left open (it raised before :meth:`finish`) are closed first, then
-        fresh ones are made (on the writer only), so every run is its own W&B run and TensorBoard
-        file. ``sinks`` join for this run only (a trainer's loggers): written and flushed, never
+        Owned sinks a previous run left open (it raised before :meth:`finish`) are closed first; the
+        run's first write makes fresh ones (on the writer only), so every run is its own W&B run and
+        TensorBoard file. ``sinks`` join for this run only (a trainer's loggers): written and flushed, never
         closed by the loop. The tracker, the health rules, the forensics totals, the segments and
         the summary start over.
 
