@@ -12,7 +12,7 @@ keras = pytest.importorskip("keras")
 
 from keras_scripts.toy import build_model, make_data  # noqa: E402
 
-from lossscale_callbacks.keras import LossScaleCallback  # noqa: E402
+from lossscale_callbacks.keras.callback import LossScaleCallback  # noqa: E402
 from lossscale_callbacks.metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS  # noqa: E402
 from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
 from lossscale_callbacks.sinks import InMemorySink  # noqa: E402
@@ -72,7 +72,7 @@ class Refuse:
         if name.split(".")[0] == "tensorboard":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Refuse())
-from lossscale_callbacks.keras import LossScaleCallback
+from lossscale_callbacks.keras.callback import LossScaleCallback
 try:
     LossScaleCallback(tensorboard="runs/x")
 except ImportError as exc:

@@ -84,7 +84,7 @@ def test_a_missing_extra_is_reported_at_construction_with_the_pip_command(packag
 # ------------------------------------------------------------------ owned sinks and runs
 
 def test_owned_sinks_are_opened_per_run_and_closed_at_its_end(tmp_path):
-    from lossscale_callbacks.tensorboard import read_run
+    from lossscale_callbacks.tensorboard.reader import read_run
 
     memory = InMemorySink()
     loop = LoggingLoop(DynamicPolicy(), tensorboard=tmp_path / "tb", sinks=[memory], echo=None, health=None)
@@ -125,7 +125,7 @@ def test_run_sinks_join_one_run_and_a_non_writer_opens_no_owned_sink(tmp_path):
 
 def test_each_run_of_a_wandb_loop_is_its_own_wandb_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from lossscale_callbacks.wandb import read_run, wait_until_finished
+    from lossscale_callbacks.wandb.reader import read_run, wait_until_finished
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     loop = LoggingLoop(DynamicPolicy(), wandb={"dir": str(tmp_path), "project": "t", "mode": "offline"},
