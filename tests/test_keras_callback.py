@@ -269,7 +269,7 @@ def test_keras_callbacks_monitor_loss_scale_metrics(tmp_path):
     model = _compiled(optimizer=keras.optimizers.Adam(0.01))
     checkpoint = str(tmp_path / "best.weights.h5")
     callbacks = [
-        LossScaleCallback(log_every=100, policy=POLICY),
+        LossScaleCallback(log_every=100, policy=POLICY, log_metrics=True),  # epoch logs, on request
         keras.callbacks.ReduceLROnPlateau(monitor="loss_scale/skipped_steps", mode="min", factor=0.5,
                                           patience=0, min_delta=0.0),
         keras.callbacks.ModelCheckpoint(checkpoint, monitor="loss_scale/scale", mode="max",
@@ -347,7 +347,7 @@ def test_wandb_metrics_logger_after_the_callback_logs_the_metrics(tmp_path, monk
     recorder = StateRecorder(weights=False)
     run = wandb.init(project="lossscale-tests", dir=str(tmp_path), mode="offline")
     try:
-        _fit(_compiled(), 1, [LossScaleCallback(log_every=2, policy=POLICY), recorder,
+        _fit(_compiled(), 1, [LossScaleCallback(log_every=2, policy=POLICY, log_metrics=True), recorder,
                               keras_integration.WandbMetricsLogger(log_freq=2)])
     finally:
         run.finish()

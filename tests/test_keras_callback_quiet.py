@@ -53,9 +53,13 @@ def test_keras_logs_get_the_scale_and_the_skips_only_while_the_sinks_get_everyth
         sorted(k for k in logs if k.startswith("loss_scale/"))))
     history = _fit([LossScaleCallback(log_every=2, policy=POLICY, sinks=[memory]), spy], epochs=2)
     assert batch_keys[0] == sorted([SCALE, SKIPPED_STEPS]) and batch_keys[1] == []
-    assert sorted(k for k in history.history if k.startswith("loss_scale/")) == sorted([SCALE, SKIPPED_STEPS])
+    # The epoch logs (History, CSVLogger, EarlyStopping) get ours only when asked for.
+    assert [k for k in history.history if k.startswith("loss_scale/")] == []
     assert set(memory.records[0][1]) >= set(METRIC_NAMES)  # the sinks have the whole schema
-    assert history.history[SKIPPED_STEPS] == [1, 2]
+    chosen = [SCALE, SKIPPED_STEPS]
+    asked = _fit([LossScaleCallback(log_every=2, policy=POLICY, log_metrics=chosen)], epochs=2)
+    assert sorted(k for k in asked.history if k.startswith("loss_scale/")) == sorted([SCALE, SKIPPED_STEPS])
+    assert asked.history[SKIPPED_STEPS] == [1, 2]
     # The progress bar shows the two values, nothing else of ours.
     capsys.readouterr()
     _fit([LossScaleCallback(log_every=2, policy=POLICY, health=None)], poisoned=(), verbose=1)
@@ -112,3 +116,13 @@ def test_a_crashed_fit_has_its_wandb_run_finished_before_the_next_fit_opens_its_
         wandb_reader.wait_until_finished(run)  # the crashed fit's run was finished too
     steps = sorted(wandb_reader.read_run(run)["loss_scale/steps"][-1][1] for run in runs)
     assert steps == [3.0, 7.0]  # 3 steps before the crash; the second fit's 4 more, its own run
+
+
+@pytest.mark.slow
+def test_csvlogger_without_validation_gets_no_loss_scale_columns_by_default(tmp_path):
+    """Keras' CSVLogger adds a val_ twin of every epoch-log key when there is no validation data."""
+    csv_path = tmp_path / "log.csv"
+    _fit([LossScaleCallback(log_every=2, policy=POLICY), keras.callbacks.CSVLogger(str(csv_path))], epochs=2)
+    columns = csv_path.read_text().splitlines()[0].split(",")
+    assert "loss" in columns and "val_loss" in columns  # Keras' own doubling, unchanged
+    assert [c for c in columns if "loss_scale/" in c] == []

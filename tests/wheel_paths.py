@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -103,7 +104,19 @@ def readme_paths(text: str) -> list[ReadmePath]:
 
 
 def build(out: Path) -> tuple[Path, Path]:
-    """The wheel and the sdist of the working tree."""
+    """The wheel and the sdist of the working tree (which keeps no build leftovers)."""
+    leftovers = [ROOT / "lossscale_callbacks.egg-info", ROOT / "build"]
+    existed = {path for path in leftovers if path.exists()}
+    try:
+        return _build(out)
+    finally:
+        # setuptools writes its egg-info into the tree; left there, it shadows the installed
+        # metadata (entry points) of an editable install whenever the repository is on sys.path.
+        for path in set(leftovers) - existed:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _build(out: Path) -> tuple[Path, Path]:
     done = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
                           capture_output=True, text=True)
     if done.returncode != 0:

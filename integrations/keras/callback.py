@@ -22,7 +22,7 @@ from lossscale_callbacks.metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS, Snap
 from lossscale_callbacks.policy import Policy, check_policy
 from lossscale_callbacks.sinks import Sink
 
-# What Keras' progress bar, History and CSVLogger get unless log_metrics= asks for more.
+# What Keras' progress bar shows unless log_metrics= asks for more (and for History/CSVLogger).
 QUIET_METRICS: tuple[str, ...] = (SCALE, SKIPPED_STEPS)
 
 
@@ -47,9 +47,11 @@ class LossScaleCallback(keras.callbacks.Callback):
     adds; none happens per step) and hands it to that loop, which writes every metric
     (``loss_scale/scale``, ``loss_scale/log2_scale``, ``loss_scale/growth_counter``,
     ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``, ``loss_scale/skip_rate``,
-    ``loss_scale/steps``) to the sinks and applies the health rules. Keras' ``logs`` get only the
-    scale and the skipped steps by default (so the progress bar stays readable); ``log_metrics``
-    asks for more (counts as ints). **Put it before** ``TensorBoard``,
+    ``loss_scale/steps``) to the sinks and applies the health rules. By default the progress bar
+    shows the scale and the skipped steps (they go into the batch ``logs`` only, so History,
+    ``CSVLogger`` and ``EarlyStopping``, which read the epoch ``logs``, get no extra columns);
+    ``log_metrics=`` puts the metrics you choose into the batch *and* epoch ``logs`` (counts as
+    ints). **Put it before** ``TensorBoard``,
     ``CSVLogger``, ``ModelCheckpoint``, ``EarlyStopping``, ``ReduceLROnPlateau`` and W&B's
     Keras callbacks in ``callbacks=[...]``: Keras passes one ``logs`` dict down the list, so
     only the callbacks after it see the metrics. (``BackupAndRestore`` may stand anywhere: the
@@ -66,10 +68,10 @@ class LossScaleCallback(keras.callbacks.Callback):
     never in the middle of ``fit()``.
 
     ``CSVLogger`` without validation data: Keras' CSVLogger adds a ``val_`` twin of every key in
-    ``logs`` when the first epoch has no ``val_`` key (it keeps room for a validation that may come
-    later), ours included; those columns stay ``NA``. Only the CSVLogger decides its columns, so
-    ``log_metrics=False`` is the way to keep the loss-scale metrics out of it (the sinks still have
-    them).
+    the epoch ``logs`` when the first epoch has no ``val_`` key (it keeps room for a validation that
+    may come later). With the default ``log_metrics`` ours are not in the epoch ``logs``, so no
+    ``val_loss_scale/*`` column appears; with ``log_metrics=`` set and no validation data, each
+    chosen metric gets such an ``NA`` twin, as Keras' own ``loss`` does.
 
     Saving: the loss-scale state is saved with the model (``model.save()``, ``save_weights()``,
     ``ModelCheckpoint``, ``BackupAndRestore``) and checked whole when it is loaded. When the callback
@@ -102,10 +104,12 @@ class LossScaleCallback(keras.callbacks.Callback):
         sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
         health: health rules: None/False (off), True/"warn", "raise", "stop" (sets
             ``model.stop_training``), or rule objects.
-        log_metrics: which metrics go into Keras' ``logs`` (and so the progress bar, History,
-            CSVLogger, Keras' TensorBoard, ``EarlyStopping``): by default ``loss_scale/scale`` and
-            ``loss_scale/skipped_steps``; ``True`` (all of ``lossscale_callbacks.METRIC_NAMES``),
-            ``False`` (none; the sinks still get them) or names from ``METRIC_NAMES``.
+        log_metrics: ``None`` (default): ``loss_scale/scale`` and ``loss_scale/skipped_steps`` in
+            the batch ``logs`` only (the progress bar shows them; History and CSVLogger do not get
+            them). Otherwise the metrics go into the batch and the epoch ``logs`` (and so the
+            progress bar, History, CSVLogger, Keras' TensorBoard, ``EarlyStopping``): ``True`` (all
+            of ``lossscale_callbacks.METRIC_NAMES``), ``False`` (none; the sinks still get them) or
+            names from ``METRIC_NAMES``.
         diagnose: overflow forensics on the installed optimizer (TensorFlow backend; ``True`` or
             ``"every_step"``, see :mod:`lossscale_callbacks.forensics`): the skip causes per
             interval join the sinks' metrics, the report (which layer overflowed, and why, in plain
@@ -137,7 +141,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         wandb: bool | Mapping[str, Any] | None = None,
         sinks: Iterable[Sink] = (),
         health: Any = "warn",
-        log_metrics: bool | Iterable[str] = QUIET_METRICS,
+        log_metrics: bool | Iterable[str] | None = None,
         check_alignment: bool = False,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
@@ -149,7 +153,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.headroom_every = check_int("headroom_every", headroom_every)
         if diagnose and keras.backend.backend() != "tensorflow":
             raise ValueError(DIAGNOSE_TF_ONLY)
-        self.log_metrics = _chosen_metrics(log_metrics)
+        # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
+        self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
+        self._epoch_metrics = () if log_metrics is None else self.log_metrics
         # Every argument of the sinks and the interval is checked here, the extras required here.
         self.loop = LoggingLoop(policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
                                 sinks=sinks, health=health, stop=self._stop)
@@ -218,14 +224,14 @@ class LossScaleCallback(keras.callbacks.Callback):
         assert self.optimizer is not None
         return self.optimizer.read_state()
 
-    def _observe(self, logs: dict[str, Any] | None) -> Snapshot:
-        """One host read of the state, through the logging loop; the chosen metrics into ``logs``."""
+    def _observe(self, logs: dict[str, Any] | None, names: tuple[str, ...]) -> Snapshot:
+        """One host read of the state, through the logging loop; the metrics ``names`` into ``logs``."""
         assert self.optimizer is not None
         state = self._read_state()
-        snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics())
-        if logs is not None and self.log_metrics:
+        snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
+        if logs is not None and names:
             metrics = snapshot.metrics()
-            logs.update({name: metrics[name] for name in self.log_metrics})
+            logs.update({name: metrics[name] for name in names})
         return snapshot
 
     def _stop(self) -> None:
@@ -277,17 +283,17 @@ class LossScaleCallback(keras.callbacks.Callback):
         # With steps_per_execution=k Keras reports only every k-th index: the loop's rule logs when
         # the execution just run passed a multiple of log_every (landing on one is not needed).
         if self.loop.due(batch):
-            self._observe(logs)
+            self._observe(logs, self.log_metrics)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._observe(logs)
+        self._observe(logs, self._epoch_metrics)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         assert self.optimizer is not None
         state = self._read_state()
         last = self.loop.last
         if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
-            self.loop.observe(state, forensics=self.optimizer.read_forensics())
+            self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
         self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
 
 

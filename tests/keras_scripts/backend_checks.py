@@ -106,7 +106,7 @@ def fit_with_inf_batch(out: str) -> dict:
     x = rng.normal(size=(64, 16)).astype("float32")
     y = rng.integers(0, 4, size=64)
     callback = LossScaleCallback(log_every=1, tensorboard=os.path.join(out, "ls"), health=None,
-                                 check_alignment=True)
+                                 log_metrics=True, check_alignment=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
