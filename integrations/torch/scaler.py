@@ -14,7 +14,8 @@ Where the host synchronises (and nowhere else):
   launches) on CUDA: see :mod:`lossscale_callbacks.torch.update_paths`.
 * ``get_scale``, ``get_state``, ``state_dict``, ``last_step_skipped(sync=True)`` and
   ``read_forensics`` read the device (one copy each); call them at the log interval, not per step.
-* ``diagnose=True`` adds no host read to a step (see :mod:`lossscale_callbacks.torch.forensics`).
+* ``diagnose=True`` adds no host read to a step, and a bounded number of ops whatever the number of
+  parameters (see :mod:`lossscale_callbacks.torch.forensics`).
 * ``update(new_scale=<tensor>)`` reads the tensor once to check it.
 """
 
@@ -135,10 +136,10 @@ class LossScaler(torch.amp.GradScaler):
         process_group: the group for that all-reduce (default: the world).
         diagnose: overflow forensics (:mod:`lossscale_callbacks.forensics`): ``True`` records, on the
             device and without a host read in the step, why each skipped step was skipped (a
-            non-finite loss, Inf or NaN gradients) and which parameters' gradients were non-finite
+            non-finite loss, Inf or NaN gradients) and which layers' gradients were non-finite
             (name them with :meth:`watch`), and samples the float16 headroom every
-            ``headroom_every`` steps; ``"every_step"`` samples every step and tells Inf from NaN
-            also for fused optimizers (more passes over the gradients). Read with
+            ``headroom_every`` steps; ``"every_step"`` samples every step (more passes over the
+            gradients). A bounded number of ops per step for any number of parameters. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
 
@@ -395,12 +396,15 @@ class LossScaler(torch.amp.GradScaler):
         home = self._path.device
         groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list))
-        params_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Every parameter with its gradient or None: the forensics plan the optimizer's whole list once.
+        entries: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        checked = False
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     grad = param.grad
                     if grad is None:
+                        entries.append((param, None))
                         continue
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
@@ -410,14 +414,11 @@ class LossScaler(torch.amp.GradScaler):
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     groups[grad.device][grad.dtype].append(grad)
-                    params_grads.append((param, grad))
+                    entries.append((param, grad))
+                    checked = True
             found_inf = torch.zeros((), dtype=torch.float32, device=home)
-            if self.forensics is not None:
-                # The same single pass, one call per parameter: each writes its own flag.
-                # Only unscale_ refuses fp16 gradients; the check-only callers (fused optimizers) allow them.
-                self.forensics.check(params_grads, inv_scale, found_inf, self._path.scale,
-                                     unscaling=not allow_fp16)
-                groups.clear()
+            if self.forensics is not None and checked:
+                self.forensics.check(entries, self._path.scale)  # reads the gradients while still scaled
             for device, by_dtype in groups.items():
                 local_inf = found_inf if device == home else torch.zeros_like(found_inf, device=device)
                 local_inv = inv_scale if device == home else inv_scale.to(device, non_blocking=True)
@@ -432,7 +433,7 @@ class LossScaler(torch.amp.GradScaler):
                     self.forensics.reduce_flags(self.process_group)
         opt_state = self._per_optimizer[id(optimizer)]
         opt_state.found_inf = found_inf
-        opt_state.checked = bool(params_grads)
+        opt_state.checked = checked
 
     def _should_sync(self, optimizer: torch.optim.Optimizer) -> bool:
         if self.sync_found_inf is False:
@@ -543,12 +544,6 @@ class LossScaler(torch.amp.GradScaler):
         # The one host read of a non-fused step: Python must decide whether to call step().
         skipped = bool(opt_state.found_inf.item())
         opt_state.skipped_on_host = skipped
-        if self.forensics is not None:
-            if skipped:
-                self.forensics.on_host_skip([p.grad for g in optimizer.param_groups for p in g["params"]
-                                             if p.grad is not None and not p.grad.is_sparse])
-            else:
-                self.forensics.on_host_applied()
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
         return retval
