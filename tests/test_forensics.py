@@ -63,7 +63,7 @@ def test_totals_add_intervals_and_nothing_is_said_about_a_clean_run():
     assert any("3 skipped steps had NaN gradients" in s for s in totals.sentences())
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None, "every"])
+@pytest.mark.parametrize("bad", ["yes", 1, None, "every", 1.0, 0.0, np.bool_(True), np.bool_(False)])
 def test_diagnose_is_checked(bad):
     with pytest.raises(ValueError, match="diagnose must be one of"):
         check_diagnose(bad)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from lossscale_callbacks._validation import check_bool, check_choice, check_int, host_number, validate_state
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.policy import Policy, policy_from_config
@@ -38,6 +40,28 @@ def _unknown(given: Mapping[str, Any], allowed: tuple[str, ...], source: str) ->
         raise ValueError(f"{source}: unknown key(s) {unknown}; a LossScaler state has {list(allowed)}")
 
 
+def check_process_group(name: str, value: Any) -> Any:
+    """``value`` if it is ``None`` or a ``torch.distributed`` process group, else ``ValueError``."""
+    available = torch.distributed.is_available()
+    group_type = getattr(torch.distributed, "ProcessGroup", None) if available else None
+    if value is None or (group_type is not None and isinstance(value, group_type)):
+        return value
+    raise ValueError(f"{name} must be None or a torch.distributed process group, got {value!r}")
+
+
+def check_device_type(name: str, value: Any) -> str | None:
+    """``value`` if it is ``None`` or a device type string (``"cuda"``, ``"cpu"``...), else ``ValueError``."""
+    if value is None:
+        return None
+    try:
+        valid = isinstance(value, str) and torch.device(value).type == value
+    except (RuntimeError, TypeError):
+        valid = False
+    if not valid:
+        raise ValueError(f"{name} must be None or a device type such as 'cuda' or 'cpu', got {value!r}")
+    return value
+
+
 def parse_policy(config: Any, source: str) -> Policy:
     """The policy of a state dict or pickle; its errors name ``policy`` and the policy's field."""
     try:
@@ -55,14 +79,16 @@ def _same_number(value: Any, expected: float) -> bool:
 
 def _check_mirrors(state_dict: Mapping[str, Any], policy: Policy, host: LossScaleState) -> None:
     c = policy.constants
-    expected = {"growth_factor": c.growth_factor, "backoff_factor": c.backoff_factor,
-                "growth_interval": c.growth_interval, "_growth_tracker": host.growth_counter}
-    for key, want in expected.items():
+    mirrored = {"growth_factor": ("policy's growth_factor", c.growth_factor),
+                "backoff_factor": ("policy's backoff_factor", c.backoff_factor),
+                "growth_interval": ("policy's growth_interval", c.growth_interval),
+                "_growth_tracker": ("growth_counter", host.growth_counter)}
+    for key, (source, want) in mirrored.items():
         if key in state_dict and not _same_number(state_dict[key], want):
             raise ValueError(
-                f"load_state_dict: {key}={state_dict[key]!r} disagrees with the state dict's policy and "
-                f"state ({key}={want!r}); in a LossScaler state dict GradScaler's keys mirror 'policy' and "
-                "the state: change the policy or the state fields instead, or drop the GradScaler keys")
+                f"load_state_dict: {key}={state_dict[key]!r} disagrees with the {source} ({want!r}); in a "
+                "LossScaler state dict GradScaler's keys mirror 'policy' and the state: change the policy or "
+                "the state fields instead, or drop the GradScaler keys")
 
 
 def parse_state_dict(current: Policy, state_dict: Any) -> tuple[Policy, LossScaleState]:
@@ -88,6 +114,11 @@ def parse_state_dict(current: Policy, state_dict: Any) -> tuple[Policy, LossScal
         host = validate_state(policy, values, source="load_state_dict")
         _check_mirrors(state_dict, policy, host)
         return policy, host
+    ours = sorted(k for k in state_dict if k in STATE_FIELDS and k not in GRAD_SCALER_KEYS)
+    if ours:
+        raise ValueError(f"load_state_dict: the state dict has LossScaler's {ours} but no 'policy'; a "
+                         f"LossScaler state dict has {list(STATE_DICT_KEYS)}, a torch.amp.GradScaler one "
+                         f"{list(GRAD_SCALER_KEYS)}")
     if is_grad_scaler_state_dict(state_dict):
         _unknown(state_dict, GRAD_SCALER_KEYS, "load_state_dict (torch.amp.GradScaler state dict)")
         return from_grad_scaler_state_dict(current, state_dict)
@@ -107,9 +138,8 @@ def parse_pickle(state: Any) -> dict[str, Any]:
         raise ValueError(f"{source}: the pickle lacks {missing}")
     out = dict(state)
     out["enabled"] = check_bool(f"{source}: enabled", state["enabled"])
-    if state["device"] is not None and not isinstance(state["device"], str):
-        raise ValueError(f"{source}: device must be None or a device type such as 'cuda', "
-                         f"got {state['device']!r}")
+    check_device_type(f"{source}: device", state["device"])
+    check_process_group(f"{source}: process_group", state["process_group"])
     out["policy"] = policy = parse_policy(state["policy"], source)
     out["state"] = None if state["state"] is None else validate_state(policy, state["state"], source=source)
     check_choice(f"{source}: sync_found_inf", state["sync_found_inf"], SYNC_CHOICES)

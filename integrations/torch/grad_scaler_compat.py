@@ -113,5 +113,6 @@ def from_grad_scaler_state_dict(base: Policy, state_dict: Mapping[str, Any]) -> 
                       ScaleClampedWarning, stacklevel=3)
     state = validate_state(policy, {
         "scale": clamped, "growth_counter": state_dict["_growth_tracker"], "hysteresis_left": c.hysteresis,
-        "skipped_steps": 0, "steps": 0}, source="load_state_dict (torch.amp.GradScaler checkpoint)")
+        "skipped_steps": 0, "steps": 0}, source="load_state_dict (the torch.amp.GradScaler checkpoint's "
+                                               "_growth_tracker)")
     return policy, state

@@ -36,7 +36,12 @@ from lossscale_callbacks._validation import check_bool, check_choice, check_int,
 from lossscale_callbacks.forensics import IntervalForensics, check_diagnose
 from lossscale_callbacks.policy import Policy, check_policy, is_policy
 from lossscale_callbacks.state import LossScaleState
-from lossscale_callbacks.torch.checkpoint import SYNC_CHOICES, parse_pickle, parse_state_dict
+from lossscale_callbacks.torch.checkpoint import (
+    SYNC_CHOICES,
+    check_process_group,
+    parse_pickle,
+    parse_state_dict,
+)
 from lossscale_callbacks.torch.forensics import GradForensics
 from lossscale_callbacks.torch.grad_scaler_compat import policy_from_grad_scaler_settings
 from lossscale_callbacks.torch.update_paths import PathState, make_path
@@ -180,6 +185,7 @@ class LossScaler(torch.amp.GradScaler):
                              f"the policy by keyword: LossScaler(policy={device!r})")
         enabled = check_bool("enabled", enabled)
         check_choice("sync_found_inf", sync_found_inf, SYNC_CHOICES)
+        check_process_group("process_group", process_group)
         check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
         settings = {"init_scale": init_scale, "growth_factor": growth_factor,
