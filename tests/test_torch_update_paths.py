@@ -191,3 +191,22 @@ def test_on_cuda_a_captured_graph_conforms_in_two_launches(policy):
     expected = reference_run(policy, finite)
     case = ConformanceCase("cuda graph", policy, np.asarray(finite), expected)
     assert_conforms(case, stack_states([r._replace(scale=np.float32(r.scale)) for r in rows]))
+
+
+@pytest.mark.parametrize("cls", [AmpPath, RulePath])
+def test_the_float32_skip_count_is_folded_into_the_exact_count_in_time(cls, monkeypatch):
+    """Skips are summed in float32 (exact to 2**24) and folded into float64 every 2**20 steps; here
+    every 3 steps, on a sequence of 50 overflows and finite steps, with the count read in between."""
+    from lossscale_callbacks.torch import update_paths
+
+    monkeypatch.setattr(update_paths, "_FOLD_EVERY", 3)
+    policy = DynamicPolicy(growth_interval=4)
+    finite = [bool(i % 3) for i in range(50)]
+    case = ConformanceCase("folded", policy, np.asarray(finite), reference_run(policy, finite))
+    assert_conforms(case, run_path(cls, policy, finite))
+    path = cls(policy, CPU, PathState.from_host(initial_state(policy)))
+    for flag in finite[:7]:
+        path.update(_flag(flag))
+    # two skips folded after steps 3 and 6, the 7th step's skip not yet
+    assert (path._since_fold, float(path._skipped_new), float(path._recent)) == (1, 2.0, 1.0)
+    assert cls(policy, CPU, path.export()).read() == path.read()

@@ -571,8 +571,16 @@ class LossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         path = self._require_state("update")
-        flags = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
-        if new_scale is None and not any(s.checked for s in self._per_optimizer.values()):
+        # One pass over the optimizers stepped since the last update (usually one): this method runs
+        # every step, and its Python is a good part of its cost on a CPU.
+        flags, checked, on_host = [], False, False
+        for opt_state in self._per_optimizer.values():
+            checked = checked or opt_state.checked
+            if opt_state.found_inf is not None:
+                flags.append(opt_state.found_inf)
+                known = opt_state.skipped_on_host
+                on_host = None if known is None or on_host is None else on_host or known
+        if new_scale is None and not checked:
             raise AssertionError("No inf checks were recorded prior to update.")
         if new_scale is not None:
             replacement = self._checked_new_scale(new_scale)
@@ -582,10 +590,9 @@ class LossScaler(torch.amp.GradScaler):
                 found_inf = torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True))
             path.update(found_inf)
             self._last_found_inf = found_inf
+            self._last_skipped_on_host = on_host
             if self.forensics is not None:
                 self.forensics.on_update(found_inf)
-            host = [s.skipped_on_host for s in self._per_optimizer.values() if s.found_inf is not None]
-            self._last_skipped_on_host = any(host) if all(h is not None for h in host) else None
         if new_scale is not None:
             path.scale.fill_(replacement)
         self._per_optimizer = defaultdict(_OptimizerState)

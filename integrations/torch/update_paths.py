@@ -23,8 +23,10 @@ as plain ops, so it becomes part of that graph.
 
 Counters the user reads are exact integers: ``steps`` is counted on the host (one ``update()`` with
 an overflow flag is one step, so no device op is needed), and ``skipped_steps`` is a host number
-(what the state held when the path was built) plus the skips since then, summed on the device in
-float64, which is exact below 2**53 skipped steps (285 years at a step per microsecond).
+(what the state held when the path was built) plus the skips since then, summed on the device: in
+float32 (the flag's dtype, the cheap add) and folded into a float64 count every 2**20 steps (two more
+ops), before float32 could round; float64 is exact below 2**53 skipped steps (285 years at a step
+per microsecond).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from lossscale_callbacks.policy import Policy
 from lossscale_callbacks.state import LossScaleState
 from lossscale_callbacks.torch.ops import TorchOps
 from lossscale_callbacks.update import next_state
+
+_FOLD_EVERY = 2**20  # float32 counts integers exactly up to 2**24
 
 _AMP_DEVICES = ("cpu", "cuda")
 
@@ -91,12 +95,33 @@ class _Path:
         self._skipped_new = torch.zeros((), dtype=torch.float64, device=device)
         if start.skipped_new is not None:
             self._skipped_new.copy_(start.skipped_new)
+        # Skips since the last fold, in the flag's own dtype: adding float32 to float32 is the cheap op
+        # (a float64 sum would cast every step). Folded into the float64 count before it could round.
+        self._recent: torch.Tensor | None = torch.zeros((), dtype=torch.float32, device=device)
+        self._since_fold = 0
         self.scale: torch.Tensor  # 0-d float32, updated in place: the tensor the scaler multiplies by
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance one optimizer step; ``found_inf`` is the step's float32 overflow flag. No host sync."""
         self.device_step(found_inf)
+        self.after_step()
+
+    def after_step(self) -> None:
+        """The host's part of a step (also after a CUDA graph replay): count it, fold every 2**20 steps."""
         self.steps += 1
+        self._since_fold += 1
+        if self._since_fold == _FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        if self._recent is not None:
+            self._skipped_new.add_(self._recent)
+            self._recent.zero_()
+        self._since_fold = 0
+
+    def _skipped(self) -> torch.Tensor:
+        """Skips since the path was built, float64 on the device."""
+        return self._skipped_new if self._recent is None else self._skipped_new + self._recent
 
     def device_step(self, found_inf: torch.Tensor) -> None:
         """The step's device ops (what a CUDA graph captures)."""
@@ -108,18 +133,18 @@ class _Path:
 
     def export(self) -> PathState:
         """The state on the device, for building another path from it without a host read."""
-        return PathState(*self.fields(), self._skipped_base, self.steps, self._skipped_new)
+        return PathState(*self.fields(), self._skipped_base, self.steps, self._skipped())
 
     def tensors(self) -> LossScaleState:
         """The state as 0-d device tensors: float32 scale (the live one), int64 counters. No host sync."""
         scale, growth, hysteresis = self.fields()
-        skipped = self._skipped_new.to(torch.int64) + self._skipped_base
+        skipped = self._skipped().to(torch.int64) + self._skipped_base
         steps = torch.full((), self.steps, dtype=torch.int64, device=self.device)
         return LossScaleState(scale, growth.to(torch.int64), hysteresis.to(torch.int64), skipped, steps)
 
     def read(self) -> LossScaleState:
         """The state as Python numbers: one device-to-host copy (float64 holds every field exactly)."""
-        parts = [*self.fields(), self._skipped_new]
+        parts = [*self.fields(), self._skipped()]
         scale, growth, hysteresis, skipped = torch.stack([t.to(torch.float64) for t in parts]).cpu().tolist()
         return LossScaleState(float(scale), int(growth), int(hysteresis), self._skipped_base + int(skipped),
                               self.steps)
@@ -164,7 +189,7 @@ class AmpPath(_Path):
         torch._amp_update_scale_(self._scale_slot, self._tracker, found_inf, growth, backoff, interval)
         torch._amp_update_scale_(self._mark_slot, self._mark_tracker, found_inf, 2.0, 0.5, interval)
         self._packed.clamp_(self._low, self._high)
-        self._skipped_new.add_(found_inf)
+        self._recent.add_(found_inf)  # type: ignore[union-attr]
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.scale, self._tracker, self._packed[1] - 1.0
@@ -202,7 +227,7 @@ class TablePath(_Path):
         v[2].fill_(interval).add_(v[1]).sub_(v[0])
         v[3].copy_(self._skipped_new)
         v[5].fill_(1.0)
-        self._skipped_new = v[3]
+        self._skipped_new, self._recent = v[3], None
         self._table = self._transitions(c.growth_factor, c.backoff_factor, interval, c.hysteresis).to(device)
         self._boundaries = torch.tensor([interval - 1.5, interval - 0.5, interval + 1.5], dtype=torch.float64,
                                         device=device)
@@ -270,7 +295,7 @@ class RulePath(_Path):
         state = LossScaleState(*self._fields, self._zero, self._zero)
         new = next_state(self.policy, state, found_inf == 0, self._ops)
         torch._foreach_copy_(self._fields, list(new[:3]))
-        self._skipped_new.add_(found_inf)
+        self._recent.add_(found_inf)  # type: ignore[union-attr]
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._fields[0], self._fields[1], self._fields[2]
@@ -309,7 +334,7 @@ class CudaGraphPath:
                 return
         self._input.copy_(found_inf)
         self._graph.replay()
-        self.path.steps += 1
+        self.path.after_step()
 
     def _capture(self) -> Any:
         device = self.path.device
