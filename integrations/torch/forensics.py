@@ -4,14 +4,17 @@ What each step costs (see :mod:`lossscale_callbacks.forensics` for what is measu
 is a bounded number of dispatched ops, whatever the number of parameter tensors:
 
 * **Which layers** had non-finite gradients, and whether a skipped step's were **Inf or NaN**: one
-  multi-tensor max-norm (``torch._foreach_norm(grads, inf)``) over each optimizer's gradients, before
-  they are unscaled, then one ``stack`` and one ``scatter_reduce`` into per-layer maxima (NaN
-  propagates through both, so the maxima tell NaN from Inf for fused optimizers too). It is one more
-  read of the gradients: the fused check-and-unscale kernel keeps one flag for all of them. On CUDA
-  the norm is a multi-tensor kernel (a few launches for any number of tensors); on the CPU torch runs
-  it as one op that loops over the tensors inside.
+  multi-tensor max-norm (``torch._foreach_norm(grads, inf)``) over each optimizer's gradients, then
+  one ``stack`` and one ``scatter_reduce`` into per-layer maxima (NaN propagates through both, so
+  the maxima tell NaN from Inf for fused optimizers too). Taken only where it can matter: on the
+  skipped steps of a non-fused optimizer (whose step reads the skip decision on the host anyway),
+  and on every step of a fused one (which decides on the device), where it is one more read of the
+  gradients (the fused check-and-unscale kernel keeps one flag for all of them). On CUDA the norm is
+  a multi-tensor kernel (a few launches for any number of tensors); on the CPU torch runs it as one
+  op that loops over the tensors inside, so there its time still grows with the number of tensors
+  (about 8 µs per tensor on this project's CI machine).
 * **Loss non-finite**: one ``isfinite`` and a reduction on the scaled loss in :meth:`LossScaler.scale`.
-* **End of the step**: about 15 ops fold the step's maxima into the interval's counts by cause.
+* **End of the step**: about 11 ops fold the step's maxima into the interval's counts by cause.
 * **Headroom, underflow, histogram** every ``headroom_every`` optimizer steps (a host counter), or
   every step with ``"every_step"``: the gradients are concatenated per device and dtype in chunks of
   at most :data:`SAMPLE_CHUNK` values (``torch._chunk_cat``) and about 20 ops per chunk compute the
@@ -148,6 +151,7 @@ class GradForensics:
         self._layers: list[str] = []
         self._layer_ids: dict[str, int] = {}
         self._plans: OrderedDict[tuple[int, ...], _Plan] = OrderedDict()
+        self._pending: dict[int, tuple[_Plan, list[tuple[torch.Tensor, torch.Tensor | None]]]] = {}
         self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._step_max: torch.Tensor | None = None  # this step, per layer: max |scaled gradient|
         self._counts: torch.Tensor | None = None  # this interval, per layer: skipped steps flagged
@@ -237,7 +241,7 @@ class GradForensics:
         if self._step_max is not None and self._step_max.numel() >= n:
             return
         capacity = max(n, 2 * (self._step_max.numel() if self._step_max is not None else 4))
-        for attr, dtype in (("_step_max", torch.float32), ("_counts", torch.int64)):
+        for attr, dtype in (("_step_max", torch.float32), ("_counts", torch.float32)):
             old = getattr(self, attr)
             new = torch.zeros(capacity, dtype=dtype, device=self._device)
             if old is not None:
@@ -249,9 +253,10 @@ class GradForensics:
     def _ensure(self, device: torch.device) -> None:
         if self._device is None:
             self._device = device
-            self._causes = torch.zeros(4, dtype=torch.int64, device=device)
-            self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)
-            self._no = torch.zeros((), dtype=torch.bool, device=device)
+            # Skipped steps; of which with a finite loss; of which with NaN gradients. Separate float32
+            # 0-d tensors like the overflow flag: on the CPU an op mixing dtypes or views costs 3-10x.
+            self._tally = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(3)]
+            self._loss_ok = torch.ones((), dtype=torch.float32, device=device)
             self._one = torch.ones(1, dtype=torch.int64, device=device)
             self._grow()
 
@@ -270,19 +275,39 @@ class GradForensics:
             return
         self._ensure(outputs[0].device)
         for out in outputs:
-            bad = torch.logical_not(torch.isfinite(out.detach()).all()).to(self._device, non_blocking=True)
-            self._loss_bad.logical_or_(bad)
+            finite = torch.isfinite(out.detach()).all().to(self._device, torch.float32, non_blocking=True)
+            torch.minimum(self._loss_ok, finite, out=self._loss_ok)
 
-    def check(self, entries: list[tuple[torch.Tensor, torch.Tensor | None]], scale: torch.Tensor) -> None:
+    def check(self, key: int, entries: list[tuple[torch.Tensor, torch.Tensor | None]], scale: torch.Tensor, *,
+              defer: bool = True) -> None:
         """One optimizer's parameters and (still scaled) gradients, ``None`` where a parameter has none.
 
-        Called by the scaler before its check-and-unscale kernel: the per-layer maxima of this step
-        take the max with this optimizer's.
+        Called by the scaler before its check-and-unscale kernel. On a sampled step (or with
+        ``defer=False``: sharded gradients, whose maxima are all-reduced next) the per-layer maxima
+        are taken now; otherwise the gradients wait for :meth:`resolve`, so that a step the host
+        already knows was applied costs nothing.
         """
         self._ensure(scale.device)
         if not self._sample_now:
             self._sample_now = self.mode == "every_step" or self._steps % self.headroom_every == 0
         plan = self._plan([p for p, _ in entries])
+        if self._sample_now or not defer:
+            self._analyse(plan, entries)
+            if self._sample_now:
+                self._take_sample(plan, entries, scale)
+        else:
+            self._pending[key] = (plan, entries)
+
+    def resolve(self, key: int, skipped: bool | None) -> None:
+        """What the scaler knows about the step of optimizer ``key``: ``True`` (skipped, read on the host by
+        a non-fused step) or ``None`` (decided on the device) take the per-layer maxima now; ``False``
+        (applied) drops them: there is nothing to explain."""
+        pending = self._pending.pop(key, None)
+        if pending is not None and skipped is not False:
+            self._analyse(*pending)
+
+    def _analyse(self, plan: _Plan, entries: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """The per-layer max |gradient| of one optimizer into this step's maxima: NaN and Inf propagate."""
         vectors = []
         with torch.no_grad():
             for device, positions in plan.by_device:
@@ -293,8 +318,6 @@ class GradForensics:
             maxima = vectors[0] if len(vectors) == 1 else torch.cat(vectors)
             assert self._step_max is not None
             self._step_max.scatter_reduce_(0, plan.layers, maxima, "amax")
-            if self._sample_now:
-                self._take_sample(plan, entries, scale)
 
     def reduce_flags(self, group: Any) -> None:
         """Sharded gradients: every rank's maxima, so all ranks name the same layers (MAX all-reduce)."""
@@ -344,24 +367,32 @@ class GradForensics:
         sample["hist"].index_add_(0, bins, self._one.expand(bins.numel()))
 
     def on_update(self, found_inf: torch.Tensor) -> None:
-        """End of the step: fold the step's per-layer maxima into the interval's counts, by cause."""
+        """End of the step: fold the step's per-layer maxima into the interval's counts, by cause.
+
+        About 12 ops on 0-d and per-layer float32 tensors (exact counts up to 2**24 per interval): the
+        step's skip (``found_inf``, 0 or 1) is split by products instead of boolean logic.
+        """
         self._steps += 1
+        for pending in self._pending.values():  # checked but never stepped, or stepped by other means
+            self._analyse(*pending)
+        self._pending.clear()
         if self._device is None or self._step_max is None or self._counts is None:
             return
-        skipped = found_inf.to(self._device) > 0
-        loss_bad = torch.logical_and(skipped, self._loss_bad)
-        grad_skip = torch.logical_and(skipped, torch.logical_not(self._loss_bad))
-        nan = torch.isnan(self._step_max).any()
-        nan_skip = torch.logical_and(grad_skip, nan)
-        inf_skip = torch.logical_and(grad_skip, torch.logical_not(nan))
-        self._causes += torch.stack([loss_bad, inf_skip, nan_skip, self._no])
-        flagged = torch.logical_and(torch.logical_not(torch.isfinite(self._step_max)), grad_skip)
-        self._counts += flagged
+        skipped = found_inf.to(self._device)
+        grad_skip = skipped * self._loss_ok  # skipped, with a finite loss
+        nan = torch.isnan(self._step_max.sum()).float()  # NaN anywhere (the maxima are >= 0, Inf or NaN)
+        skips, grad_skips, nan_skips = self._tally
+        skips.add_(skipped)
+        grad_skips.add_(grad_skip)
+        nan_skips.addcmul_(grad_skip, nan)
+        # Per layer: + grad_skip where the maximum is Inf or NaN (0 * either is NaN, 0 * a number 0).
+        not_finite = torch.nan_to_num(self._step_max * 0.0, nan=1.0)
+        self._counts.addcmul_(not_finite, grad_skip)
         if self._sample is not None and self._sample["open"]:
             self._sample["max"] = self._step_max.clone()
             self._sample["open"] = False
         self._step_max.zero_()
-        self._loss_bad.zero_()
+        self._loss_ok.fill_(1.0)
         self._sample_now = False
 
     # ------------------------------------------------------------------------------- reading
@@ -373,25 +404,26 @@ class GradForensics:
             return IntervalForensics(step=step, scale=scale, causes={}, layer_order=order)
         n = len(order)
         sample = self._sample if self._sample is not None and "max" in self._sample else None
-        parts = [self._causes.to(torch.float64), self._counts[:n].to(torch.float64)]
+        parts = [torch.stack(self._tally).to(torch.float64), self._counts[:n].to(torch.float64)]
         if sample is not None:
             parts += [sample["max"][:n].to(torch.float64), sample["under"][:n].to(torch.float64),
                       sample["hist"][:-1].to(torch.float64), sample["scale"].reshape(1).to(torch.float64)]
         host = torch.cat(parts).cpu().tolist()  # the one host read
-        causes = dict(zip(("loss_nonfinite", "grad_inf", "grad_nan", "grad_nonfinite"),
-                          (int(v) for v in host[:4]), strict=True))
-        layer_skips = {layer: int(count) for layer, count in zip(order, host[4:4 + n], strict=True) if count}
+        skips, grad_skips, nan_skips = (int(v) for v in host[:3])
+        causes = {"loss_nonfinite": skips - grad_skips, "grad_inf": grad_skips - nan_skips,
+                  "grad_nan": nan_skips, "grad_nonfinite": 0}
+        layer_skips = {layer: int(count) for layer, count in zip(order, host[3:3 + n], strict=True) if count}
         headroom: tuple[LayerHeadroom, ...] = ()
         histogram = headroom_scale = None
         if sample is not None:
-            rest = host[4 + n:]
+            rest = host[3 + n:]
             maxes, unders, hist = rest[:n], rest[n:2 * n], rest[2 * n:2 * n + (_HI - _LO)]
             headroom = tuple(LayerHeadroom(layer, float(maxes[i]), int(unders[i]), sample["totals"][layer])
                              for i, layer in enumerate(order) if layer in sample["totals"])
             histogram, headroom_scale = tuple(int(c) for c in hist), float(rest[-1])
             self._sample = None
         self._counts.zero_()
-        self._causes.zero_()
+        torch._foreach_zero_(self._tally)
         return IntervalForensics(step=step, scale=scale, causes=causes, layer_skips=layer_skips,
                                  layer_order=order, headroom=headroom, histogram=histogram,
                                  headroom_scale=headroom_scale)

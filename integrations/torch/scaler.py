@@ -423,8 +423,9 @@ class LossScaler(torch.amp.GradScaler):
                     entries.append((param, grad))
                     checked = True
             found_inf = torch.zeros((), dtype=torch.float32, device=home)
-            if self.forensics is not None and checked:
-                self.forensics.check(entries, self._path.scale)  # reads the gradients while still scaled
+            sync = self._should_sync(optimizer)
+            if self.forensics is not None and checked:  # sees the gradients while they are still scaled
+                self.forensics.check(id(optimizer), entries, self._path.scale, defer=not sync)
             for device, by_dtype in groups.items():
                 local_inf = found_inf if device == home else torch.zeros_like(found_inf, device=device)
                 local_inv = inv_scale if device == home else inv_scale.to(device, non_blocking=True)
@@ -432,7 +433,7 @@ class LossScaler(torch.amp.GradScaler):
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, local_inv)
                 if device != home:
                     torch.maximum(found_inf, local_inf.to(home, non_blocking=True), out=found_inf)
-            if self._should_sync(optimizer):
+            if sync:
                 torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
                                              group=self.process_group)
                 if self.forensics is not None:
@@ -516,6 +517,7 @@ class LossScaler(torch.amp.GradScaler):
                     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
                     FutureWarning, stacklevel=2)
+                self._resolve_forensics(optimizer, None)
                 retval = optimizer.step(*args, **kwargs, grad_scaler=self)
                 opt_state.stage = _Stage.STEPPED
                 return retval
@@ -529,9 +531,11 @@ class LossScaler(torch.amp.GradScaler):
                 assert opt_state.found_inf is not None
                 # One read, until the first update is applied (the buffers exist from then on).
                 opt_state.skipped_on_host = bool(opt_state.found_inf.item())
+                self._resolve_forensics(optimizer, opt_state.skipped_on_host)
                 if opt_state.skipped_on_host:
                     opt_state.stage = _Stage.STEPPED
                     return None
+            self._resolve_forensics(optimizer, None)  # the kernel decides on the device
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = opt_state.found_inf  # type: ignore[attr-defined]
             try:
@@ -550,9 +554,14 @@ class LossScaler(torch.amp.GradScaler):
         # The one host read of a non-fused step: Python must decide whether to call step().
         skipped = bool(opt_state.found_inf.item())
         opt_state.skipped_on_host = skipped
+        self._resolve_forensics(optimizer, skipped)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
         return retval
+
+    def _resolve_forensics(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
+        if self.forensics is not None:
+            self.forensics.resolve(id(optimizer), skipped)
 
     # ---------------------------------------------------------------------------------- update
 
