@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lightning", action="store_true", help="also time Trainer.fit (CPU)")
     parser.add_argument("--lightning-rounds", type=int, default=11)
     parser.add_argument("--lightning-steps", type=int, default=20)
-    parser.add_argument("--lightning-width", type=int, default=384)
+    parser.add_argument("--lightning-width", type=int, default=128)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--clock", choices=["auto", "wall", "process"], default="auto",
                         help="auto: wall time on CUDA, process CPU time on the CPU")
