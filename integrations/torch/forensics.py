@@ -206,7 +206,7 @@ class GradForensics:
             by_device.setdefault(param.device, []).append(position)
             groups.setdefault((param.device, param.dtype), []).append(position)
         order = [i for positions in by_device.values() for i in positions]
-        chunks = [self._chunk(part, params, ids) for (device, _), positions in groups.items()
+        chunks = [self._chunk(part, params, ids) for positions in groups.values()
                   for part in self._split_by_size(positions, params)]
         layers = _fill_index([ids[i] for i in order], self._device)
         plan = _Plan(list(by_device.items()), layers, chunks, names)

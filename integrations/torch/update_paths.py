@@ -378,7 +378,7 @@ def path_class(policy: Policy, device: torch.device) -> type[_Path]:
     return RulePath
 
 
-def make_path(policy: Policy, device: torch.device, start: PathState, *, graph: bool = True) -> Any:
+def make_path(policy: Policy, device: torch.device, start: PathState) -> Any:
     """The path for ``policy`` on ``device``, started from ``start``; captured into a CUDA graph on CUDA.
 
     Example:
@@ -391,7 +391,7 @@ def make_path(policy: Policy, device: torch.device, start: PathState, *, graph: 
         ('amp', LossScaleState(scale=4.0, growth_counter=0, hysteresis_left=0, skipped_steps=1, steps=1))
     """
     path = path_class(policy, device)(policy, device, start)
-    if graph and device.type == "cuda":
+    if device.type == "cuda":
         return CudaGraphPath(path)
     return path
 
