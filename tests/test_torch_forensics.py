@@ -164,8 +164,10 @@ def test_layerdrop_keeps_one_plan_and_makes_no_host_copy_in_the_step(fused):
 def test_the_plan_cache_is_bounded_when_optimizers_come_and_go():
     model = _mlp(3)
     scaler = LossScaler(device="cpu", diagnose=True).watch(model)
+    alive = []  # parameters kept alive: their ids, which key the plans, stay distinct
     for i in range(MAX_PLANS + 5):
         extra = [] if i < 6 else [torch.nn.Parameter(torch.ones(2))]  # a new list of parameters each time
+        alive += extra
         params = list(model.parameters())[: 1 + i % 6] + extra
         opt = torch.optim.SGD(params, lr=0.0)
         scaler.scale(model(torch.ones(1, 4)).sum() + sum(p.sum() for p in params)).backward()
@@ -175,7 +177,7 @@ def test_the_plan_cache_is_bounded_when_optimizers_come_and_go():
     assert len(scaler.forensics._plans) == MAX_PLANS
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_layerdrop_on_cuda_passes_sync_debug_mode_error():
     model = _mlp(8).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)

@@ -166,7 +166,7 @@ def test_counters_from_a_checkpoint_beyond_float_precision_stay_exact():
         assert int(path.tensors().skipped_steps) == big - 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("policy", [DynamicPolicy(growth_interval=3),
                                     DynamicPolicy(hysteresis=3, growth_interval=2), FixedPolicy(8.0)])
 def test_on_cuda_a_captured_graph_conforms_in_two_launches(policy):
