@@ -14,8 +14,9 @@ is a bounded number of dispatched ops, whatever the number of parameter tensors:
   op that loops over the tensors inside, so there its time still grows with the number of tensors
   (a few µs per tensor), and it is the 2-norm, not the max-norm, which torch's CPU reduces 30x
   slower (see :meth:`GradForensics._analyse`).
-* **Loss non-finite**: one ``isfinite`` and a reduction on the scaled loss in :meth:`LossScaler.scale`.
-* **End of the step**: about 11 ops fold the step's maxima into the interval's counts by cause.
+* **Loss non-finite**: three ops on the scaled loss in :meth:`LossScaler.scale` (``0 * loss``, summed
+  into a probe that turns NaN once a loss value is Inf or NaN).
+* **End of the step**: about 13 ops fold the step's maxima into the interval's counts by cause.
 * **Headroom, underflow, histogram** every ``headroom_every`` optimizer steps (a host counter), or
   every step with ``"every_step"``: the gradients are concatenated per device and dtype in chunks of
   at most :data:`SAMPLE_CHUNK` values (``torch._chunk_cat``) and about 20 ops per chunk compute the
@@ -257,7 +258,8 @@ class GradForensics:
             # Skipped steps; of which with a finite loss; of which with NaN gradients. Separate float32
             # 0-d tensors like the overflow flag: on the CPU an op mixing dtypes or views costs 3-10x.
             self._tally = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(3)]
-            self._loss_ok = torch.ones((), dtype=torch.float32, device=device)
+            # Sum of 0 * every loss value this step: 0 while they are finite, NaN once one is not.
+            self._loss_probe = torch.zeros((), dtype=torch.float32, device=device)
             self._one = torch.ones(1, dtype=torch.int64, device=device)
             self._grow()
 
@@ -275,9 +277,10 @@ class GradForensics:
         if not outputs:
             return
         self._ensure(outputs[0].device)
-        for out in outputs:
-            finite = torch.isfinite(out.detach()).all().to(self._device, torch.float32, non_blocking=True)
-            torch.minimum(self._loss_ok, finite, out=self._loss_ok)
+        with torch.no_grad():
+            for out in outputs:
+                # 0 * x is 0 for a number and NaN for Inf or NaN; a sum of zeros cannot overflow.
+                self._loss_probe.add_(out.mul(0.0).sum().to(self._device, torch.float32, non_blocking=True))
 
     def check(self, key: int, entries: list[tuple[torch.Tensor, torch.Tensor | None]], scale: torch.Tensor, *,
               defer: bool = True) -> None:
@@ -378,7 +381,7 @@ class GradForensics:
     def on_update(self, found_inf: torch.Tensor) -> None:
         """End of the step: fold the step's per-layer maxima into the interval's counts, by cause.
 
-        About 12 ops on 0-d and per-layer float32 tensors (exact counts up to 2**24 per interval): the
+        About 13 ops on 0-d and per-layer float32 tensors (exact counts up to 2**24 per interval): the
         step's skip (``found_inf``, 0 or 1) is split by products instead of boolean logic.
         """
         self._steps += 1
@@ -388,7 +391,8 @@ class GradForensics:
         if self._device is None or self._step_max is None or self._counts is None:
             return
         skipped = found_inf.to(self._device)
-        grad_skip = skipped * self._loss_ok  # skipped, with a finite loss
+        loss_ok = torch.nan_to_num(self._loss_probe + 1.0, nan=0.0)  # 1 while the loss was finite, else 0
+        grad_skip = skipped * loss_ok  # skipped, with a finite loss
         nan = torch.isnan(self._step_max.sum()).float()  # NaN anywhere (the maxima are >= 0, Inf or NaN)
         skips, grad_skips, nan_skips = self._tally
         skips.add_(skipped)
@@ -401,7 +405,7 @@ class GradForensics:
             self._sample["max"] = self._step_max.clone()
             self._sample["open"] = False
         self._step_max.zero_()
-        self._loss_ok.fill_(1.0)
+        self._loss_probe.zero_()
         self._sample_now = False
 
     # ------------------------------------------------------------------------------- reading
