@@ -9,7 +9,9 @@ round (the order reversed every other round):
   ``AdamW(foreach)`` and with ``AdamW(fused=True)``; the process's CPU time per step. The forward runs
   in float32: torch's CPU float16 matmuls are emulated (about 15 s a step for this model here, 100x
   the float32 step), which would hide any overhead. The forensics work on the gradients whatever their
-  dtype, and a faster step makes the ratio larger, not smaller.
+  dtype, and a faster step makes the ratio larger, not smaller. And a *launch-bound* step: 64 layers
+  of 32 x 32 (128 parameter tensors, 68K parameters), batch 8, one thread, where the step's time is
+  the ops' dispatch, as a small model's step is on a GPU: what forensics cost when every op counts.
 * Keras (TensorFlow): ``fit`` with ``LossScaleCallback`` on the mixed_float16 MLP of
   ``keras_overhead.py``; wall time per step.
 
@@ -37,30 +39,39 @@ ARMS = ("off", "on", "every")
 MODES = {"off": False, "on": True, "every": "every_step"}
 
 
-def torch_rounds(rounds: int, steps: int, fused: bool, width: int = 2048,
-                 batch: int = 256) -> dict[str, list[float]]:
+def _torch_model(shape: str, width: int, batch: int) -> tuple:
+    """The model and a batch: ``"wide"`` (8.9M parameters at width 2048) or ``"launch_bound"``."""
     import torch
 
-    from lossscale_callbacks import DynamicPolicy
-    from lossscale_callbacks.torch import LossScaler
-
     torch.manual_seed(0)
-    x = torch.randn(batch, 256)
+    if shape == "launch_bound":
+        layers = [m for _ in range(64) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
+        return torch.nn.Sequential(*layers), torch.randn(8, 32)
+    model = torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.GELU(),
+                                torch.nn.Linear(width, width), torch.nn.GELU(),
+                                torch.nn.Linear(width, width), torch.nn.GELU(),
+                                torch.nn.Linear(width, 256))
+    return model, torch.randn(batch, 256)
+
+
+def torch_rounds(rounds: int, steps: int, fused: bool, width: int = 2048, batch: int = 256,
+                 shape: str = "wide") -> dict[str, list[float]]:
+    import torch
+
+    from lossscale_callbacks.policy import DynamicPolicy
+    from lossscale_callbacks.torch.scaler import LossScaler
+
     arms = {}
     for name in ARMS:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.GELU(),
-                                    torch.nn.Linear(width, width), torch.nn.GELU(),
-                                    torch.nn.Linear(width, width), torch.nn.GELU(),
-                                    torch.nn.Linear(width, 256))
+        model, x = _torch_model(shape, width, batch)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
         scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**10), diagnose=MODES[name])
         if MODES[name]:
             scaler.watch(model)
-        arms[name] = (model, opt, scaler)
+        arms[name] = (model, opt, scaler, x)
 
     def step(name: str) -> None:
-        model, opt, scaler = arms[name]
+        model, opt, scaler, x = arms[name]
         opt.zero_grad(set_to_none=True)
         loss = model(x).pow(2).mean()
         scaler.scale(loss).backward()
@@ -127,6 +138,20 @@ def summarize(times: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
+def launch_bound_results(rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """The launch-bound torch rows, on one thread: a second one only adds its spin-waits to the CPU time."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {f"torch_launch_bound_{name}": summarize(torch_rounds(rounds, steps, fused,
+                                                                     shape="launch_bound"))
+                for name, fused in (("foreach", False), ("fused", True))}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
@@ -144,12 +169,13 @@ def main(argv: list[str] | None = None) -> None:
         for name, fused in (("torch_adamw_foreach", False), ("torch_adamw_fused", True)):
             times = torch_rounds(args.rounds, args.steps, fused, args.width, args.batch)
             results[name] = summarize(times)
+        results.update(launch_bound_results(args.rounds, args.steps * 10))
     if args.only in (None, "keras"):
         results["keras_fit"] = summarize(keras_rounds(args.rounds, args.keras_steps))
     print(f"{os.cpu_count()} CPU cores, {args.rounds} alternating rounds\n")
-    print(f"{'setup':<22} {'off ms':>9} {'on ms':>9} {'every ms':>9} {'on/off':>8} {'every/off':>10}")
+    print(f"{'setup':<28} {'off ms':>9} {'on ms':>9} {'every ms':>9} {'on/off':>8} {'every/off':>10}")
     for name, r in results.items():
-        print(f"{name:<22} {r['off_ms']:>9.3f} {r['on_ms']:>9.3f} {r['every_ms']:>9.3f} {r['on/off']:>8.3f} "
+        print(f"{name:<28} {r['off_ms']:>9.3f} {r['on_ms']:>9.3f} {r['every_ms']:>9.3f} {r['on/off']:>8.3f} "
               f"{r['every/off']:>10.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -6,20 +6,27 @@ which scaler runs first; each round times ``--steps`` full steps (forward, scale
 unscale/check, optimizer step, update) per scaler, and the reported figure is the median over
 rounds of the per-round time ratio (ours / torch's), which cancels slow drifts of a shared machine.
 
-It also counts host reads per step for both scalers (``Tensor.item``, ``__bool__``, ``tolist``,
-``cpu``, ``numpy``, ``__float__``, ``__int__`` and device-to-host ``.to``) with a
-``TorchFunctionMode``, and sets the unscale-and-check pass (``unscale_``) against a memory-bandwidth
-floor measured in the same run: bytes read and written by the pass over the bandwidth of a plain
-``copy_`` of the same number of bytes.
+It also counts, for both scalers, host reads per step (``Tensor.item``, ``__bool__``, ``tolist``,
+``cpu``, ``numpy``, ``__float__``, ``__int__`` and device-to-host ``.to``, with a
+``TorchFunctionMode``) and dispatched aten ops (kernel launches on a GPU, with a
+``TorchDispatchMode``) in a whole step and in ``update()``; times ``update()`` alone; and sets the
+unscale-and-check pass (``unscale_``) against a memory-bandwidth floor measured in the same run:
+bytes read and written by the pass over the bandwidth of a plain ``copy_`` of the same number of
+bytes.
+
+``--lightning`` adds ``Trainer.fit`` arms: our ``LossScalePlugin`` with a ``LossScaleMonitor``
+against Lightning's stock ``MixedPrecision``, and a second stock arm (an A/A comparison: the noise
+floor of the same measurement), per-step time between consecutive batch starts, rounds alternating.
 
     python benchmarks/torch_overhead.py                      # CUDA when available, else CPU
-    python benchmarks/torch_overhead.py --device cpu --rounds 9 --json out.json
+    python benchmarks/torch_overhead.py --device cpu --rounds 9 --lightning --json out.json
     python benchmarks/torch_overhead.py --quick              # a tiny model, 2 rounds: checks it runs
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -30,6 +37,7 @@ from typing import Any
 import torch
 from _quick import parse_args
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks.torch import LossScaler
@@ -51,6 +59,18 @@ class HostReads(TorchFunctionMode):
         elif func is _T.to and args and args[0].device.type != "cpu" and any(
                 str(a) == "cpu" for a in list(args[1:]) + list((kwargs or {}).values())):
             self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts dispatched aten ops: each one is a kernel launch on a GPU (view ops too, an upper bound)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -112,6 +132,24 @@ def count_reads(step: Callable[[], None]) -> int:
     return reads.count
 
 
+def count_ops(step: Callable[[], None], scaler: Any) -> dict[str, int]:
+    """Aten ops of one whole step, and of its ``scaler.update()`` alone."""
+    update = scaler.update
+    inner = AtenOps()
+
+    def counted_update(*args: Any, **kwargs: Any) -> None:
+        with inner:
+            update(*args, **kwargs)
+
+    scaler.update = counted_update
+    try:
+        with AtenOps() as whole:
+            step()
+    finally:
+        del scaler.update
+    return {"step": whole.count, "update": inner.count}
+
+
 def bandwidth_floor(grads: list[torch.Tensor], device: torch.device, repeats: int) -> dict[str, float]:
     """Bytes the unscale-and-check pass must move, and the time a plain copy needs for as many bytes."""
     nbytes = sum(g.numel() * g.element_size() for g in grads)
@@ -159,7 +197,7 @@ def time_unscale(models, opts, factories, x, y, device: torch.device, repeats: i
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def time_update(models, opts, factories, x, y, device: torch.device, repeats: int) -> dict[str, float]:
+def time_update(models, opts, factories, x, y, device: torch.device, repeats: int) -> dict[str, Any]:
     """Median time of ``update()`` alone: the core's rule (ours) against ``_amp_update_scale_`` (torch)."""
     times: dict[str, list[float]] = {name: [] for name in models}
     prepared = {}
@@ -180,7 +218,9 @@ def time_update(models, opts, factories, x, y, device: torch.device, repeats: in
             scaler.update()
             _sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(v) for name, v in times.items()}
+    out: dict[str, Any] = {name: statistics.median(v) for name, v in times.items()}
+    out["ratio"] = statistics.median(a / b for a, b in zip(times["ours"], times["torch"], strict=True))
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -201,6 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.warmup):
                 steps[n]()
         reads = {n: count_reads(steps[n]) for n in steps}
+        ops = {n: count_ops(steps[n], scalers[n]) for n in steps}
         ratios, per_step = [], {"ours": [], "torch": []}
         for r in range(args.rounds):
             order = ("ours", "torch") if r % 2 == 0 else ("torch", "ours")
@@ -215,13 +256,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Fused optimizers never call unscale_ in a step; time the pass on plain SGD copies then.
         plain = {n: torch.optim.SGD(m.parameters(), lr=0.0) for n, m in models.items()}
         unscale = time_unscale(models, plain, factories, x, y, device, args.unscale_repeats)
-        update = time_update(models, plain, factories, x, y, device, 50)
+        update = time_update(models, plain, factories, x, y, device, args.update_repeats)
         results["optimizers"][kind] = {
             "parameters": params,
             "median_ratio": statistics.median(ratios),
             "ratios": ratios,
             "median_step_s": {n: statistics.median(v) for n, v in per_step.items()},
             "host_reads_per_step": reads,
+            "aten_ops": ops,
             "unscale_s": unscale,
             "update_s": update,
             "bandwidth": floor,
@@ -232,6 +274,82 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra = (unscale["ours"] + update["ours"]) - (unscale["torch"] + update["torch"])
         results["optimizers"][kind]["derived_ratio"] = 1.0 + extra / statistics.median(per_step["torch"])
     return results
+
+
+LIGHTNING_ARMS = ("stock", "stock_again", "ours")
+
+
+def _lightning_module(width: int) -> Any:
+    import lightning.pytorch as pl
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(),
+                                           torch.nn.Linear(width, width), torch.nn.GELU(),
+                                           torch.nn.Linear(width, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, foreach=True)
+
+    return Regression()
+
+
+def _lightning_fit(arm: str, module: Any, loader: Any, steps: int) -> list[float]:
+    """Per-step times of one ``fit`` of ``steps + 1`` steps (the first, with the lazy setup, left out)."""
+    import lightning.pytorch as pl
+
+    from lossscale_callbacks.lightning.monitor import LossScaleMonitor
+    from lossscale_callbacks.lightning.plugin import LossScalePlugin
+
+    marks: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            marks.append(_clock())
+
+    if arm == "ours":
+        plugin, callbacks = LossScalePlugin("16-mixed", "cpu"), [Clock(), LossScaleMonitor()]
+    else:
+        plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        callbacks = [Clock()]
+    # The same trainer for every arm; without a logger the monitor still reads the state at its
+    # interval (into trainer.callback_metrics), so only the plugin and the monitor differ.
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps + 1, plugins=[plugin],
+                         callbacks=callbacks, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    return [b - a for a, b in itertools.pairwise(marks[1:])]
+
+
+def lightning_rounds(rounds: int, steps: int, width: int) -> dict[str, Any]:
+    """``Trainer.fit`` per-step time: ours (plugin + monitor) and a second stock arm, each over stock."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    generator = torch.Generator().manual_seed(0)
+    n = 64 * (steps + 2)
+    x, y = torch.randn(n, 64, generator=generator), torch.randn(n, 1, generator=generator)
+    loader = DataLoader(TensorDataset(x, y), batch_size=64)
+    modules = {arm: _lightning_module(width) for arm in LIGHTNING_ARMS}
+    for arm in LIGHTNING_ARMS:
+        _lightning_fit(arm, modules[arm], loader, 2)  # imports, first-use costs
+    per_step: dict[str, list[float]] = {arm: [] for arm in LIGHTNING_ARMS}
+    for r in range(rounds):
+        for arm in LIGHTNING_ARMS if r % 2 == 0 else tuple(reversed(LIGHTNING_ARMS)):
+            per_step[arm].append(statistics.median(_lightning_fit(arm, modules[arm], loader, steps)))
+    ratio = {arm: statistics.median(a / b for a, b in zip(per_step[arm], per_step["stock"], strict=True))
+             for arm in ("ours", "stock_again")}
+    return {"median_step_s": {arm: statistics.median(v) for arm, v in per_step.items()},
+            "ours/stock": ratio["ours"], "stock_again/stock": ratio["stock_again"], "rounds": rounds,
+            "steps": steps, "width": width}
 
 
 def report(results: dict[str, Any]) -> str:
@@ -252,7 +370,21 @@ def report(results: dict[str, Any]) -> str:
             f"{r['update_s']['ours'] * 1e6:.0f}/{r['update_s']['torch'] * 1e6:.0f} | "
             f"{r['derived_ratio']:.4f} |")
     bw = next(iter(results["optimizers"].values()))["bandwidth"]["copy_bandwidth_gbs"]
-    lines += ["", f"copy bandwidth measured: {bw:.1f} GB/s (read + write)"]
+    lines += ["", f"copy bandwidth measured: {bw:.1f} GB/s (read + write)", "",
+              "| optimizer | aten ops per step, ours / torch | in update(), ours / torch "
+              "| update() time ours/torch |",
+              "|---|---|---|---|"]
+    for kind, r in results["optimizers"].items():
+        ops = r["aten_ops"]
+        lines.append(f"| {kind} | {ops['ours']['step']} / {ops['torch']['step']} | {ops['ours']['update']} / "
+                     f"{ops['torch']['update']} | {r['update_s']['ratio']:.2f} |")
+    fit = results.get("lightning")
+    if fit:
+        ms = {arm: v * 1e3 for arm, v in fit["median_step_s"].items()}
+        lines += ["", "| Trainer.fit per step (ms): stock / stock again / ours | stock again / stock (A/A) "
+                  "| ours / stock |", "|---|---|---|",
+                  f"| {ms['stock']:.2f} / {ms['stock_again']:.2f} / {ms['ours']:.2f} | "
+                  f"{fit['stock_again/stock']:.4f} | {fit['ours/stock']:.4f} |"]
     return "\n".join(lines)
 
 
@@ -267,11 +399,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--unscale-repeats", type=int, default=7)
     parser.add_argument("--optimizers", nargs="+", default=["sgd_foreach", "adamw_fused"])
+    parser.add_argument("--update-repeats", type=int, default=200, help="update() timings per scaler")
+    parser.add_argument("--lightning", action="store_true", help="also time Trainer.fit (CPU)")
+    parser.add_argument("--lightning-rounds", type=int, default=11)
+    parser.add_argument("--lightning-steps", type=int, default=20)
+    parser.add_argument("--lightning-width", type=int, default=128)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--clock", choices=["auto", "wall", "process"], default="auto",
                         help="auto: wall time on CUDA, process CPU time on the CPU")
     args = parse_args(parser, argv, width=64, depth=2, batch=8, rounds=2, steps=2, warmup=1,
-                      unscale_repeats=3)
+                      unscale_repeats=3, update_repeats=5, lightning_rounds=2, lightning_steps=3,
+                      lightning_width=16)
     if args.clock == "auto":
         args.clock = "wall" if torch.device(args.device).type == "cuda" else "process"
     global _clock
@@ -279,6 +417,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if math.prod((args.width, args.width, args.depth)) < 10_000_000 and not args.quick:
         print("note: fewer than 10M parameters; the acceptance figure asks for at least 10M")
     results = run(args)
+    if args.lightning:
+        results["lightning"] = lightning_rounds(args.lightning_rounds, args.lightning_steps,
+                                                args.lightning_width)
     print(report(results))
     if args.json:
         with open(args.json, "w") as f:

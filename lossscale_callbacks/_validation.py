@@ -87,8 +87,8 @@ def _field(values: Any, name: str) -> Any:
     return getattr(values, name)
 
 
-def _host_number(name: str, value: Any) -> Any:
-    # 0-d arrays and framework tensors already copied to the host arrive as numpy scalars.
+def host_number(value: Any) -> Any:
+    """A one-element array or tensor as its Python number (a device tensor is read); else ``value``."""
     if hasattr(value, "item") and getattr(value, "size", 1) == 1 and not isinstance(value, (int, float)):
         value = value.item()
     return value
@@ -100,7 +100,8 @@ def validate_state(policy: Any, values: LossScaleState | Mapping[str, Any], *, s
 
     Rules: every field is present; ``scale`` is a finite float32 number inside
     ``[policy.min_scale, policy.max_scale]`` (so > 0); the counters are integers >= 0 that fit
-    int64; ``hysteresis_left <= policy``'s hysteresis; ``skipped_steps <= steps``. Nothing is
+    int64; ``growth_counter < policy``'s growth interval (the rule resets it on reaching the
+    interval); ``hysteresis_left <= policy``'s hysteresis; ``skipped_steps <= steps``. Nothing is
     returned unless everything holds, so a caller that writes only the returned values is
     all-or-nothing.
 
@@ -131,7 +132,7 @@ def validate_state(policy: Any, values: LossScaleState | Mapping[str, Any], *, s
     if missing:
         raise ValueError(f"{source}: the state lacks {missing}; a loss-scale state has {list(STATE_FIELDS)}")
     constants = policy.constants
-    raw_scale = _host_number("scale", _field(values, "scale"))
+    raw_scale = host_number(_field(values, "scale"))
     bounds = f"[{constants.min_scale:g}, {constants.max_scale:g}] (the policy's min_scale and max_scale)"
     if not _is_real(raw_scale) or not math.isfinite(float(raw_scale)):
         raise ValueError(f"{source}: scale must be a finite number in {bounds}, got {raw_scale!r}")
@@ -144,11 +145,15 @@ def validate_state(policy: Any, values: LossScaleState | Mapping[str, Any], *, s
         raise ValueError(f"{source}: scale must be a finite number in {bounds}, got {raw_scale!r}")
     counters: dict[str, int] = {}
     for name in STATE_FIELDS[1:]:
-        value = _host_number(name, _field(values, name))
+        value = host_number(_field(values, name))
         if _is_real(value) and isinstance(value, (float, np.floating)) and math.isfinite(value) \
                 and float(value).is_integer():
             value = int(value)  # counters stored in float64 checkpoints (GradScaler's tracker)
         counters[name] = check_int(f"{source}: {name}", value, 0, _INT64_MAX)
+    if counters["growth_counter"] >= constants.growth_interval:
+        # The rule resets the counter when it reaches the interval: a larger one was never saved by a run.
+        raise ValueError(f"{source}: growth_counter must be in [0, {constants.growth_interval - 1}] (below "
+                         f"the policy's growth_interval), got {counters['growth_counter']}")
     if counters["hysteresis_left"] > constants.hysteresis:
         raise ValueError(f"{source}: hysteresis_left must be in [0, {constants.hysteresis}] (the policy's "
                          f"hysteresis), got {counters['hysteresis_left']}")

@@ -6,8 +6,7 @@ The framework-free half. A scaler with ``diagnose=True`` (torch's ``LossScaler``
 * the **cause** of every skipped step: the loss itself was non-finite (a forward-pass problem that no
   loss scale fixes), the gradients held Inf only with a finite loss (the scale was too high: normal,
   dynamic scaling corrects it), or NaN with a finite loss (an ``Inf - Inf`` or ``0 * Inf`` in the
-  backward pass). Where the kind cannot be told apart without a host read (a fused torch optimizer),
-  the step counts as ``grad_nonfinite``;
+  backward pass). Where a backend does not tell the kind apart, the step counts as ``grad_nonfinite``;
 * per layer, in how many skipped steps (with a finite loss) its gradients were non-finite;
 * every ``headroom_every`` steps, per layer, the largest ``|scaled gradient|`` against float16's maximum
   (``log2`` headroom before overflow) and the share of its gradient values below float16's smallest
@@ -253,8 +252,7 @@ def _sentences(causes: Mapping[str, int], layer_skips: Mapping[str, int], layer_
     if unknown:
         plural = "s" if unknown != 1 else ""
         out.append(f"{unknown} skipped step{plural} had non-finite gradients with a finite "
-                   "loss (Inf or NaN: a fused optimizer decides on the device; diagnose='every_step' tells "
-                   "them apart).")
+                   "loss (Inf or NaN: the kind was not recorded).")
     worst = max((h for h in headroom if h.total), key=lambda h: h.underflow_share, default=None)
     if worst is not None and worst.underflow_share >= 0.01 and headroom_scale:
         out.append(f"{worst.underflow_share:.1%} of layer `{worst.layer}`'s gradient values fall below "

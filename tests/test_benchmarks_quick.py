@@ -30,7 +30,8 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     ]),
     "forensics_overhead.py": ([], [
         rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
-        for name in ("torch_adamw_foreach", "torch_adamw_fused", "keras_fit")
+        for name in ("torch_adamw_foreach", "torch_adamw_fused", "torch_launch_bound_foreach",
+                     "torch_launch_bound_fused", "keras_fit")
     ]),
     "keras_overhead.py": ([], [
         *(rf"^{arm}\s+{NUM}\s+{NUM}\s+{NUM}$" for arm in ("keras", "ours", r"ours\+cb", r"ours\+null")),
@@ -53,6 +54,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         *(rf"^\| {kind} \| {NUM}M \| {NUM} \| {NUM} \| {NUM} \| \d+/\d+ \| {NUM}/{NUM} \| {NUM} \| {NUM} "
           rf"\| \d+/\d+ \| {NUM} \|$" for kind in ("sgd_foreach", "adamw_fused")),
         rf"^copy bandwidth measured: {NUM} GB/s",
+        *(rf"^\| {kind} \| \d+ / \d+ \| \d+ / 1 \| {NUM} \|$" for kind in ("sgd_foreach", "adamw_fused")),
     ]),
 }
 

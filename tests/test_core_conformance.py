@@ -2,7 +2,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import oracle_for
+from update_strategies import dynamic_policies, expand, fixed_policies, runs
 
 from lossscale_callbacks.testing import assert_conforms, conformance_cases, reference_run
 
@@ -46,3 +49,16 @@ def test_assert_conforms_catches_a_one_ulp_difference():
         assert_conforms(case, actual._replace(scale=actual.scale.astype(np.float64)))
     with pytest.raises(AssertionError, match="steps"):
         assert_conforms(dataclasses.replace(case), actual._replace(steps=actual.steps[:-1]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(policy=st.one_of(dynamic_policies(hysteresis=st.integers(1, 4)), fixed_policies), run_list=runs)
+def test_the_reference_agrees_with_the_oracle_on_generated_policies(policy, run_list):
+    """The reference that every backend's fast paths are held to, on the policies their tests generate."""
+    finite = expand(run_list, limit=2000)
+    if not finite:
+        return
+    expected, oracle = reference_run(policy, finite), oracle_for(policy)
+    for t, flag in enumerate(finite):
+        oracle.step(flag)
+        assert (float(expected.scale[t]), *(int(np.asarray(f)[t]) for f in expected[1:])) == oracle.values()

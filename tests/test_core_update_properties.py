@@ -8,39 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import oracle_for
+from update_strategies import dynamic_policies, expand, runs
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy, initial_state, next_state
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-@st.composite
-def dynamic_policies(draw):
-    min_exp = draw(st.integers(-100, 10))
-    max_exp = draw(st.integers(max(min_exp, 0), 120))
-    min_scale = 2.0**min_exp * draw(st.sampled_from([1.0, 1.3, 0.7]))
-    max_scale = 2.0**max_exp * draw(st.sampled_from([1.0, 1.7, 0.9]))
-    min_scale, max_scale = min(min_scale, max_scale), max(min_scale, max_scale)
-    growth = draw(st.sampled_from([2.0, 1.5, 1.0001, 3.0, 4.0, 7.3]))
-    initial = draw(st.floats(min_scale, max_scale, allow_nan=False, allow_infinity=False))
-    return DynamicPolicy(
-        initial_scale=initial,
-        growth_interval=draw(st.integers(1, 60)),
-        growth_factor=growth,
-        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.9, 0.999, 0.1, 1e-3])),
-        hysteresis=draw(st.integers(1, 6)),
-        min_scale=min_scale,
-        max_scale=max_scale,
-    )
-
-
-# Runs of equal outcomes let hypothesis reach sequences of up to 10,000 steps cheaply.
-runs = st.lists(st.tuples(st.booleans(), st.integers(1, 400)), max_size=60)
-
-
-def expand(run_list, limit=10_000):
-    flags = [flag for flag, length in run_list for _ in range(length)]
-    return flags[:limit]
 
 
 def host(state):

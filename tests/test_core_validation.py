@@ -52,7 +52,20 @@ def test_cross_field_rules():
     with pytest.raises(ValueError, match=r"hysteresis_left must be in \[0, 2\]"):
         validate_state(DynamicPolicy(hysteresis=2), with_(hysteresis_left=3))
     with pytest.raises(ValueError, match=r"hysteresis_left must be in \[0, 0\]"):
-        validate_state(FixedPolicy(1024.0), with_(hysteresis_left=1))
+        validate_state(FixedPolicy(1024.0), with_(hysteresis_left=1, growth_counter=0))
+
+
+@pytest.mark.parametrize("policy, counter", [(DynamicPolicy(growth_interval=2000), 10**6),
+                                             (DynamicPolicy(growth_interval=2000), 2000),
+                                             (DynamicPolicy(growth_interval=1), 1),
+                                             (FixedPolicy(1024.0), 1)])
+def test_a_growth_counter_the_rule_never_reaches_is_refused(policy, counter):
+    # The rule resets the counter when it reaches growth_interval: no run saves a larger one.
+    with pytest.raises(ValueError, match=r"growth_counter must be in \[0, \d+\] \(below the policy's "
+                                         r"growth_interval\), got " + str(counter)):
+        validate_state(policy, with_(growth_counter=counter, hysteresis_left=0))
+    assert validate_state(policy, with_(growth_counter=counter - 1 if counter == 2000 else 0,
+                                        hysteresis_left=0)).scale == 1024.0
 
 
 def test_missing_fields_and_wrong_types_are_named():
@@ -81,6 +94,7 @@ def test_accepted_states_always_satisfy_every_rule(scale, counters):
     c = rule_constants(policy)
     assert math.isfinite(state.scale) and c.min_scale <= state.scale <= c.max_scale
     assert all(0 <= v < 2**63 for v in state[1:])
+    assert state.growth_counter < c.growth_interval
     assert state.hysteresis_left <= 3 and state.skipped_steps <= state.steps
 
 

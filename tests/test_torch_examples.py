@@ -56,11 +56,22 @@ def test_lightning_quickstart(tmp_path):
 @pytest.mark.slow
 def test_overhead_benchmark_runs_and_counts_host_reads(tmp_path):
     args = ["--device", "cpu", "--width", "64", "--depth", "2", "--batch", "4", "--rounds", "3",
-            "--steps", "2", "--warmup", "1", "--unscale-repeats", "3", "--json", "out.json"]
+            "--steps", "2", "--warmup", "1", "--unscale-repeats", "3", "--update-repeats", "5",
+            "--lightning", "--lightning-rounds", "3", "--lightning-steps", "3", "--lightning-width", "16",
+            "--json", "out.json"]
     out = _run("benchmarks/torch_overhead.py", *args, cwd=tmp_path)
     assert "| sgd_foreach |" in out and "| adamw_fused |" in out
     with open(tmp_path / "out.json") as f:
-        results = json.load(f)["optimizers"]
+        everything = json.load(f)
+    results = everything["optimizers"]
+    # Counted, not timed: our whole step dispatches no more aten ops than GradScaler's, update() at most 4.
+    for result in results.values():
+        ops = result["aten_ops"]
+        assert ops["ours"]["step"] <= ops["torch"]["step"] and ops["ours"]["update"] <= 4
+        assert ops["torch"]["update"] == 1 and result["update_s"]["ratio"] > 0
+    fit = everything["lightning"]
+    assert fit["ours/stock"] > 0 and fit["stock_again/stock"] > 0 and set(fit["median_step_s"]) == {
+        "stock", "stock_again", "ours"}
     # The skip decision of a non-fused optimizer, like GradScaler; nothing at all with a fused one.
     assert results["sgd_foreach"]["host_reads_per_step"] == {"ours": 1, "torch": 1}
     assert results["adamw_fused"]["host_reads_per_step"] == {"ours": 0, "torch": 0}

@@ -548,7 +548,7 @@ def test_pickling_keeps_the_state_and_checks_it_when_unpickled():
     clone = pickle.loads(pickle.dumps(scaler))
     assert clone.get_state() == scaler.get_state() and clone.policy == scaler.policy
     state = scaler.__getstate__()
-    state["_pending"] = state["_pending"]._replace(scale=0.0)
+    state["state"] = {**state["state"], "scale": 0.0}
     with pytest.raises(ValueError, match="unpickling: scale"):
         LossScaler.__new__(LossScaler).__setstate__(state)
 

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from lossscale_callbacks._validation import check_int, check_number, validate_state
+from lossscale_callbacks._validation import check_int, check_number, host_number, validate_state
 from lossscale_callbacks.policy import DynamicPolicy, Policy
 from lossscale_callbacks.state import LossScaleState
 
@@ -94,8 +94,11 @@ def from_grad_scaler_state_dict(base: Policy, state_dict: Mapping[str, Any]) -> 
     policy = base.replace(growth_factor=state_dict["growth_factor"],
                           backoff_factor=state_dict["backoff_factor"],
                           growth_interval=state_dict["growth_interval"])
-    raw = state_dict["scale"]
-    scale = float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else math.nan
+    raw = host_number(state_dict["scale"])
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ValueError("load_state_dict (torch.amp.GradScaler checkpoint): scale must be a finite number "
+                         f"> 0, got {raw!r} ({type(raw).__name__})")
+    scale = float(raw)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(
             f"the torch.amp.GradScaler checkpoint's scale is {raw!r}: its scale collapsed (GradScaler has no "
@@ -110,5 +113,6 @@ def from_grad_scaler_state_dict(base: Policy, state_dict: Mapping[str, Any]) -> 
                       ScaleClampedWarning, stacklevel=3)
     state = validate_state(policy, {
         "scale": clamped, "growth_counter": state_dict["_growth_tracker"], "hysteresis_left": c.hysteresis,
-        "skipped_steps": 0, "steps": 0}, source="load_state_dict (torch.amp.GradScaler checkpoint)")
+        "skipped_steps": 0, "steps": 0}, source="load_state_dict (the torch.amp.GradScaler checkpoint's "
+                                               "_growth_tracker)")
     return policy, state

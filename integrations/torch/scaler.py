@@ -9,10 +9,13 @@ Where the host synchronises (and nowhere else):
   first applied update (usually just the first step; see :func:`_fused_sgd_first_step`).
 * ``step(optimizer)`` with any other optimizer: **one** read, the skip decision (``found_inf``),
   exactly like ``torch.amp.GradScaler``.
-* ``scale``, ``unscale_`` and ``update``: never (the update rule is ``next_state`` on the device).
+* ``scale``, ``unscale_`` and ``update``: never. ``update`` runs the core's rule on the device in at
+  most 4 dispatched ops without hysteresis and 6 with it on the CPU, and replays a CUDA graph (two
+  launches) on CUDA: see :mod:`lossscale_callbacks.torch.update_paths`.
 * ``get_scale``, ``get_state``, ``state_dict``, ``last_step_skipped(sync=True)`` and
   ``read_forensics`` read the device (one copy each); call them at the log interval, not per step.
-* ``diagnose=True`` adds no host read to a step (see :mod:`lossscale_callbacks.torch.forensics`).
+* ``diagnose=True`` adds no host read to a step, and a bounded number of ops whatever the number of
+  parameters (see :mod:`lossscale_callbacks.torch.forensics`).
 * ``update(new_scale=<tensor>)`` reads the tensor once to check it.
 """
 
@@ -23,7 +26,7 @@ import inspect
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -31,19 +34,18 @@ import torch
 
 from lossscale_callbacks._validation import check_bool, check_choice, check_int, validate_state
 from lossscale_callbacks.forensics import IntervalForensics, check_diagnose
-from lossscale_callbacks.policy import Policy, check_policy, is_policy, policy_from_config
-from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
-from lossscale_callbacks.torch.forensics import GradForensics
-from lossscale_callbacks.torch.grad_scaler_compat import (
-    GRAD_SCALER_KEYS,
-    from_grad_scaler_state_dict,
-    is_grad_scaler_state_dict,
-    policy_from_grad_scaler_settings,
+from lossscale_callbacks.policy import Policy, check_policy, is_policy
+from lossscale_callbacks.state import LossScaleState
+from lossscale_callbacks.torch.checkpoint import (
+    SYNC_CHOICES,
+    check_process_group,
+    parse_pickle,
+    parse_state_dict,
 )
-from lossscale_callbacks.torch.ops import TorchOps
-from lossscale_callbacks.update import initial_state, next_state
-
-_SYNC_CHOICES = (True, False, "auto")
+from lossscale_callbacks.torch.forensics import GradForensics
+from lossscale_callbacks.torch.grad_scaler_compat import policy_from_grad_scaler_settings
+from lossscale_callbacks.torch.update_paths import PathState, make_path
+from lossscale_callbacks.update import initial_state
 
 
 class _Stage(Enum):
@@ -107,11 +109,12 @@ class LossScaler(torch.amp.GradScaler):
     but none of GradScaler's own update logic runs: the state moves only by the core's
     ``next_state``.
 
-    The state (a :class:`~lossscale_callbacks.state.LossScaleState`: float32 scale, int64
-    counters) lives in 0-d tensors on the device of the first scaled tensor. Gradients are
-    checked and unscaled by torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel,
-    and :meth:`update` advances the state on the device; see the module docstring for where the
-    host synchronises. Every state that comes in from outside (``load_state_dict``, a GradScaler
+    The state (a :class:`~lossscale_callbacks.state.LossScaleState`: float32 scale, integer
+    counters) lives on the device of the first scaled tensor. Gradients are checked and unscaled
+    by torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel, and :meth:`update`
+    advances the state on the device with an implementation of the core's ``next_state`` proven
+    bit-identical to it (:mod:`lossscale_callbacks.torch.update_paths`); see the module docstring
+    for where the host synchronises. Every state that comes in from outside (``load_state_dict``, a GradScaler
     checkpoint, ``update(new_scale)``, unpickling) passes one check
     (:func:`lossscale_callbacks._validation.validate_state`) before anything changes, also before
     the device is known: a scale of 0, NaN, Inf or outside the bounds never reaches a step.
@@ -138,10 +141,10 @@ class LossScaler(torch.amp.GradScaler):
         process_group: the group for that all-reduce (default: the world).
         diagnose: overflow forensics (:mod:`lossscale_callbacks.forensics`): ``True`` records, on the
             device and without a host read in the step, why each skipped step was skipped (a
-            non-finite loss, Inf or NaN gradients) and which parameters' gradients were non-finite
+            non-finite loss, Inf or NaN gradients) and which layers' gradients were non-finite
             (name them with :meth:`watch`), and samples the float16 headroom every
-            ``headroom_every`` steps; ``"every_step"`` samples every step and tells Inf from NaN
-            also for fused optimizers (more passes over the gradients). Read with
+            ``headroom_every`` steps; ``"every_step"`` samples every step (more passes over the
+            gradients). A bounded number of ops per step for any number of parameters. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
 
@@ -181,7 +184,8 @@ class LossScaler(torch.amp.GradScaler):
             raise ValueError("LossScaler's first argument is the device, as in torch.amp.GradScaler; pass "
                              f"the policy by keyword: LossScaler(policy={device!r})")
         enabled = check_bool("enabled", enabled)
-        check_choice("sync_found_inf", sync_found_inf, _SYNC_CHOICES)
+        check_choice("sync_found_inf", sync_found_inf, SYNC_CHOICES)
+        check_process_group("process_group", process_group)
         check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
         settings = {"init_scale": init_scale, "growth_factor": growth_factor,
@@ -204,18 +208,28 @@ class LossScaler(torch.amp.GradScaler):
         if enabled and device_type == "cuda" and not torch.cuda.is_available():
             warnings.warn("LossScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             enabled = False
-        self._device = device_type
+        self._assign(enabled=enabled, device=device_type, policy=policy, sync_found_inf=sync_found_inf,
+                     process_group=process_group, diagnose=diagnose, headroom_every=headroom_every,
+                     state=None)
+
+    def _assign(self, *, enabled: bool, device: str | None, policy: Policy, sync_found_inf: bool | str,
+                process_group: Any, diagnose: bool | str, headroom_every: int,
+                state: LossScaleState | None) -> None:
+        """Set every attribute from checked values: the one place the constructor and unpickling meet."""
+        self._device = device
         self._enabled = enabled
         self._policy: Policy = policy
         self.sync_found_inf = sync_found_inf
         self.process_group = process_group
-        self._ops: TorchOps | None = None
-        self._state: LossScaleState | None = None
+        # The state on the device, in the layout of its update path (None until the device is known).
+        self._path: Any = None
+        self._one: torch.Tensor | None = None
         # A validated host state waiting for the device (a checkpoint loaded before the first step).
-        self._pending: LossScaleState | None = None
+        self._pending: LossScaleState | None = state
         self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
         self._last_found_inf: torch.Tensor | None = None
         self._last_skipped_on_host: bool | None = None
+        self._headroom_every = headroom_every
         self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
         self._watched: weakref.ref | None = None
 
@@ -239,6 +253,7 @@ class LossScaler(torch.amp.GradScaler):
         """Switch the overflow forensics on (``True``/``"every_step"``) or off (``False``) from now on."""
         check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
+        self._headroom_every = headroom_every
         if not diagnose:
             self.forensics = None
         elif self.forensics is None or self.forensics.mode != diagnose:
@@ -267,33 +282,30 @@ class LossScaler(torch.amp.GradScaler):
     @property
     def device(self) -> torch.device | None:
         """Where the state lives; ``None`` until the first :meth:`scale`."""
-        return self._ops.device if self._ops is not None else None
+        return self._path.device if self._path is not None else None
 
     @property
     def state(self) -> LossScaleState | None:
-        """The state as 0-d device tensors (``None`` before the device is known). Reading it does not sync."""
-        return self._state
+        """The state as 0-d device tensors (``None`` before the device is known). No host sync.
+
+        ``scale`` is the live float32 tensor the scaler multiplies by; the int64 counters are a
+        snapshot made by this call (the update path keeps them in its own layout).
+        """
+        return self._path.tensors() if self._path is not None else None
 
     def _lazy_init(self, device: torch.device) -> None:
-        self._ops = TorchOps(device)
-        if self._pending is not None:
-            host, self._pending = self._pending, None
-            dtypes = (torch.float32, *(torch.int64,) * 4)
-            # torch.full fills on the device: no host-to-device copy, no stream sync.
-            self._state = LossScaleState(*(torch.full((), v, dtype=d, device=device)
-                                           for v, d in zip(host, dtypes, strict=True)))
-            return
-        start = initial_state(self._policy, self._ops)
-        # Own buffers (not the cached constants) because update() writes into them in place.
-        self._state = LossScaleState(*(t.clone() for t in start))
+        # torch.ones/full fill on the device: no host-to-device copy, no stream sync.
+        self._one = torch.ones((), dtype=torch.float32, device=device)
+        self._path = make_path(self._policy, device, PathState.from_host(self._host_state()))
+        self._pending = None
 
-    def _require_state(self, funcname: str) -> LossScaleState:
-        if self._state is None:
+    def _require_state(self, funcname: str) -> Any:
+        if self._path is None:
             raise AssertionError(
                 f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
                 "scaler.scale(loss or outputs) earlier in the iteration."
             )
-        return self._state
+        return self._path
 
     def _host_state(self) -> LossScaleState:
         """The state on the host without touching the device: pending, or the policy's initial state."""
@@ -305,22 +317,34 @@ class LossScaler(torch.amp.GradScaler):
     def _install(self, policy: Policy, host: LossScaleState) -> None:
         """Make a validated (policy, state) pair current: the one place a state from outside lands."""
         self._policy = policy
-        if self._state is None:
+        if self._path is None:
             self._pending = host
         else:
-            for tensor, value in zip(self._state, host, strict=True):
-                tensor.fill_(value)
+            self._path = make_path(policy, self._path.device, PathState.from_host(host))
         self._per_optimizer = defaultdict(_OptimizerState)
+
+    def _replace_policy(self, policy: Policy) -> None:
+        """A new policy for the running state (``set_growth_factor``...): moved on the device, no host read.
+
+        A growth counter at or above a shorter new interval is capped to ``interval - 1``: the next
+        finite step grows either way, exactly as ``next_state`` grows any counter >= the interval.
+        """
+        self._policy = policy
+        if self._path is not None:
+            self._path = make_path(policy, self._path.device, self._path.export())
+        elif self._pending is not None:
+            cap = policy.constants.growth_interval - 1
+            self._pending = self._pending._replace(growth_counter=min(self._pending.growth_counter, cap))
 
     # GradScaler's private names, read by code written against it. Read-only views of our state.
 
     @property
     def _scale(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._state.scale if self._state is not None else None
+        return self._path.scale if self._path is not None else None
 
     @property
     def _growth_tracker(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._state.growth_counter if self._state is not None else None
+        return self._path.fields()[1] if self._path is not None else None
 
     @property
     def _init_scale(self) -> float:  # type: ignore[override]
@@ -331,7 +355,7 @@ class LossScaler(torch.amp.GradScaler):
         return self._host_state().growth_counter
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        if self._state is not None:
+        if self._path is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
         self._lazy_init(torch.device(dev))
 
@@ -345,23 +369,22 @@ class LossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            if self._state is None:
+            if self._path is None:
                 self._lazy_init(outputs.device)
             if self.forensics is not None:
                 self.forensics.on_scale([outputs])
-            scale = self._state.scale  # type: ignore[union-attr]
-            return outputs * scale.to(device=outputs.device, non_blocking=True)
+            return outputs * self._path.scale.to(device=outputs.device, non_blocking=True)
         copies: dict[torch.device, torch.Tensor] = {}
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if self._state is None:
+                if self._path is None:
                     self._lazy_init(value.device)
                 if self.forensics is not None:
                     self.forensics.on_scale([value])
                 scale = copies.get(value.device)
                 if scale is None:
-                    scale = self._state.scale.to(device=value.device, non_blocking=True)  # type: ignore
+                    scale = self._path.scale.to(device=value.device, non_blocking=True)
                     copies[value.device] = scale
                 return value * scale
             if isinstance(value, Iterable):
@@ -376,15 +399,18 @@ class LossScaler(torch.amp.GradScaler):
     def _check_and_unscale(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                            allow_fp16: bool) -> None:
         """One fused check(+unscale) per (device, dtype) group; records found_inf on the scaler's device."""
-        home = self._ops.device  # type: ignore[union-attr]
+        home = self._path.device
         groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list))
-        params_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Every parameter with its gradient or None: the forensics plan the optimizer's whole list once.
+        entries: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        checked = False
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     grad = param.grad
                     if grad is None:
+                        entries.append((param, None))
                         continue
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
@@ -394,14 +420,12 @@ class LossScaler(torch.amp.GradScaler):
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     groups[grad.device][grad.dtype].append(grad)
-                    params_grads.append((param, grad))
+                    entries.append((param, grad))
+                    checked = True
             found_inf = torch.zeros((), dtype=torch.float32, device=home)
-            if self.forensics is not None:
-                # The same single pass, one call per parameter: each writes its own flag.
-                # Only unscale_ refuses fp16 gradients; the check-only callers (fused optimizers) allow them.
-                self.forensics.check(params_grads, inv_scale, found_inf, self._state.scale,  # type: ignore
-                                     unscaling=not allow_fp16)
-                groups.clear()
+            sync = self._should_sync(optimizer)
+            if self.forensics is not None and checked:  # sees the gradients while they are still scaled
+                self.forensics.check(id(optimizer), entries, self._path.scale, defer=not sync)
             for device, by_dtype in groups.items():
                 local_inf = found_inf if device == home else torch.zeros_like(found_inf, device=device)
                 local_inv = inv_scale if device == home else inv_scale.to(device, non_blocking=True)
@@ -409,14 +433,14 @@ class LossScaler(torch.amp.GradScaler):
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, local_inv)
                 if device != home:
                     torch.maximum(found_inf, local_inf.to(home, non_blocking=True), out=found_inf)
-            if self._should_sync(optimizer):
+            if sync:
                 torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
                                              group=self.process_group)
                 if self.forensics is not None:
                     self.forensics.reduce_flags(self.process_group)
         opt_state = self._per_optimizer[id(optimizer)]
         opt_state.found_inf = found_inf
-        opt_state.checked = bool(params_grads)
+        opt_state.checked = checked
 
     def _should_sync(self, optimizer: torch.optim.Optimizer) -> bool:
         if self.sync_found_inf is False:
@@ -433,7 +457,7 @@ class LossScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """GradScaler's hook for optimizers that unscale themselves: check (not unscale) the gradients."""
         self._require_state("_check_inf_per_device")
-        self._check_and_unscale(optimizer, self._ops.scale(1.0), allow_fp16=True)  # type: ignore[union-attr]
+        self._check_and_unscale(optimizer, self._one, allow_fp16=True)  # type: ignore[arg-type]
         return self._found_inf_per_device(optimizer)
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
@@ -456,8 +480,10 @@ class LossScaler(torch.amp.GradScaler):
                 "unscale_() has already been called on this optimizer since the last update().")
         if opt_state.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        # The reciprocal in float64, then rounded: the same inverse GradScaler uses.
-        inv_scale = state.scale.double().reciprocal().float()
+        # GradScaler takes the reciprocal in float64 and rounds it to float32 (3 ops). IEEE float32
+        # division is correctly rounded, and rounding a float64 quotient of float32 numbers to float32
+        # is too (53 >= 2 * 24 + 2 bits, Figueroa 1995): one op, the same bits (tested on every exponent).
+        inv_scale = torch.reciprocal(state.scale)
         self._check_and_unscale(optimizer, inv_scale, allow_fp16=False)
         opt_state.stage = _Stage.UNSCALED
 
@@ -491,12 +517,13 @@ class LossScaler(torch.amp.GradScaler):
                     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
                     FutureWarning, stacklevel=2)
+                self._resolve_forensics(optimizer, None)
                 retval = optimizer.step(*args, **kwargs, grad_scaler=self)
                 opt_state.stage = _Stage.STEPPED
                 return retval
             if opt_state.stage is _Stage.READY:
                 # Only the check: the fused kernel unscales with grad_scale itself.
-                self._check_and_unscale(optimizer, self._ops.scale(1.0), allow_fp16=True)  # type: ignore
+                self._check_and_unscale(optimizer, self._one, allow_fp16=True)  # type: ignore[arg-type]
                 grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
@@ -504,9 +531,11 @@ class LossScaler(torch.amp.GradScaler):
                 assert opt_state.found_inf is not None
                 # One read, until the first update is applied (the buffers exist from then on).
                 opt_state.skipped_on_host = bool(opt_state.found_inf.item())
+                self._resolve_forensics(optimizer, opt_state.skipped_on_host)
                 if opt_state.skipped_on_host:
                     opt_state.stage = _Stage.STEPPED
                     return None
+            self._resolve_forensics(optimizer, None)  # the kernel decides on the device
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = opt_state.found_inf  # type: ignore[attr-defined]
             try:
@@ -525,35 +554,42 @@ class LossScaler(torch.amp.GradScaler):
         # The one host read of a non-fused step: Python must decide whether to call step().
         skipped = bool(opt_state.found_inf.item())
         opt_state.skipped_on_host = skipped
-        if self.forensics is not None:
-            if skipped:
-                self.forensics.on_host_skip([p.grad for g in optimizer.param_groups for p in g["params"]
-                                             if p.grad is not None and not p.grad.is_sparse])
-            else:
-                self.forensics.on_host_applied()
+        self._resolve_forensics(optimizer, skipped)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
         return retval
 
+    def _resolve_forensics(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
+        if self.forensics is not None:
+            self.forensics.resolve(id(optimizer), skipped)
+
     # ---------------------------------------------------------------------------------- update
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Advance the state with the core's ``next_state`` on the device. No host sync.
+        """Advance the state by the core's rule on the device. No host sync.
 
         Every optimizer stepped since the last update contributes its overflow flag; the step
-        counts as skipped when any of them overflowed. ``new_scale`` (a float or a 1-element
-        tensor) replaces the resulting scale, as in ``GradScaler.update(new_scale)``; the step is
-        still counted. ``new_scale`` must lie inside the policy's bounds (``ValueError``
-        otherwise, and nothing changes); a tensor ``new_scale`` is read once to check it (one host
-        sync, only when you pass one).
+        counts as skipped when any of them overflowed. With one optimizer this dispatches at most
+        4 aten ops (policies without hysteresis) or 6 (any policy) on the CPU, and two launches
+        (a CUDA graph replayed) on CUDA; each further optimizer adds one op to merge its flag.
+        ``new_scale`` (a float or a 1-element tensor) replaces the resulting scale, as in
+        ``GradScaler.update(new_scale)``; the step is still counted. ``new_scale`` must lie inside
+        the policy's bounds (``ValueError`` otherwise, and nothing changes); a tensor ``new_scale``
+        is read once to check it (one host sync, only when you pass one).
         """
         if not self._enabled:
             return
-        state = self._require_state("update")
-        ops = self._ops
-        assert ops is not None
-        flags = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
-        if new_scale is None and not any(s.checked for s in self._per_optimizer.values()):
+        path = self._require_state("update")
+        # One pass over the optimizers stepped since the last update (usually one): this method runs
+        # every step, and its Python is a good part of its cost on a CPU.
+        flags, checked, on_host = [], False, False
+        for opt_state in self._per_optimizer.values():
+            checked = checked or opt_state.checked
+            if opt_state.found_inf is not None:
+                flags.append(opt_state.found_inf)
+                known = opt_state.skipped_on_host
+                on_host = None if known is None or on_host is None else on_host or known
+        if new_scale is None and not checked:
             raise AssertionError("No inf checks were recorded prior to update.")
         if new_scale is not None:
             replacement = self._checked_new_scale(new_scale)
@@ -561,16 +597,13 @@ class LossScaler(torch.amp.GradScaler):
             found_inf = flags[0]
             for flag in flags[1:]:
                 found_inf = torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True))
-            new = next_state(self._policy, state, found_inf == 0, ops)
-            # In place, so references to the state tensors stay valid; one foreach launch on CUDA.
-            torch._foreach_copy_(list(state), list(new))
+            path.update(found_inf)
             self._last_found_inf = found_inf
+            self._last_skipped_on_host = on_host
             if self.forensics is not None:
                 self.forensics.on_update(found_inf)
-            host = [s.skipped_on_host for s in self._per_optimizer.values() if s.found_inf is not None]
-            self._last_skipped_on_host = any(host) if all(h is not None for h in host) else None
         if new_scale is not None:
-            state.scale.fill_(replacement)
+            path.scale.fill_(replacement)
         self._per_optimizer = defaultdict(_OptimizerState)
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
@@ -604,22 +637,20 @@ class LossScaler(torch.amp.GradScaler):
 
     def get_state(self) -> LossScaleState:
         """The state as Python numbers. One host sync (a single copy of all five values)."""
-        if self._state is None:
+        if self._path is None:
             return self._host_state()
-        # float64 holds a float32 and an int64 counter below 2**53 exactly: one copy, one sync.
-        packed = torch.stack([t.to(torch.float64) for t in self._state]).cpu().tolist()
-        return LossScaleState(float(packed[0]), *(int(v) for v in packed[1:]))
+        return self._path.read()
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). One host sync."""
         if not self._enabled:
             return 1.0
-        if self._state is None:
+        if self._path is None:
             return self._host_state().scale
-        return float(self._state.scale.item())
+        return float(self._path.scale.item())
 
     def _get_scale_async(self) -> torch.Tensor | None:
-        return self._state.scale if self._state is not None else None
+        return self._path.scale if self._path is not None else None
 
     def _get_growth_tracker(self) -> int:
         return self.get_state().growth_counter if self._enabled else 0
@@ -637,13 +668,14 @@ class LossScaler(torch.amp.GradScaler):
         return self._policy.constants.growth_interval
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._policy = self._policy.replace(growth_factor=new_factor)
+        self._replace_policy(self._policy.replace(growth_factor=new_factor))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._policy = self._policy.replace(backoff_factor=new_factor)
+        self._replace_policy(self._policy.replace(backoff_factor=new_factor))
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._policy = self._policy.replace(growth_interval=new_interval)
+        """GradScaler's setter; a growth counter at or above the new interval is capped (same trajectory)."""
+        self._replace_policy(self._policy.replace(growth_interval=new_interval))
 
     # -------------------------------------------------------------------------- checkpoints
 
@@ -671,50 +703,37 @@ class LossScaler(torch.amp.GradScaler):
         a zero or non-finite scale (what GradScaler reaches after a long run of overflows) is refused.
         Everything is checked before anything changes, also before the device is known.
 
+        Unknown keys are refused, and in a ``LossScaler`` dict GradScaler's keys must agree with the
+        policy and the state they mirror.
+
         Raises:
             RuntimeError: an empty dict (saved from a disabled scaler), as in GradScaler.
             ValueError: an invalid policy or state, naming the field; the scaler is unchanged.
         """
         if not self._enabled:
             return
-        if not state_dict:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                               "from a disabled instance of GradScaler.")
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        if "policy" in state_dict:
-            policy = policy_from_config(state_dict["policy"])
-            values = {k: state_dict.get(k) for k in STATE_FIELDS}
-            host = validate_state(policy, values, source="load_state_dict")
-        elif is_grad_scaler_state_dict(state_dict):
-            policy, host = from_grad_scaler_state_dict(self._policy, state_dict)
-        else:
-            raise ValueError("load_state_dict expects a LossScaler state dict (with 'policy' and "
-                             f"{list(STATE_FIELDS)}) or a torch.amp.GradScaler one (with "
-                             f"{list(GRAD_SCALER_KEYS)}); "
-                             f"got the keys {sorted(state_dict)}")
-        self._install(policy, host)
+        self._install(*parse_state_dict(self._policy, state_dict))
 
     def __getstate__(self) -> dict[str, Any]:
-        # Like GradScaler: pickle the values, not the tensors; the device is found again on first use.
+        """The settings and the state as plain values (like GradScaler, not the tensors); the device is
+        found again on first use. Forensics restart empty and the watched model is not pickled."""
         if self._enabled and any(s.stage is not _Stage.READY or s.found_inf is not None
                                  for s in self._per_optimizer.values()):
             raise AssertionError("A GradScaler instance may only be pickled at the beginning of an "
                                  "iteration, or at the end after scaler.update().")
-        state = self.__dict__.copy()
-        state.update(_pending=self.get_state() if self._enabled else None, _state=None, _ops=None,
-                     _per_optimizer=None, _last_found_inf=None, _watched=None)
-        return state
+        return {"enabled": self._enabled, "device": self._device, "policy": self._policy.to_config(),
+                "state": self.get_state()._asdict() if self._enabled else None,
+                "sync_found_inf": self.sync_found_inf, "process_group": self.process_group,
+                "diagnose": self.forensics.mode if self.forensics is not None else False,
+                "headroom_every": self._headroom_every}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        pending = state.get("_pending")
-        if pending is not None:  # a pickle is input from outside too
-            pending = validate_state(state["_policy"], pending, source="unpickling")
-        state.setdefault("_watched", None)
-        self.__dict__.update(state, _pending=pending, _per_optimizer=defaultdict(_OptimizerState))
+        """Restore from :meth:`__getstate__`. A pickle is input from outside too: everything is checked
+        first (``ValueError`` naming the key, and the object is left as it was)."""
+        self._assign(**parse_pickle(state))
 
     def __repr__(self) -> str:
-        where = self.device if self._state is not None else "uninitialized"
+        where = self.device if self._path is not None else "uninitialized"
         return f"LossScaler(policy={self._policy!r}, device={where}, enabled={self._enabled})"
 
 
