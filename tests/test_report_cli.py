@@ -16,7 +16,9 @@ from repo_scripts import load_script
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.cli import main
-from lossscale_callbacks.report import available_readers, build_report, write_png
+from lossscale_callbacks.run_picture import write_png
+from lossscale_callbacks.run_readers import available_readers
+from lossscale_callbacks.run_report import build_report
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.wandb import WandbSink
 from lossscale_callbacks.wandb.reader import wait_until_finished

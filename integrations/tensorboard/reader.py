@@ -30,14 +30,8 @@ from collections.abc import Iterator
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
-from lossscale_callbacks.report import (
-    GROWTH_INTERVAL,
-    MAX_SCALE,
-    MIN_SCALE,
-    RunReadError,
-    policy_bounds_from_markdown,
-    policy_values_from_markdown,
-)
+from lossscale_callbacks.policy_text import policy_bounds_from_markdown, policy_values_from_markdown
+from lossscale_callbacks.run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
 from lossscale_callbacks.sinks import POLICY_TAG
 
 __all__ = ["RunReadError", "event_files", "iter_events", "read_run", "read_texts", "run_folders"]

@@ -37,7 +37,7 @@ from typing import Any
 from wandb.proto import wandb_internal_pb2
 
 from lossscale_callbacks.metrics import SCALE
-from lossscale_callbacks.report import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
+from lossscale_callbacks.run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
 
 __all__ = [
     "RunInfo",
