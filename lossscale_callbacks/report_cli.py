@@ -12,16 +12,23 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-from typing import Any
+from collections.abc import Iterable, Iterator
 
+from lossscale_callbacks.extras import MissingExtraError, install_hint, require
+from lossscale_callbacks.report_outcomes import (
+    NO_LOSS_SCALE,
+    READ,
+    UNREADABLE,
+    RunOutcome,
+    judge_run,
+    judge_runs,
+)
+from lossscale_callbacks.report_output import JsonWriter, TextWriter
 from lossscale_callbacks.run_discovery import discover_runs
 from lossscale_callbacks.run_picture import write_png
-from lossscale_callbacks.run_readers import RunReadError, read_series
-from lossscale_callbacks.run_report import build_report
 
 __all__ = ["add_report_parser", "run_report"]
 
@@ -53,106 +60,156 @@ def _picture_format(path: str) -> str:
     extension = os.path.splitext(path)[1].lower().lstrip(".")
     if extension not in _PICTURE_FORMATS:
         allowed = ", ".join("." + f for f in _PICTURE_FORMATS)
-        raise RunReadError(f"--png {path}: the file name must end in one of {allowed} "
-                           f"(got {extension and '.' + extension!r})")
+        raise ValueError(f"--png {path}: the file name must end in one of {allowed} "
+                         f"(got {extension and '.' + extension!r})")
     return extension
 
 
-def _health_word(report: Any) -> str:
-    if not report.healthy:
-        return f"{len(report.verdicts)} problem(s)"
-    if report.skipped_steps is None or "not everything could be judged" in report.health:
-        return "no problem found (not fully judged)"
-    return "OK"
+def _counts(outcomes: Iterable[RunOutcome]) -> dict[str, int]:
+    counts = dict.fromkeys(("runs", READ, NO_LOSS_SCALE, UNREADABLE, "unhealthy", "damaged"), 0)
+    for outcome in outcomes:
+        counts["runs"] += 1
+        counts[outcome.status] += 1
+        if outcome.report is not None:
+            counts["unhealthy"] += not outcome.report.healthy
+            counts["damaged"] += bool(outcome.report.damage)
+    return counts
 
 
-def _table(reports: list[Any], root: str) -> str:
-    rows = [("run", "steps", "skipped", "skip rate", "final scale", "health")]
-    for r in reports:
-        rows.append((os.path.relpath(r.path, root) if r.path != root else ".", str(r.steps),
-                     "-" if r.skipped_steps is None else str(r.skipped_steps),
-                     "-" if r.skip_rate is None else f"{r.skip_rate:.2%}", f"{r.final_scale:g}",
-                     _health_word(r)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+class _Tally:
+    """Counts the outcomes as they pass, keeping none of them."""
+
+    def __init__(self) -> None:
+        self.counts = _counts(())
+
+    def __call__(self, outcomes: Iterable[RunOutcome]) -> Iterator[RunOutcome]:
+        for outcome in outcomes:
+            for key, value in _counts((outcome,)).items():
+                self.counts[key] += value
+            yield outcome
 
 
-def _read_reports(root: str, min_scale: float | None) -> tuple[list[Any], list[str]]:
-    """One report per run at or below ``root``; the runs that could not be read, as messages."""
-    runs = discover_runs(root)
-    if len(runs) <= 1:
-        reader, series = read_series(root if not runs else runs[0])
-        return [build_report(root if not runs else runs[0], series, reader=reader, min_scale=min_scale)], []
-    reports, skipped = [], []
-    for run in runs:
-        try:
-            reader, series = read_series(run)
-            reports.append(build_report(run, series, reader=reader, min_scale=min_scale))
-        except RunReadError as exc:
-            skipped.append(f"{os.path.relpath(run, root)}: {exc}")
-    if not reports:
-        raise RunReadError(f"{root}: none of its {len(runs)} runs has a loss-scale series ({skipped[0]})")
-    return reports, skipped
+def _one_picture(outcomes: Iterator[RunOutcome], root: str) -> list[RunOutcome]:
+    """Every outcome, for --png: refused as soon as a second run is readable (one picture, one run)."""
+    kept: list[RunOutcome] = []
+    for outcome in outcomes:
+        if outcome.report is not None and any(k.report for k in kept):
+            names = ", ".join(k.path for k in (*kept, outcome) if k.report)
+            raise ValueError(f"--png draws one run, but {root} holds several ({names}); name one run")
+        kept.append(outcome)
+    return kept
 
 
-def run_report(args: argparse.Namespace) -> int:
+def _draw(outcomes: list[RunOutcome], path: str, fmt: str) -> str | None:
+    report = next((o.report for o in outcomes if o.report is not None), None)
+    if report is None:
+        return None
     try:
-        fmt = _picture_format(args.png) if args.png else None
-        reports, unreadable = _read_reports(args.run, args.min_scale)
-    except RunReadError as exc:
+        return write_png(report, path, fmt)
+    except OSError as exc:
+        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _single(outcome: RunOutcome, args: argparse.Namespace, png_format: str | None) -> int:
+    """The report on a path that holds one run: its summary, or one line on stderr when it cannot be read."""
+    if outcome.report is None:
+        reason = outcome.reason or f"{outcome.path}: cannot be read"
+        if outcome.install and outcome.install not in reason:
+            reason += f"; install: {outcome.install}"
+        return _fail(reason)
+    try:
+        png = _draw([outcome], args.png, png_format) if png_format else None
+    except ValueError as exc:
         return _fail(str(exc))
-    except Exception as exc:  # a reader tripping over an unexpected file is still bad input
-        return _fail(f"{args.run}: cannot be read ({type(exc).__name__}: {exc})")
-    png = None
-    if args.png:
-        if len(reports) > 1:
-            return _fail(f"--png draws one run, but {args.run} holds {len(reports)}; name one run")
-        try:
-            png = write_png(reports[0], args.png, fmt)
-        except RunReadError as exc:
-            return _fail(str(exc))
-        except OSError as exc:
-            return _fail(f"cannot write {args.png}: {exc.strerror or exc}")
     if args.json:
-        payloads = [r.to_json() for r in reports]
-        if len(reports) == 1:
-            payload: Any = {**payloads[0], "png": png}
-        else:
-            payload = {"runs": payloads, "unreadable": unreadable}
-        print(json.dumps(payload, indent=2, sort_keys=True))
-    elif len(reports) == 1:
-        print(reports[0].text())
+        writer = JsonWriter(args.run, sys.stdout)
+        writer.add(outcome)
+        writer.finish(png, _counts([outcome]))
+    else:
+        print(outcome.report.text())
         if png:
             print(f"Picture: {png}")
-    else:
-        print(_table(reports, args.run))
-        for message in unreadable:
-            print(f"not a loss-scale run: {message}")
-    unhealthy = [r for r in reports if not r.healthy]
-    if args.fail_unhealthy and unhealthy:
-        print(f"{PROG} report: {len(unhealthy)} of {len(reports)} run(s) unhealthy", file=sys.stderr)
+    return _exit_status(args, _counts([outcome]))
+
+
+def _exit_status(args: argparse.Namespace, counts: dict[str, int]) -> int:
+    if counts[READ] == 0:
+        return _fail(f"{args.run}: none of its {counts['runs']} runs could be read as a loss-scale run "
+                     "(each is listed above with the reason)")
+    failed = counts["unhealthy"] + counts["damaged"] + counts[UNREADABLE]
+    if args.fail_unhealthy and failed:
+        words = [f"{counts['unhealthy']} of {counts[READ]} run(s) unhealthy"]
+        words += [f"{counts['damaged']} damaged"] if counts["damaged"] else []
+        words += [f"{counts[UNREADABLE]} not read"] if counts[UNREADABLE] else []
+        print(f"{PROG} report: {', '.join(words)}", file=sys.stderr)
         return EXIT_UNHEALTHY
     return EXIT_OK
 
 
+def run_report(args: argparse.Namespace) -> int:
+    """Run the ``report`` command; returns the exit status (0 done, 1 --fail-unhealthy, 2 bad input)."""
+    try:
+        png_format = _picture_format(args.png) if args.png else None
+        if args.png:
+            require("matplotlib.figure", "plot", feature="report --png")
+    except (ValueError, MissingExtraError) as exc:
+        return _fail(str(exc))
+    runs = discover_runs(args.run)
+    if not runs:
+        return _fail(f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
+                     f"{args.run}: no TensorBoard or W&B run here (no events.out.tfevents.* file and no "
+                     ".wandb file in it or below)")
+    if len(runs) == 1:
+        return _single(judge_run(runs[0], args.min_scale), args, png_format)
+    tally = _Tally()
+    outcomes: Iterable[RunOutcome] = tally(judge_runs(runs, args.min_scale))
+    png = None
+    if png_format:
+        try:
+            outcomes = _one_picture(iter(outcomes), args.run)
+            png = _draw(outcomes, args.png, png_format)
+        except ValueError as exc:
+            return _fail(str(exc))
+    writer = JsonWriter(args.run, sys.stdout) if args.json else TextWriter(args.run, [r.path for r in runs],
+                                                                           sys.stdout)
+    for outcome in outcomes:
+        writer.add(outcome)
+    if args.json:
+        writer.finish(png, tally.counts)
+    else:
+        writer.finish(png)
+    return _exit_status(args, tally.counts)
+
+
 def add_report_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``report`` command to an ``argparse`` subparsers object; ``args.handler(args)`` runs it."""
     parser = subparsers.add_parser(
-        "report", help="summarise the loss scale of TensorBoard runs and W&B offline runs",
-        description="Read a TensorBoard run folder (or event file) or a W&B offline run (offline-run-* "
-                    "folder or .wandb file) and describe its loss scale in plain words: steps, skipped "
-                    "steps and rate, scale range, steps at the minimum, health verdict. A folder with "
-                    "several runs below it (runs/) gives a table with one row per run.",
-        epilog="Exit status: 0 done; 1 with --fail-unhealthy when a run has a health problem; 2 bad input.",
+        "report", help="summarise the loss scale of TensorBoard runs and W&B offline runs "
+                       "(needs the [tensorboard] and/or [wandb] extra)",
+        description="Read a TensorBoard run folder (or event file) or a W&B run (offline-run-* folder or "
+                    ".wandb file) and describe its loss scale in plain words: steps, skipped steps and "
+                    "rate, scale range, steps at the minimum, health verdict, damaged records, restarts. "
+                    "A folder with several runs below it (runs/) gives a table with one row per run; every "
+                    "run found is listed, with the reason when it could not be read. Runs are read and "
+                    "judged one at a time. Needs: "
+                    f"{install_hint('tensorboard')} to read TensorBoard runs, {install_hint('wandb')} to "
+                    f"read W&B runs, {install_hint('plot')} for --png.",
+        epilog="Exit status: 0 done; 1 with --fail-unhealthy when a run has a health problem, holds damaged "
+               "records, or could not be read; 2 bad input (nothing at the path, no run found, or no run "
+               "that could be read).",
     )
     parser.add_argument("run", metavar="RUN", help="run folder, event file, .wandb file, or a folder of runs")
-    parser.add_argument("--json", action="store_true", help="print the numbers (and the series) as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help='print every run as JSON: {"runs": [...], "png": ..., "counts": {...}}, '
+                             "the same shape for one run or many; each run has a status (read, "
+                             "no_loss_scale, unreadable), the numbers and series when read, else the reason "
+                             "and what to install")
     parser.add_argument("--png", metavar="PATH", help="also draw the scale and the skip rate into PATH "
-                        "(.png, .svg or .pdf)")
+                        "(.png, .svg or .pdf; the folder must hold one readable run; needs the [plot] extra)")
     parser.add_argument("--min-scale", type=_positive_float, default=None, metavar="X",
                         help="the policy's min_scale (default: as logged by the run, else 1)")
     parser.add_argument("--fail-unhealthy", action="store_true",
-                        help="exit with status 1 when any run has a health problem (for CI)")
+                        help="exit with status 1 when any run has a health problem, holds damaged records "
+                             "or could not be read (for CI)")
     parser.set_defaults(handler=run_report)
     return parser

@@ -1,12 +1,18 @@
 """The picture of a run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
 
 matplotlib (the ``[plot]`` extra) is imported when a picture is drawn, never by the report itself.
+
+Example:
+    >>> from lossscale_callbacks.run_report import build_report
+    >>> report = build_report("run", {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)]})
+    >>> write_png(report, "scale.png")  # doctest: +SKIP
+    'scale.png'
 """
 
 from __future__ import annotations
 
 from lossscale_callbacks import metrics as m
-from lossscale_callbacks.run_readers import RunReadError
+from lossscale_callbacks.extras import require
 from lossscale_callbacks.run_report import RunReport, snapshots_from_series
 
 __all__ = ["write_png"]
@@ -19,13 +25,10 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
     saved by its Agg renderer: no display is needed and pyplot's global backend is left alone.
 
     Raises:
-        RunReadError: matplotlib is not installed.
+        MissingExtraError: matplotlib (the ``[plot]`` extra) is not installed.
         OSError: the picture cannot be written to ``path``.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise RunReadError("--png needs matplotlib (pip install matplotlib)") from None
+    Figure = require("matplotlib.figure", "plot", feature="the report's picture").Figure
     snapshots, used_min = report.snapshots, report.min_scale
     if not snapshots:  # a RunReport built by hand, not by build_report
         snapshots, used_min = snapshots_from_series(report.series, report.min_scale)

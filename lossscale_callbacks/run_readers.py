@@ -13,19 +13,25 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata as importlib_metadata
 from typing import Any
+
+from lossscale_callbacks.extras import EXTRAS, install_hint
+from lossscale_callbacks.run_discovery import TENSORBOARD, WANDB, kind_of_file
 
 __all__ = [
     "GROWTH_INTERVAL",
     "MAX_SCALE",
     "MIN_SCALE",
     "READER_GROUP",
+    "NoLossScaleError",
     "Reader",
     "RunReadError",
+    "RunSeries",
     "Series",
     "available_readers",
+    "load_reader",
     "read_series",
 ]
 
@@ -43,11 +49,48 @@ GROWTH_INTERVAL = "loss_scale/growth_interval"
 
 
 class RunReadError(ValueError):
-    """A path holds no readable run: nothing there, no run in the folder, or a corrupt file."""
+    """A path holds no readable run: nothing there, no run in the folder, a corrupt file, no reader.
+
+    Attributes:
+        install: the pip command that installs a missing reader, or None.
+    """
+
+    def __init__(self, message: str, *, install: str | None = None) -> None:
+        super().__init__(message)
+        self.install = install
+
+
+class NoLossScaleError(RunReadError):
+    """The run was read, but it holds no loss-scale series on the optimizer-step axis."""
+
+
+class RunSeries(dict[str, list[tuple[int, float]]]):
+    """A reader's series, plus what it found damaged and left out (``damage``: one sentence each).
+
+    A plain dict from a reader means nothing was found damaged.
+
+    Example:
+        >>> series = RunSeries({"loss_scale/scale": [(100, 1024.0)]}, damage=["record 7: bad checksum"])
+        >>> series["loss_scale/scale"], series.damage
+        ([(100, 1024.0)], ['record 7: bad checksum'])
+    """
+
+    def __init__(self, series: Mapping[str, list[tuple[int, float]]] | None = None,
+                 damage: Iterable[str] = ()) -> None:
+        super().__init__(series or {})
+        self.damage = list(damage)
+
+
+_LABELS = {TENSORBOARD: "TensorBoard", WANDB: "W&B"}
+_ANY_READER = f"{install_hint(TENSORBOARD)} reads TensorBoard runs, {install_hint(WANDB)} W&B offline runs"
 
 
 def _entry_points() -> dict[str, Any]:
     return {entry.name: entry for entry in importlib_metadata.entry_points(group=READER_GROUP)}
+
+
+def _install(name: str) -> str | None:
+    return install_hint(name) if name in EXTRAS else None
 
 
 def available_readers() -> dict[str, Reader]:
@@ -56,61 +99,67 @@ def available_readers() -> dict[str, Reader]:
     A reader whose integration cannot be imported (its outside package is missing) is left out.
     """
     readers: dict[str, Reader] = {}
-    for name, entry in _entry_points().items():
+    for name in _entry_points():
         try:
-            readers[name] = entry.load()
-        except Exception:  # an integration whose package is not installed is simply not offered
+            readers[name] = load_reader(name)
+        except RunReadError:
             continue
     return readers
 
 
-def _looks_like_wandb(path: str) -> bool:
-    if path.endswith(".wandb"):
-        return True
-    if os.path.isdir(path):
-        base = os.path.basename(os.path.normpath(path))
-        if base.startswith(("offline-run-", "run-")) or base == "wandb":
-            return True
-        return any(name.endswith(".wandb") for name in os.listdir(path)) or os.path.isdir(
-            os.path.join(path, "wandb"))
-    return False
-
-
-def read_series(path: str, readers: Mapping[str, Reader] | None = None) -> tuple[str, Series]:
-    """Read the run at ``path`` with the reader that fits it; return ``(reader name, series)``.
-
-    Readers are imported only when tried (reading a TensorBoard run never imports W&B).
+def load_reader(name: str) -> Reader:
+    """The reader called ``name`` (an entry point of the ``lossscale_callbacks.readers`` group).
 
     Raises:
-        RunReadError: the path does not exist, no reader is installed for it, or the reader
-            found no run or a corrupt file.
+        RunReadError: no such reader, or its package is missing; ``install`` says what to install.
     """
-    if not os.path.exists(path):
+    label = _LABELS.get(name, name)
+    entry = _entry_points().get(name)
+    if entry is None:
+        raise RunReadError(f"no {label} run reader is installed", install=_install(name))
+    try:
+        return entry.load()
+    except ImportError as exc:
+        hint = _install(name)
+        raise RunReadError(f"the {label} run reader cannot be loaded ({exc})"
+                           + (f"; install it with: {hint}" if hint else ""), install=hint) from None
+
+
+def _guess_order(path: str) -> list[str]:
+    """Every installed reader, the one the path's name suggests first (TensorBoard's when it says nothing)."""
+    names = list(_entry_points())
+    first = kind_of_file(path) or TENSORBOARD
+    return sorted(names, key=lambda name: name != first)
+
+
+def read_series(path: str, kind: str | None = None) -> tuple[str, Series]:
+    """Read the run at ``path``; return ``(reader name, series)``.
+
+    ``kind`` names the reader (as :func:`~lossscale_callbacks.run_discovery.discover_runs` finds
+    it); ``None`` tries every installed reader, the likeliest first. Readers are imported only when
+    used (reading a TensorBoard run never imports W&B).
+
+    Raises:
+        RunReadError: the path does not exist, the reader is not installed (``install`` says what
+            to install), or the reader found no run or a corrupt file.
+    """
+    if not os.path.lexists(path):
         raise RunReadError(f"{path}: no such file or folder")
-    loaders: dict[str, Callable[[], Reader]]
-    if readers is None:
-        loaders = {name: entry.load for name, entry in _entry_points().items()}
-    else:
-        loaders = {name: (lambda r=r: r) for name, r in readers.items()}
-    if not loaders:
-        raise RunReadError("no run reader is installed: install lossscale-callbacks[tensorboard] or [wandb]")
-    # W&B runs are recognisable by name; everything else is tried as TensorBoard first.
-    wandb_like = _looks_like_wandb(path)
-    order = sorted(loaders, key=lambda name: 0 if (name == "wandb") == wandb_like else 1)
-    errors: list[str] = []
+    if kind is not None:
+        return kind, load_reader(kind)(path)
+    order = _guess_order(path)
+    if not order:
+        raise RunReadError(f"{path}: no run reader is installed; {_ANY_READER}",
+                           install=install_hint(TENSORBOARD))
+    errors: list[RunReadError] = []
     for name in order:
         try:
-            reader = loaders[name]()
-        except Exception:  # its outside package is not installed
-            continue
-        try:
-            return name, reader(path)
+            return name, load_reader(name)(path)
         except RunReadError as exc:
-            errors.append(str(exc))
-    if not errors:
-        raise RunReadError(f"{path}: no installed reader could be loaded ({', '.join(order)})")
-    if len(errors) > 1 and all(" run here" in e for e in errors):
-        raise RunReadError(f"{path}: no TensorBoard or W&B run here "
-                           "(no events.out.tfevents.* file, no .wandb file)")
+            errors.append(exc)
+    if all(exc.install for exc in errors):  # not one reader could be loaded
+        raise RunReadError(f"{path}: no installed reader could be loaded ({'; '.join(map(str, errors))})",
+                           install=errors[0].install)
     # The reader that fits the path best (tried first) has the clearest message.
-    raise RunReadError(errors[0])
+    raise next(exc for exc in errors if not exc.install)
+

@@ -21,7 +21,13 @@ from lossscale_callbacks import metrics as m
 from lossscale_callbacks.forensics import totals_from_series
 from lossscale_callbacks.health import HealthMonitor, Rule, Verdict, assess, default_rules
 from lossscale_callbacks.metrics import MetricsTracker, Snapshot
-from lossscale_callbacks.run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
+from lossscale_callbacks.run_readers import (
+    GROWTH_INTERVAL,
+    MAX_SCALE,
+    MIN_SCALE,
+    NoLossScaleError,
+    RunReadError,
+)
 
 __all__ = ["RunReport", "build_report", "snapshots_from_series"]
 
@@ -43,11 +49,11 @@ def _find_prefix(series: Mapping[str, Sequence[tuple[int, float]]]) -> str:
     usable = [p for p in prefixes if p.endswith("/") or p.endswith("batch_")]
     if not usable:
         if any(p.endswith("epoch_") for p in prefixes):
-            raise RunReadError(
+            raise NoLossScaleError(
                 "the run has only per-epoch loss-scale series (epoch_loss_scale/...), whose step axis is "
                 "epochs, not optimizer steps; log per batch (Keras' TensorBoard(update_freq=<int>)) or "
                 "write with LossScaleCallback(tensorboard=...)")
-        raise RunReadError(f"the run has no {m.SCALE} series (tags found: "
+        raise NoLossScaleError(f"the run has no {m.SCALE} series (tags found: "
                            f"{', '.join(sorted(series)[:8]) or 'none'})")
     # The library's own series first, then Keras' per-batch copies; the training run first.
     best = min(0 if p.endswith("/") else 1 for p in usable)
@@ -127,6 +133,7 @@ class RunReport:
     health: str = ""
     max_scale: float | None = None
     forensics: Any = None
+    damage: tuple[str, ...] = ()
 
     @property
     def healthy(self) -> bool:
@@ -150,6 +157,7 @@ class RunReport:
             "verdicts": [dataclasses.asdict(v) for v in self.verdicts],
             "bounds": {"min_scale": self.min_scale, "max_scale": self.max_scale},
             "summary": self.text(),
+            "damage": list(self.damage),
             "forensics": None if self.forensics is None else {
                 "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips)},
             "series": {tag: [[step, value] for step, value in points] for tag, points in self.series.items()},
@@ -190,12 +198,18 @@ class RunReport:
                 lines.append("Layers with non-finite gradients in skipped steps: "
                              + ", ".join(f"`{layer}` ({count})" for layer, count in ranked[:5]))
             lines.extend(self.forensics.sentences())
+        if self.damage:
+            lines.append(f"Damaged records, left out ({len(self.damage)}): " + "; ".join(self.damage[:3])
+                         + ("; ..." if len(self.damage) > 3 else ""))
         return "\n".join(lines)
 
 
 def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], reader: str = "",
-                 min_scale: float | None = None, rules: Sequence[Rule] | None = None) -> RunReport:
+                 min_scale: float | None = None, rules: Sequence[Rule] | None = None,
+                 damage: Sequence[str] = ()) -> RunReport:
     """Describe a run from its series: counts, scale range, time at the minimum, health verdicts.
+
+    ``damage`` is what the reader found damaged and left out (one sentence each); the report says it.
 
     Example:
         >>> series = {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)],
@@ -206,7 +220,7 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
     """
     snapshots, min_scale = snapshots_from_series(series, min_scale)
     if not snapshots:
-        raise RunReadError(f"{path}: the {m.SCALE} series is empty")
+        raise NoLossScaleError(f"{path}: the {m.SCALE} series is empty")
     prefix = _find_prefix(series)
     skips_logged = bool(series.get(prefix + m.SKIPPED_STEPS))
     interval = series.get(prefix + GROWTH_INTERVAL)
@@ -241,4 +255,5 @@ def build_report(path: str, series: Mapping[str, Sequence[tuple[int, float]]], r
         health=monitor.assessment(),
         max_scale=float(upper[-1][1]) if upper else None,
         forensics=forensics,
+        damage=tuple(damage),
     )
