@@ -63,8 +63,9 @@ def judge_run(found: FoundRun, min_scale: float | None = None) -> RunOutcome:
     reader = found.kind
     try:
         reader, series = read_series(found.path, found.kind)
-        damage = series.damage if isinstance(series, RunSeries) else ()
-        report = build_report(found.path, series, reader=reader, min_scale=min_scale, damage=damage)
+        said = series if isinstance(series, RunSeries) else RunSeries()
+        report = build_report(found.path, series, reader=reader, min_scale=min_scale, damage=said.damage,
+                              notes=said.notes)
     except NoLossScaleError as exc:
         return RunOutcome(found.path, reader, NO_LOSS_SCALE, reason=str(exc))
     except RunReadError as exc:

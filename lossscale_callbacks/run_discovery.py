@@ -28,7 +28,8 @@ import dataclasses
 import os
 import stat
 
-__all__ = ["TENSORBOARD", "WANDB", "FoundRun", "discover_runs", "kind_of_file"]
+__all__ = ["TENSORBOARD", "WANDB", "FoundRun", "discover_runs", "is_event_file_name", "is_regular_file",
+           "kind_of_file"]
 
 TENSORBOARD, WANDB = "tensorboard", "wandb"
 _WANDB_RUN_FOLDERS = ("offline-run-", "run-")
@@ -50,14 +51,16 @@ class FoundRun:
     problem: str | None = None
 
 
-def _is_regular_file(path: str) -> bool:
+def is_regular_file(path: str) -> bool:
+    """Whether ``path`` is a regular file (a FIFO or socket named like a run file would block when opened)."""
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
 
 
-def _is_event_file_name(name: str) -> bool:
+def is_event_file_name(name: str) -> bool:
+    """Whether a file name is a TensorBoard event file's (a writer's temporary and lock files are not)."""
     return "tfevents" in name and not name.endswith((".tmp", ".lock"))
 
 
@@ -71,16 +74,16 @@ def kind_of_file(path: str) -> str | None:
     name = os.path.basename(path)
     if name.endswith(".wandb"):
         return WANDB
-    return TENSORBOARD if _is_event_file_name(name) else None
+    return TENSORBOARD if is_event_file_name(name) else None
 
 
 def _runs_in_folder(folder: str, files: list[str]) -> tuple[list[FoundRun], bool]:
     """The runs a folder holds directly, and whether it is a W&B run folder (not to be walked into)."""
-    regular = [f for f in sorted(files) if _is_regular_file(os.path.join(folder, f))]
+    regular = [f for f in sorted(files) if is_regular_file(os.path.join(folder, f))]
     wandb_files = [f for f in regular if f.endswith(".wandb")]
     if wandb_files and os.path.basename(os.path.normpath(folder)).startswith(_WANDB_RUN_FOLDERS):
         return [FoundRun(folder, WANDB)], True
-    found = [FoundRun(folder, TENSORBOARD)] if any(_is_event_file_name(f) for f in regular) else []
+    found = [FoundRun(folder, TENSORBOARD)] if any(is_event_file_name(f) for f in regular) else []
     return found + [FoundRun(os.path.join(folder, f), WANDB) for f in wandb_files], False
 
 

@@ -65,20 +65,23 @@ class NoLossScaleError(RunReadError):
 
 
 class RunSeries(dict[str, list[tuple[int, float]]]):
-    """A reader's series, plus what it found damaged and left out (``damage``: one sentence each).
+    """A reader's series, in the order they were written, plus what the reader has to say about them.
 
-    A plain dict from a reader means nothing was found damaged.
+    ``damage``: records found damaged and left out (one sentence each); ``notes``: what is worth
+    saying but is no damage (a file that ends inside a record: a run still being written). A plain
+    dict from a reader means it has nothing to say.
 
     Example:
         >>> series = RunSeries({"loss_scale/scale": [(100, 1024.0)]}, damage=["record 7: bad checksum"])
-        >>> series["loss_scale/scale"], series.damage
-        ([(100, 1024.0)], ['record 7: bad checksum'])
+        >>> series["loss_scale/scale"], series.damage, series.notes
+        ([(100, 1024.0)], ['record 7: bad checksum'], [])
     """
 
     def __init__(self, series: Mapping[str, list[tuple[int, float]]] | None = None,
-                 damage: Iterable[str] = ()) -> None:
+                 damage: Iterable[str] = (), notes: Iterable[str] = ()) -> None:
         super().__init__(series or {})
         self.damage = list(damage)
+        self.notes = list(notes)
 
 
 _LABELS = {TENSORBOARD: "TensorBoard", WANDB: "W&B"}
