@@ -24,7 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -51,13 +53,29 @@ _CONTENT = {types_pb2.DT_FLOAT: "<f4", types_pb2.DT_DOUBLE: "<f8", types_pb2.DT_
             types_pb2.DT_BOOL: "?"}
 
 
+def _opened_at(path: str) -> float:
+    """The wall time of a file's first event (when its writer opened it); infinity when it cannot be told."""
+    try:
+        with open(path, "rb") as handle:
+            header = handle.read(12)
+            (length,) = struct.unpack("<Q", header[:8]) if len(header) == 12 else (-1,)
+            if not 0 < length < 2**16:  # a file-version event is a few dozen bytes
+                return math.inf
+            return float(event_pb2.Event.FromString(handle.read(length)).wall_time)
+    except (OSError, DecodeError):
+        return math.inf
+
+
 def _event_files_in(folder: str) -> list[str]:
+    """The event files directly in ``folder``, in the order their writers opened them (a restarted job's
+    new file after the old one, whatever their names)."""
     try:
         names = sorted(os.listdir(folder))
     except OSError:
         return []
-    return [os.path.join(folder, n) for n in names
-            if is_event_file_name(n) and is_regular_file(os.path.join(folder, n))]
+    files = [os.path.join(folder, n) for n in names
+             if is_event_file_name(n) and is_regular_file(os.path.join(folder, n))]
+    return sorted(files, key=_opened_at) if len(files) > 1 else files
 
 
 def run_folders(root: str) -> list[str]:
@@ -274,8 +292,8 @@ def read_run(path: str) -> RunSeries:
     """Every ``loss_scale/*`` series in a TensorBoard run folder (or one event file), in the order written.
 
     Several event files in one folder (a resumed run, or this library's sink writing next to
-    Keras' ``TensorBoard`` callback) are read in the order of their names (which start with the
-    time they were opened). When ``path`` holds no event file itself but several runs below it
+    Keras' ``TensorBoard`` callback) are read in the order their writers opened them (the wall
+    time of each file's first event). When ``path`` holds no event file itself but several runs below it
     (Keras' ``train/`` and ``validation/``), each tag is prefixed with its run
     (``train/loss_scale/scale``); with one run below it, tags are left as they are. The policy's
     bounds, written once as the ``loss_scale/policy`` text, come back as one-point
