@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.forensics import totals_from_series
@@ -80,12 +83,9 @@ _BOUND_SLACK = 2.0**-22
 def _splits(points: Points, strict: bool) -> list[int]:
     """Where each segment of ``points`` starts: where the step does not increase (``strict``: where it
     goes down, for counts a sink may write twice at one step)."""
-    starts = [0]
-    for i in range(1, len(points)):
-        previous, step = points[i - 1][0], points[i][0]
-        if step < previous or (strict is False and step == previous):
-            starts.append(i)
-    return starts
+    steps = np.fromiter(map(operator.itemgetter(0), points), dtype=np.int64, count=len(points))
+    back = np.diff(steps) < 0 if strict else np.diff(steps) <= 0
+    return [0, *(np.flatnonzero(back) + 1).tolist()]
 
 
 def split_segments(series: Mapping[str, Points], prefix: str = "") -> list[dict[str, Points]]:
@@ -288,7 +288,8 @@ class RunReport:
             "segments": [segment.to_json() for segment in self.segments],
             "forensics": None if self.forensics is None else {
                 "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips)},
-            "series": {tag: [[step, value] for step, value in points] for tag, points in self.series.items()},
+            # (step, value) pairs: JSON writes a tuple as an array, so the pairs need no copy
+            "series": {tag: list(points) for tag, points in self.series.items()},
         }
 
     def _restart_line(self) -> list[str]:
