@@ -73,27 +73,50 @@ def _find_prefix(series: Mapping[str, Sequence[tuple[int, float]]]) -> str:
 Points = Sequence[tuple[int, float]]
 # Series that describe the whole run (the policy), not one stretch of it.
 _RUN_WIDE = (MIN_SCALE, MAX_SCALE, GROWTH_INTERVAL)
+# The restart marker the logging loop writes with every metrics write after a restart (issue 24).
+SEGMENT = "loss_scale/segment"
 # Written together with the scale at every interval: they restart exactly where it does.
 _WITH_THE_SCALE = (m.SCALE, m.LOG2_SCALE, m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL,
-                   m.SKIP_RATE, m.STEPS)
+                   m.SKIP_RATE, m.STEPS, SEGMENT)
 # A float32 bound read back as float64 may differ from the policy's by the last float32 bit.
 _BOUND_SLACK = 2.0**-22
+
+
+def _steps_of(points: Points) -> np.ndarray:
+    return np.fromiter(map(operator.itemgetter(0), points), dtype=np.int64, count=len(points))
 
 
 def _splits(points: Points, strict: bool) -> list[int]:
     """Where each segment of ``points`` starts: where the step does not increase (``strict``: where it
     goes down, for counts a sink may write twice at one step)."""
-    steps = np.fromiter(map(operator.itemgetter(0), points), dtype=np.int64, count=len(points))
+    steps = _steps_of(points)
     back = np.diff(steps) < 0 if strict else np.diff(steps) <= 0
     return [0, *(np.flatnonzero(back) + 1).tolist()]
+
+
+def _scale_splits(series: Mapping[str, Points], prefix: str) -> list[int]:
+    """Where the scale series' segments start: where its step does not increase, and where the restart
+    marker (``loss_scale/segment``, written with every metrics write after a restart) starts or changes."""
+    scale = series[prefix + m.SCALE]
+    starts = set(_splits(scale, strict=False))
+    marker = series.get(prefix + SEGMENT, [])
+    offset = len(scale) - len(marker)
+    # The marker rides on the scale's own writes, so it lines up with the scale's last points.
+    if marker and offset >= 0 and np.array_equal(_steps_of(marker), _steps_of(scale)[offset:]):
+        numbers = [number for _, number in marker]
+        starts.update(offset + i for i in range(len(numbers))
+                      if (i == 0 and offset > 0) or (i > 0 and numbers[i] != numbers[i - 1]))
+    return sorted(starts)
 
 
 def split_segments(series: Mapping[str, Points], prefix: str = "") -> list[dict[str, Points]]:
     """The run's series cut where its step count went back (a restart: an old checkpoint loaded, a new
     scaler), oldest segment first; a run that never restarted is one segment.
 
-    The scale series decides how many segments there are; each other series is cut the same way and
-    its segments are matched from the latest back (a series that began later has fewer). Series that
+    The scale series decides where segments start (where its step does not increase, and where the
+    ``loss_scale/segment`` marker of a restart says so). A series written with the scale (the same
+    steps) is cut at the same points; any other is cut where its own step goes back, and its pieces
+    are matched from the latest segment back (a series that began later has fewer). Series that
     describe the whole run (the policy's bounds and growth interval) go with every segment.
 
     Example:
@@ -101,15 +124,17 @@ def split_segments(series: Mapping[str, Points], prefix: str = "") -> list[dict[
         >>> [s["loss_scale/scale"][-1] for s in split_segments(series)]
         [(200, 16.0), (300, 8.0)]
     """
-    count = len(_splits(series[prefix + m.SCALE], strict=False))
-    segments: list[dict[str, Points]] = [{} for _ in range(count)]
+    scale_starts = _scale_splits(series, prefix)
+    scale_steps = _steps_of(series[prefix + m.SCALE])
+    segments: list[dict[str, Points]] = [{} for _ in scale_starts]
     for tag, points in series.items():
         name = tag[len(prefix):] if tag.startswith(prefix) else tag
         if name in _RUN_WIDE:
             for segment in segments:
                 segment[tag] = points
             continue
-        starts = _splits(points, strict=name not in _WITH_THE_SCALE)
+        same_steps = len(points) == len(scale_steps) and np.array_equal(_steps_of(points), scale_steps)
+        starts = scale_starts if same_steps else _splits(points, strict=name not in _WITH_THE_SCALE)
         pieces = [points[a:b] for a, b in zip(starts, [*starts[1:], len(points)], strict=True)]
         for segment, piece in zip(segments[::-1], pieces[::-1], strict=False):
             segment[tag] = piece

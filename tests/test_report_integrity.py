@@ -38,7 +38,7 @@ def _collapse_then_a_new_scaler(sink):
     """The issue's run: 300 steps that collapse to scale 1, then a new scaler trains 200 clean steps to
     2**22 (4.19e6), through one logging loop and one sink."""
     policy = DynamicPolicy(initial_scale=2.0**14, growth_interval=25)
-    loop = LoggingLoop(policy, sinks=[sink], every_steps=10, health=None, echo=None)
+    loop = LoggingLoop(policy, sinks=[sink], health=None, echo=None)
     rng = np.random.default_rng(0)
     collapsed = _steps(loop, policy, initial_state(policy), 300, 0.5, rng)
     assert float(collapsed.scale) == 1.0
@@ -83,7 +83,7 @@ def test_a_scaler_reset_in_a_wandb_run_is_reported_as_a_new_segment(tmp_path, ca
 
 def test_an_old_checkpoint_loaded_is_a_new_segment_from_its_step(tmp_path, capsys):
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=50)
-    loop = LoggingLoop(policy, sinks=[TensorBoardSink(tmp_path)], every_steps=10, health=None, echo=None)
+    loop = LoggingLoop(policy, sinks=[TensorBoardSink(tmp_path)], health=None, echo=None)
     rng = np.random.default_rng(3)
     checkpoint = _steps(loop, policy, initial_state(policy), 300, 0.01, rng)
     _steps(loop, policy, checkpoint, 200, 0.01, rng)  # to step 500, then the step-300 checkpoint is loaded
@@ -102,7 +102,7 @@ def test_a_restarted_job_writing_a_new_file_into_the_folder_is_a_new_segment(tmp
     for steps, p_inf, name in ((300, 0.5, "events.out.tfevents.9999999999.later"),
                                (200, 0.0, "events.out.tfevents.0000000001.sooner")):
         sink = TensorBoardSink(tmp_path / "tmp")
-        loop = LoggingLoop(policy, sinks=[sink], every_steps=10, health=None, echo=None)
+        loop = LoggingLoop(policy, sinks=[sink], health=None, echo=None)
         _steps(loop, policy, initial_state(policy), steps, p_inf, rng)
         loop.close()
         (tmp_path / "tmp" / sink.path.rsplit("/", 1)[1]).rename(tmp_path / name)  # names say the opposite
@@ -126,6 +126,19 @@ def test_segments_cut_every_series_the_same_way_and_keep_the_policy():
     assert "loss_scale/late" not in first and latest["loss_scale/late"] == [(20, 5.0)]
 
 
+def test_the_restart_marker_starts_a_segment_where_the_steps_alone_do_not_say(capsys):
+    # A new scaler whose steps went on above the old ones: only the logging loop's marker tells.
+    scale = [(10, 8.0), (20, 16.0), (30, 2.0), (40, 4.0)]
+    series = {m.SCALE: scale, m.SKIPPED_STEPS: [(10, 5.0), (20, 9.0), (30, 0.0), (40, 0.0)],
+              "loss_scale/segment": [(30, 2.0), (40, 2.0)]}
+    first, latest = split_segments(series)
+    assert first[m.SCALE] == scale[:2] and latest[m.SKIPPED_STEPS] == [(30, 0.0), (40, 0.0)]
+    report = build_report("r", series)
+    assert (report.steps, report.skipped_steps, len(report.segments)) == (40, 0, 2)
+    misaligned = {**series, "loss_scale/segment": [(35, 2.0)]}  # not the scale's writes: not trusted
+    assert len(split_segments(misaligned)) == 1
+
+
 # ------------------------------------------------------------------------------------------- damage
 
 
@@ -133,7 +146,7 @@ def test_segments_cut_every_series_the_same_way_and_keep_the_policy():
 def policy_run(tmp_path):
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=1000)
     sink = TensorBoardSink(tmp_path)
-    loop = LoggingLoop(policy, sinks=[sink], every_steps=10, health=None, echo=None)
+    loop = LoggingLoop(policy, sinks=[sink], health=None, echo=None)
     _steps(loop, policy, initial_state(policy), 300, 0.0, np.random.default_rng(0))
     return tmp_path, sink, loop
 
