@@ -42,36 +42,12 @@ from lossscale_callbacks.check_limits import (
     ModelTooDeepError,
     run_deep,
 )
+from lossscale_callbacks.cli_common import fail, integer, positive_number
 from lossscale_callbacks.extras import MissingExtraError, install_hint
 
 _TF32 = {"auto": None, "on": True, "off": False}
 _NEEDS = (f'Keras and its TensorFlow backend: {install_hint("keras")} tensorflow (tensorflow-cpu on a '
           "machine without a GPU)")
-
-
-def _integer(flag: str, low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
-    """An argparse type: an integer from ``low`` to ``high``, else an error naming the flag (and why)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low or (high is not None and value > high):
-            allowed = f"from {low} to {high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer {allowed}, got {text!r}{why}")
-        return value
-
-    return parse
-
-
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"--max-unzipped-mib must be a number > 0, got {text!r}")
-    return value
 
 
 def _require_keras_and_tensorflow() -> None:
@@ -83,9 +59,7 @@ def _require_keras_and_tensorflow() -> None:
 
 
 def _fail(err: TextIO, message: str) -> int:
-    # One line, like the report command: these messages end up in CI logs and shell scripts.
-    print(f"lossscale-callbacks check: error: {' '.join(str(message).split())}", file=err)
-    return 2
+    return fail("check", message, err)
 
 
 def add_check_parser(subparsers) -> argparse.ArgumentParser:
@@ -100,7 +74,7 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
                "(missing, not a model, too big to inflate, nested too deeply).")
     parser.add_argument("model", help="a saved Keras model (.keras)")
     parser.add_argument("--batch-size", default=8,
-                        type=_integer("--batch-size", 1, MAX_BATCH_SIZE, ": TensorFlow computes some "
+                        type=integer("--batch-size", 1, MAX_BATCH_SIZE, ": TensorFlow computes some "
                                       "shapes of the traced step in 32-bit integers"),
                         help="training batch size (a GEMM dimension too), up to 2**31 - 1; default 8")
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
@@ -110,12 +84,13 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
                         help="whether float32 runs as TF32 (default: TensorFlow's own setting)")
     parser.add_argument("--fail-on", choices=("high", "medium", "low", "never"), default="high",
                         help="lowest severity that makes the exit status 1 (default high)")
-    parser.add_argument("--max-unzipped-mib", type=_positive_number, default=DEFAULT_MAX_UNZIPPED_MIB,
-                        metavar="MIB", help="refuse a .keras archive that would inflate to more than this "
-                        "(config, metadata and weights together; default "
-                        f"{DEFAULT_MAX_UNZIPPED_MIB} MiB): raise it for a bigger model")
+    parser.add_argument("--max-unzipped-mib", type=positive_number("--max-unzipped-mib"),
+                        default=DEFAULT_MAX_UNZIPPED_MIB, metavar="MIB",
+                        help="refuse a .keras archive that would inflate to more than this (config, metadata "
+                             f"and weights together; default {DEFAULT_MAX_UNZIPPED_MIB} MiB): raise it for a "
+                             "bigger model")
     parser.add_argument("--recursion-limit", default=DEFAULT_RECURSION_LIMIT,
-                        type=_integer("--recursion-limit", 100),
+                        type=integer("--recursion-limit", 100),
                         metavar="FRAMES", help="Python frames the check may use to load and trace the model "
                         f"(Keras recurses a few per layer of a chain; default {DEFAULT_RECURSION_LIMIT})")
     parser.set_defaults(handler=run_check)

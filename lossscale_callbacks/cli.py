@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 
 from lossscale_callbacks._version import __version__
 from lossscale_callbacks.alignment_cli import add_check_parser
+from lossscale_callbacks.cli_common import PROG
 from lossscale_callbacks.report_cli import add_report_parser
 
-PROG = "lossscale-callbacks"
 EXIT_OK = 0
 
 Handler = Callable[[argparse.Namespace], int]

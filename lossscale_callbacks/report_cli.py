@@ -12,11 +12,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Iterable, Iterator
 
+from lossscale_callbacks.cli_common import PROG, fail, positive_number
 from lossscale_callbacks.extras import MissingExtraError, install_hint, require
 from lossscale_callbacks.report_outcomes import (
     NO_LOSS_SCALE,
@@ -32,24 +32,11 @@ from lossscale_callbacks.run_picture import write_png
 
 __all__ = ["add_report_parser", "run_report"]
 
-PROG = "lossscale-callbacks"
-EXIT_OK, EXIT_UNHEALTHY, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_UNHEALTHY = 0, 1
 
 
 def _fail(message: str) -> int:
-    # One line, whatever the cause: these messages end up in CI logs and shell scripts.
-    print(f"{PROG} report: error: {' '.join(str(message).split())}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+    return fail("report", message)
 
 
 
@@ -206,7 +193,7 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
                              "and what to install")
     parser.add_argument("--png", metavar="PATH", help="also draw the scale and the skip rate into PATH "
                         "(.png, .svg or .pdf; the folder must hold one readable run; needs the [plot] extra)")
-    parser.add_argument("--min-scale", type=_positive_float, default=None, metavar="X",
+    parser.add_argument("--min-scale", type=positive_number("--min-scale"), default=None, metavar="X",
                         help="the policy's min_scale (default: as logged by the run, else 1)")
     parser.add_argument("--fail-unhealthy", action="store_true",
                         help="exit with status 1 when any run has a health problem, holds damaged records "
