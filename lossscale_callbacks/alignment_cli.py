@@ -54,8 +54,7 @@ def _require_keras_and_tensorflow() -> None:
     """Name the install command when Keras or TensorFlow is missing (nothing is imported to find out)."""
     missing = [name for name in ("keras", "tensorflow") if importlib.util.find_spec(name) is None]
     if missing:
-        raise MissingExtraError(f"lossscale-callbacks check needs {_NEEDS}; not installed: "
-                                f"{', '.join(missing)}")
+        raise MissingExtraError(f"check needs {_NEEDS}; not installed: {', '.join(missing)}")
 
 
 def _fail(err: TextIO, message: str) -> int:
@@ -136,6 +135,9 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
 
     ``check_file(path, batch_size=, target=, tf32=, max_unzipped_mib=) -> AlignmentReport`` replaces the
     framework's loader (tests).
+
+    Raises:
+        MissingExtraError: Keras or TensorFlow is not installed (nothing is loaded then).
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -153,6 +155,8 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
             _require_keras_and_tensorflow()
             with _quiet_native_stderr():
                 check_file = load_checker(framework).check_model_file
+    except MissingExtraError:
+        raise  # the console script says it in one line; main() callers get the ImportError
     except (ValueError, ImportError) as exc:
         return _fail(err, str(exc))
     check = functools.partial(check_file, str(path), batch_size=args.batch_size, target=args.target,

@@ -7,7 +7,10 @@ Each subcommand lives in its own module and registers itself on the parser (``re
     lossscale-callbacks check MODEL.keras --batch-size N [--json] [--target GPU] [--fail-on LEVEL]
 
 Bad input (nothing at the path, no run in the folder, a corrupt file) prints one line on stderr
-and exits with status 2, never a traceback.
+and exits with status 2, never a traceback. A missing optional package (``--png`` without the
+``[plot]`` extra, ``check`` without Keras or TensorFlow) is a
+:class:`~lossscale_callbacks.extras.MissingExtraError` from :func:`main`, raised before anything is
+read; the console script (:func:`console`) prints it as one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from collections.abc import Callable, Sequence
 
 from lossscale_callbacks._version import __version__
 from lossscale_callbacks.alignment_cli import add_check_parser
-from lossscale_callbacks.cli_common import PROG
+from lossscale_callbacks.cli_common import PROG, fail
+from lossscale_callbacks.extras import MissingExtraError
 from lossscale_callbacks.report_cli import add_report_parser
 
 EXIT_OK = 0
@@ -38,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lossscale-callbacks`` console script; returns the exit status."""
+    """The command line as a function; returns the exit status.
+
+    Raises:
+        MissingExtraError: the command needs an optional package that is not installed.
+    """
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     try:
@@ -53,5 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+def console(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lossscale-callbacks`` console script: :func:`main`, with a missing optional
+    package told in one line (exit status 2) instead of a traceback."""
+    try:
+        return main(argv)
+    except MissingExtraError as exc:
+        return fail("", exc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -27,9 +27,11 @@ EXIT_BAD_INPUT = 2
 def fail(command: str, message: object, err: TextIO | None = None) -> int:
     """Print ``message`` as one line on ``err`` (stderr) and return the bad-input exit status, 2.
 
-    One line, whatever the cause: these messages end up in CI logs and shell scripts.
+    One line, whatever the cause: these messages end up in CI logs and shell scripts. ``command``
+    (``"report"``, ``"check"``, or ``""`` for the program itself) starts the line.
     """
-    print(f"{PROG} {command}: error: {' '.join(str(message).split())}", file=err or sys.stderr)
+    where = f"{PROG} {command}" if command else PROG
+    print(f"{where}: error: {' '.join(str(message).split())}", file=err or sys.stderr)
     return EXIT_BAD_INPUT
 
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Iterator
 
 from lossscale_callbacks.cli_common import PROG, fail, positive_number
-from lossscale_callbacks.extras import MissingExtraError, install_hint, require
+from lossscale_callbacks.extras import install_hint, require
 from lossscale_callbacks.report_outcomes import (
     NO_LOSS_SCALE,
     READ,
@@ -37,7 +37,6 @@ EXIT_OK, EXIT_UNHEALTHY = 0, 1
 
 def _fail(message: str) -> int:
     return fail("report", message)
-
 
 
 _PICTURE_FORMATS = ("png", "svg", "pdf")
@@ -134,12 +133,16 @@ def _exit_status(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Run the ``report`` command; returns the exit status (0 done, 1 --fail-unhealthy, 2 bad input)."""
+    """Run the ``report`` command; returns the exit status (0 done, 1 --fail-unhealthy, 2 bad input).
+
+    Raises:
+        MissingExtraError: ``--png`` without matplotlib (the ``[plot]`` extra), before anything is read.
+    """
+    if args.png:
+        require("matplotlib.figure", "plot", feature="report --png")  # before anything is read
     try:
         png_format = _picture_format(args.png) if args.png else None
-        if args.png:
-            require("matplotlib.figure", "plot", feature="report --png")
-    except (ValueError, MissingExtraError) as exc:
+    except ValueError as exc:
         return _fail(str(exc))
     runs = discover_runs(args.run)
     if not runs:

@@ -165,9 +165,9 @@ def test_a_model_nested_deeper_than_the_limit_is_named_as_such(chain):
     assert "--recursion-limit 1200" in line and "RecursionError" not in line
 
 
-def _check_without(packages, *argv):
+def _check_without(packages, *argv, entry="console"):
     hide = "".join(f"sys.modules[{p!r}] = None; " for p in packages)
-    code = f"import sys; {hide}from lossscale_callbacks.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = f"import sys; {hide}from lossscale_callbacks import cli; sys.exit(cli.{entry}(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "check", *argv], capture_output=True, text=True,
                           timeout=120)
 
@@ -178,9 +178,12 @@ def test_a_missing_keras_or_tensorflow_is_named_with_the_install_command(tmp_pat
     path.write_bytes(b"PK")
     done = _check_without(missing, str(path))
     assert done.returncode == 2 and done.stdout == ""
-    line = _one_error_line(done.stderr)
-    assert PIP_KERAS in line and f"not installed: {', '.join(missing)}" in line
-    assert "No module named" not in line
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("lossscale-callbacks: error: check needs Keras and its TensorFlow backend: ")
+    assert PIP_KERAS in line and line.endswith(f"not installed: {', '.join(missing)}")
+    # main() itself raises the ImportError, for callers and the wheel's extras probes
+    raised = _check_without(missing, str(path), entry="main")
+    assert raised.returncode == 1 and "MissingExtraError: check needs Keras" in raised.stderr
 
 
 def test_help_says_what_each_command_needs(monkeypatch):

@@ -188,6 +188,22 @@ def test_no_reader_at_all_names_the_pip_commands(mixed, tmp_path):
     assert PIP_TENSORBOARD in line and PIP_WANDB in line
 
 
+def test_png_without_the_plot_extra_is_refused_before_anything_is_read(tmp_path):
+    hide = _hidden("matplotlib")
+    code = (f"import sys; {hide}from lossscale_callbacks.cli import main\n"
+            "try:\n    main(['report', 'nowhere', '--png', 'x.png'])\n"
+            "except ImportError as exc:\n    print(f'{type(exc).__name__}: {exc}')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.stdout.startswith("MissingExtraError: report --png needs the 'matplotlib' package")
+    assert 'pip install "lossscale-callbacks[plot]"' in done.stdout
+    code = f"import sys; {hide}from lossscale_callbacks.cli import console; sys.exit(console(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", code, "report", "nowhere", "--png", "x.png"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and line.startswith("lossscale-callbacks: error: report --png needs")
+
+
 def test_a_folder_where_nothing_can_be_read_lists_every_run_and_exits_2(mixed, tmp_path, capsys):
     shutil.copytree(mixed / "no_scale", tmp_path / "a")
     shutil.copytree(mixed / "no_scale", tmp_path / "b")
