@@ -97,7 +97,7 @@ def _walk(top: str, walked: set[str], found: list[FoundRun]) -> None:
     """Add the runs in ``top`` to ``found``; ``walked`` holds the real paths of the trees walked so far."""
     def unlisted(error: OSError) -> None:
         path = error.filename or top
-        found.append(FoundRun(path, None, f"the folder cannot be listed ({error.strerror or error})"))
+        found.append(FoundRun(path, None, f"{path}: the folder cannot be listed ({error.strerror or error})"))
 
     for folder, dirs, files in os.walk(top, onerror=unlisted):
         dirs.sort()

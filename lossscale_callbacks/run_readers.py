@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata as importlib_metadata
@@ -88,7 +89,10 @@ _LABELS = {TENSORBOARD: "TensorBoard", WANDB: "W&B"}
 _ANY_READER = f"{install_hint(TENSORBOARD)} reads TensorBoard runs, {install_hint(WANDB)} W&B offline runs"
 
 
+@functools.cache
 def _entry_points() -> dict[str, Any]:
+    # Looked up once a process: a sweep of a thousand runs would otherwise scan every installed
+    # distribution a thousand times.
     return {entry.name: entry for entry in importlib_metadata.entry_points(group=READER_GROUP)}
 
 

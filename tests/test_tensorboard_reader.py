@@ -128,8 +128,12 @@ def run(tmp_path):
 
 
 def _records(path):
+    """``(offset, data)`` of the records the reader keeps, in file order."""
     reading = FileReading(str(path))
-    return [r for batch in iter_record_batches(str(path), b"loss_scale/", reading) for r in batch], reading
+    batches = iter_record_batches(str(path), b"loss_scale/", reading)
+    records = [(int(offset), group.data(i)) for groups in batches
+               for group in groups for i, offset in enumerate(group.offsets)]
+    return sorted(records), reading
 
 
 def _scale_offset(path, step):

@@ -38,7 +38,7 @@ from lossscale_callbacks.run_discovery import is_event_file_name, is_regular_fil
 from lossscale_callbacks.run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError, RunSeries
 from lossscale_callbacks.sinks import POLICY_TAG
 from lossscale_callbacks.tensorboard.event_layouts import Layout, decode_rows, layout_of, match_rows
-from lossscale_callbacks.tensorboard.records import FileReading, iter_record_batches
+from lossscale_callbacks.tensorboard.records import FileReading, RecordRows, iter_record_batches
 
 __all__ = ["RunReadError", "event_files", "iter_events", "read_run", "read_texts", "run_folders"]
 
@@ -123,21 +123,28 @@ def _parse(file_path: str, data: bytes) -> event_pb2.Event:
         raise RunReadError(f"{file_path}: corrupt TensorBoard event file ({exc})") from None
 
 
-def _batches(file_path: str, reading: FileReading) -> Iterator[list[tuple[int, bytes]]]:
-    """The verified records of one file that mention ``loss_scale/``, batch by batch, after its first
-    record (checked to be an event file's version record, then dropped)."""
+def _without_first(file_path: str, groups: list[RecordRows], reading: FileReading) -> list[RecordRows]:
+    """The first batch's groups without the file's first record, once that is checked to be the version
+    record every event file starts with."""
+    first = next(((g, int(np.argmin(g.offsets))) for g in groups if len(g.offsets) and g.offsets.min() == 0),
+                 None)
+    if first is None and reading.damage:
+        raise RunReadError(f"corrupt TensorBoard event file ({reading.damage[0]})")
+    if first is None or not _parse(file_path, first[0].data(first[1])).file_version.startswith("brain.Event"):
+        raise RunReadError(f"{file_path}: not a TensorBoard event file (no file version event)")
+    rest = first[0].offsets != 0
+    return [RecordRows(g.offsets[rest], g.rows[rest]) if g is first[0] else g for g in groups]
+
+
+def _batches(file_path: str, reading: FileReading) -> Iterator[list[RecordRows]]:
+    """The verified records of one file that mention ``loss_scale/``, batch by batch (groups of one
+    length), after its first record (checked, then dropped)."""
     first = True
-    for batch in iter_record_batches(file_path, _WANTED, reading):
+    for groups in iter_record_batches(file_path, _WANTED, reading):
         if first:
             first = False
-            offset, data = batch[0]
-            if offset != 0 and reading.damage:
-                raise RunReadError(f"corrupt TensorBoard event file ({reading.damage[0]})")
-            if offset != 0 or not _parse(file_path, data).file_version.startswith("brain.Event"):
-                raise RunReadError(f"{file_path}: not a TensorBoard event file (no file version event)")
-            batch = batch[1:]
-        if batch:
-            yield batch
+            groups = _without_first(file_path, groups, reading)
+        yield groups
     if first and reading.damage:  # not even the first record could be read
         raise RunReadError(f"corrupt TensorBoard event file ({reading.damage[0]})")
 
@@ -147,9 +154,10 @@ def iter_events(file_path: str) -> Iterator[event_pb2.Event]:
 
     Records whose checksum fails are left out (:func:`read_run` reports them).
     """
-    for batch in _batches(file_path, FileReading(file_path)):
-        for _, data in batch:
-            yield _parse(file_path, data)
+    for groups in _batches(file_path, FileReading(file_path)):
+        records = [(int(offset), group, i) for group in groups for i, offset in enumerate(group.offsets)]
+        for _, group, i in sorted(records, key=lambda record: record[0]):
+            yield _parse(file_path, group.data(i))
 
 
 def _number(value: event_pb2.summary_pb2.Summary.Value) -> float | None:
@@ -184,43 +192,40 @@ def _text(value: event_pb2.summary_pb2.Summary.Value) -> str | None:
 
 
 class _Collector:
-    """The ``loss_scale/*`` scalars and texts of one run, decoded batch by batch, kept in file order."""
+    """The ``loss_scale/*`` scalars and texts of one run, decoded group by group, kept in file order.
+
+    A record's place in the run is its file's number (in reading order) and its offset in the file,
+    packed into one integer for sorting.
+    """
 
     def __init__(self) -> None:
         self.layouts: dict[int, list[Layout]] = {}
         self.columns: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.points: dict[str, list[tuple[int, int, float]]] = {}
         self.texts: list[tuple[int, str, int, str]] = []
-        self.count = 0
 
-    def add(self, file_path: str, batch: Sequence[tuple[int, bytes]]) -> None:
+    def add(self, file_path: str, file_number: int, groups: Sequence[RecordRows]) -> None:
         """Decode one batch: each record length at once, layout by layout, the rest by protobuf."""
-        by_length: dict[int, list[int]] = {}
-        for i, (_, data) in enumerate(batch):
-            by_length.setdefault(len(data), []).append(i)
-        for length, members in by_length.items():
-            blobs = [batch[i][1] for i in members]
-            rows = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(len(blobs), length)
-            self._decode(file_path, np.asarray(members) + self.count, blobs, rows)
-        self.count += len(batch)
+        for group in groups:
+            if len(group.offsets):
+                self._decode(file_path, (file_number << 48) + group.offsets, group)
 
-    def _decode(self, file_path: str, order: np.ndarray, blobs: list[bytes], rows: np.ndarray) -> None:
-        pending = np.ones(len(blobs), dtype=bool)
-        known = self.layouts.setdefault(rows.shape[1], [])
+    def _decode(self, file_path: str, order: np.ndarray, group: RecordRows) -> None:
+        pending = np.ones(len(order), dtype=bool)
+        known = self.layouts.setdefault(group.rows.shape[1], [])
         for layout in known:
-            self._take(layout, order, rows, pending)
+            self._take(layout, order, group.rows, pending)
         new = 0
         while pending.any():
             i = int(np.argmax(pending))
-            layout = layout_of(blobs[i]) if new < _NEW_LAYOUTS else None
+            layout = layout_of(group.data(i)) if new < _NEW_LAYOUTS else None
             if layout is None:
-                self._parse_one(file_path, int(order[i]), blobs[i])
+                self._parse_one(file_path, int(order[i]), group.data(i))
                 pending[i] = False
                 continue
             new += 1
             known.append(layout)
-            self._take(layout, order, rows, pending)
-
+            self._take(layout, order, group.rows, pending)
     def _take(self, layout: Layout, order: np.ndarray, rows: np.ndarray, pending: np.ndarray) -> None:
         matched = match_rows(layout, rows) & pending
         if not matched.any():
@@ -263,10 +268,10 @@ class _Collector:
 
 def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Collector:
     collector = _Collector()
-    for file_path in files:
+    for number, file_path in enumerate(files):
         reading = FileReading(file_path)
-        for batch in _batches(file_path, reading):
-            collector.add(file_path, batch)
+        for groups in _batches(file_path, reading):
+            collector.add(file_path, number, groups)
         damage.extend(reading.damage)
         notes.extend([reading.ended_early] if reading.ended_early else [])
     return collector

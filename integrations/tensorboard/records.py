@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["FileReading", "crc32c_rows", "iter_record_batches", "masked_crc32c_rows"]
+__all__ = ["FileReading", "RecordRows", "crc32c_rows", "iter_record_batches", "masked_crc32c_rows"]
 
 _LENGTH = struct.Struct("<Q")
 _HEADER, _FOOTER = 12, 4
@@ -94,78 +94,81 @@ class FileReading:
     records_read: int = 0
 
 
-def _stored_crcs(blobs: list[bytes]) -> np.ndarray:
-    return np.frombuffer(b"".join(blobs), dtype="<u4")
+@dataclasses.dataclass(frozen=True)
+class RecordRows:
+    """Records of one length, their checksums verified: their file offsets, and their data as rows.
+
+    Example:
+        >>> group = RecordRows(np.array([0, 40]), np.zeros((2, 24), dtype=np.uint8))
+        >>> group.data(1) == bytes(24)
+        True
+    """
+
+    offsets: np.ndarray  # int64: where each record (its length field) starts in the file
+    rows: np.ndarray  # uint8, (records, length): each record's data
+
+    def data(self, i: int) -> bytes:
+        """The data of record ``i``, as bytes (for protobuf)."""
+        return self.rows[i].tobytes()
 
 
-def _bad_rows(blobs: list[bytes], stored: np.ndarray) -> list[int]:
-    """Indices of the blobs whose masked CRC-32C differs from ``stored``, checked one length at a time."""
-    by_length: dict[int, list[int]] = {}
-    for i, blob in enumerate(blobs):
-        by_length.setdefault(len(blob), []).append(i)
-    bad: list[int] = []
-    for length, indices in by_length.items():
-        joined = b"".join(blobs[i] for i in indices)
-        rows = np.frombuffer(joined, dtype=np.uint8).reshape(len(indices), length)
-        wrong = masked_crc32c_rows(rows) != stored[indices]
-        bad.extend(indices[k] for k in np.flatnonzero(wrong))
-    return sorted(bad)
+def _windows(buffer: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """The ``width`` bytes at each of ``starts``, as rows: a strided view gathered once, no index table."""
+    if width == 0:
+        return np.empty((len(starts), 0), dtype=np.uint8)
+    return np.lib.stride_tricks.sliding_window_view(buffer, width)[starts]
 
 
-@dataclasses.dataclass
-class _Chunk:
-    """The records framed in one buffer: where each starts, and the kept ones (offset, data, data's CRC)."""
-
-    buffer: bytes
-    base: int
-    starts: list[int] = dataclasses.field(default_factory=list)
-    kept: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
-    kept_crcs: list[bytes] = dataclasses.field(default_factory=list)
+def _crc_fails(buffer: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Whether each row (the bytes at one of ``starts``) differs from the masked CRC-32C stored after it."""
+    stored = _windows(buffer, starts + rows.shape[1], 4).copy().view("<u4")[:, 0]
+    return masked_crc32c_rows(rows) != stored
 
 
-def _frame(buffer: bytes, base: int, wanted: bytes, keep_first: bool) -> tuple[_Chunk, int]:
-    """Frame the whole records in ``buffer`` (which starts at file offset ``base``); return them and
-    the position of the first byte not framed (the start of a record that continues in the next chunk)."""
-    chunk = _Chunk(buffer, base)
+def _frame(buffer: bytes, wanted: bytes, keep_first: bool) -> tuple[list[int], list[int], list[int], int]:
+    """Frame the whole records in ``buffer``: where each starts; where the kept ones start and their data's
+    lengths; and the position of the first byte not framed (a record that continues in the next chunk).
+    Kept: the first record when ``keep_first``, and every record whose data contain ``wanted``."""
+    starts: list[int] = []
+    kept: list[int] = []
+    lengths: list[int] = []
     position, size = 0, len(buffer)
     while position + _HEADER <= size:
         (length,) = _LENGTH.unpack_from(buffer, position)
         end = position + _HEADER + length + _FOOTER
         if end > size:
             break
-        chunk.starts.append(position)
-        start = position + _HEADER
-        if (keep_first and not chunk.kept) or buffer.find(wanted, start, start + length) >= 0:
-            chunk.kept.append((base + position, buffer[start:start + length]))
-            chunk.kept_crcs.append(buffer[end - _FOOTER:end])
+        starts.append(position)
+        if keep_first or buffer.find(wanted, position + _HEADER, end - _FOOTER) >= 0:
+            kept.append(position)
+            lengths.append(length)
         keep_first = False
         position = end
-    return chunk, position
+    return starts, kept, lengths, position
 
 
-def _first_bad_header(chunk: _Chunk) -> int | None:
-    """The file offset of the first record whose length fails its checksum, or None."""
-    if not chunk.starts:
-        return None
-    where = np.asarray(chunk.starts)[:, None] + np.arange(_HEADER)
-    headers = np.frombuffer(chunk.buffer, dtype=np.uint8)[where]
-    wrong = masked_crc32c_rows(headers[:, :8]) != headers[:, 8:].copy().view("<u4")[:, 0]
-    bad = np.flatnonzero(wrong)
-    return chunk.base + chunk.starts[bad[0]] if bad.size else None
+def _verified(buffer: np.ndarray, base: int, kept: np.ndarray, lengths: np.ndarray,
+              reading: FileReading) -> list[RecordRows]:
+    """The kept records, one group per length, without those whose data fail their checksum (reported)."""
+    groups = []
+    for length in np.unique(lengths).tolist():
+        starts = kept[lengths == length]
+        rows = _windows(buffer, starts + _HEADER, length)
+        bad = _crc_fails(buffer, starts + _HEADER, rows)
+        for offset in (starts[bad] + base).tolist():
+            reading.damage.append(f"{reading.path}: the record at byte {offset} fails its checksum "
+                                  "(left out)")
+        groups.append(RecordRows(starts[~bad] + base, rows[~bad]))
+    return groups
 
 
-def _verified(chunk: _Chunk, reading: FileReading) -> list[tuple[int, bytes]]:
-    """The kept records whose data match their checksum; the others go to ``reading.damage``."""
-    bad = set(_bad_rows([data for _, data in chunk.kept], _stored_crcs(chunk.kept_crcs)))
-    for i in sorted(bad):
-        reading.damage.append(f"{reading.path}: the record at byte {chunk.kept[i][0]} fails its checksum "
-                              "(left out)")
-    return [record for i, record in enumerate(chunk.kept) if i not in bad]
+def _lengths_damaged(buffer: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Whether the length field of each record at ``starts`` fails its checksum."""
+    return _crc_fails(buffer, starts, _windows(buffer, starts, 8))
 
 
 def _header_damaged(header: bytes) -> bool:
-    stored = np.frombuffer(header[8:12], dtype="<u4")
-    return bool(_bad_rows([header[:8]], stored))
+    return bool(_lengths_damaged(np.frombuffer(header, dtype=np.uint8), np.zeros(1, dtype=np.int64))[0])
 
 
 def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
@@ -180,30 +183,43 @@ def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
                            "written, or a copy cut short): read up to there")
 
 
-def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Iterator[list[tuple[int, bytes]]]:
-    """The first record and the records mentioning ``wanted``, as ``(offset, data)``, one batch per chunk.
+def _chunk_groups(buffer: bytes, base: int, wanted: bytes, first: bool, more: bool,
+                  reading: FileReading) -> tuple[list[RecordRows], int, int | None]:
+    """One chunk: its verified record groups, the bytes framed, and where a damaged length stops the file
+    (``more``: the file goes on after this chunk)."""
+    starts, kept, lengths, used = _frame(buffer, wanted, keep_first=first)
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    all_starts = np.asarray(starts, dtype=np.int64)
+    bad_header = None
+    if starts:
+        wrong = np.flatnonzero(_lengths_damaged(array, all_starts))
+        bad_header = int(all_starts[wrong[0]]) if wrong.size else None
+    elif more and len(buffer) >= _HEADER and _header_damaged(buffer[:_HEADER]):
+        bad_header = 0  # a damaged length too large to frame: do not read on to satisfy it
+    kept_starts, kept_lengths = np.asarray(kept, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    if bad_header is not None:
+        keep = kept_starts < bad_header
+        kept_starts, kept_lengths = kept_starts[keep], kept_lengths[keep]
+    reading.records_read += len(starts)
+    groups = _verified(array, base, kept_starts, kept_lengths, reading)
+    return groups, used, None if bad_header is None else base + bad_header
+
+
+def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Iterator[list[RecordRows]]:
+    """The first record and the records mentioning ``wanted``, one batch of length groups per chunk.
 
     Only records whose checksums hold are yielded; damage and an early end go to ``reading`` (see the
-    module). The first batch starts with the file's first record, unless that record is damaged.
+    module). The first record (offset 0) is in the first batch, unless it is damaged.
     """
     base, carry, first = 0, b"", True
     with open(path, "rb") as handle:
         while True:
             data = handle.read(_CHUNK)
             buffer = carry + data if carry else data
-            chunk, used = _frame(buffer, base, wanted, keep_first=first)
-            bad_header = _first_bad_header(chunk)
-            if bad_header is None and not chunk.starts and data and len(buffer) >= _HEADER \
-                    and _header_damaged(buffer[:_HEADER]):
-                bad_header = base  # a damaged length too large to frame: do not read on to satisfy it
-            if bad_header is not None:
-                chunk.kept = [r for r in chunk.kept if r[0] < bad_header]
-                chunk.kept_crcs = chunk.kept_crcs[:len(chunk.kept)]
-            records = _verified(chunk, reading)
-            reading.records_read += len(chunk.starts)
-            first = first and not chunk.starts
-            if records:
-                yield records
+            groups, used, bad_header = _chunk_groups(buffer, base, wanted, first, bool(data), reading)
+            first = first and used == 0
+            if any(len(group.offsets) for group in groups):
+                yield groups
             if bad_header is not None:
                 reading.damage.append(f"{path}: the length of the record at byte {bad_header} fails its "
                                       f"checksum: the {os.path.getsize(path) - bad_header} bytes from there "
