@@ -34,6 +34,8 @@ from lossscale_callbacks.run_report import RunReport
 
 __all__ = ["JsonWriter", "TextWriter", "health_word"]
 
+# Series are long flat lists of (step, value) pairs: no indentation, no cycle check (a pair holds none).
+_COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 _HEADER = ("run", "steps", "skipped", "skip rate", "final scale", "health")
 _WIDTHS = (0, 9, 9, 9, 11)  # the run column is as wide as the longest run name
 
@@ -141,8 +143,8 @@ class JsonWriter:
         series = entry.pop("series", None)
         text = json.dumps(entry, indent=2, sort_keys=True)
         if series is not None:
-            lines = ",\n".join(f"    {json.dumps(tag)}: {json.dumps(points, separators=(',', ':'))}"
-                               for tag, points in series.items())
+            lines = ",\n".join(f"    {json.dumps(tag)}: {_COMPACT.encode(points)}"
+                                for tag, points in series.items())
             text = text[:-2] + ',\n  "series": {' + ("\n" + lines + "\n  " if lines else "") + "}\n}"
         print(("\n" if self._first else ",\n") + textwrap.indent(text, "    "), file=self.out, end="")
         self._first = False

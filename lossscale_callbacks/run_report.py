@@ -146,33 +146,43 @@ def _policy_bounds(series: Mapping[str, Points], prefix: str) -> tuple[float, fl
     return (float(low[-1][1]), float(high[-1][1])) if low and high else None
 
 
+def _values_of(points: Points) -> np.ndarray:
+    return np.fromiter(map(operator.itemgetter(1), points), dtype=np.float64, count=len(points))
+
+
 def _drop_out_of_bounds(series: dict[str, Points], prefix: str, damage: list[str]) -> None:
     """Leave out the scales the run's own policy cannot produce (damage written as data), saying so."""
     bounds = _policy_bounds(series, prefix)
     if bounds is None:
         return
-    low, high = bounds[0] * (1 - _BOUND_SLACK), bounds[1] * (1 + _BOUND_SLACK)
     tag = prefix + m.SCALE
-    kept = [(step, value) for step, value in series[tag] if low <= value <= high]
-    if len(kept) == len(series[tag]):
+    values = _values_of(series[tag])
+    inside = (values >= bounds[0] * (1 - _BOUND_SLACK)) & (values <= bounds[1] * (1 + _BOUND_SLACK))
+    if inside.all():
         return
-    for step, value in series[tag]:
-        if not low <= value <= high:
-            damage.append(f"step {step}: a loss scale of {value:g} (2^{math.log2(value):.1f}) is outside the "
-                          f"policy's bounds [{bounds[0]:g}, {bounds[1]:g}]: damage, not data (left out)")
-    series[tag] = kept
+    for i in np.flatnonzero(~inside).tolist():
+        step, value = series[tag][i]
+        damage.append(f"step {step}: a loss scale of {value:g} (2^{math.log2(value):.1f}) is outside the "
+                      f"policy's bounds [{bounds[0]:g}, {bounds[1]:g}]: damage, not data (left out)")
+    series[tag] = [point for point, keep in zip(series[tag], inside.tolist(), strict=True) if keep]
 
 
 def _checked_scale(series: Mapping[str, Points], prefix: str) -> None:
-    bad = next(((step, value) for step, value in series[prefix + m.SCALE]
-                if not math.isfinite(value) or value <= 0), None)
-    if bad is not None:
-        raise RunReadError(f"the {prefix}{m.SCALE} series holds {bad[1]!r} at step {bad[0]}: "
+    values = _values_of(series[prefix + m.SCALE])
+    bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
+    if bad.size:
+        step, value = series[prefix + m.SCALE][bad[0]]
+        raise RunReadError(f"the {prefix}{m.SCALE} series holds {value!r} at step {step}: "
                            "not a loss scale (a finite number > 0)")
 
 
-def _by_step(points: Points) -> dict[int, float]:
-    return {int(step): float(value) for step, value in points}
+def _aligned(points: Points, steps: list[int], default: float | None) -> list[float]:
+    """The values of ``points`` at ``steps`` (where a step has none: ``default``, or the step itself when
+    None); a series written with the scale (the same steps) is taken as it is."""
+    if len(points) == len(steps) and all(a == b for (a, _), b in zip(points, steps, strict=True)):
+        return [value for _, value in points]
+    by_step = {int(step): float(value) for step, value in points}
+    return [by_step.get(step, step if default is None else default) for step in steps]
 
 
 def _min_scale_of(series: Mapping[str, Points], prefix: str, min_scale: float | None) -> float:
@@ -184,15 +194,16 @@ def _min_scale_of(series: Mapping[str, Points], prefix: str, min_scale: float | 
 
 def _segment_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> list[Snapshot]:
     """The snapshots one segment logged: the tracker sees what the integration saw at each interval."""
-    growth = _by_step(segment.get(prefix + m.GROWTH_COUNTER, ()))
-    skipped = _by_step(segment.get(prefix + m.SKIPPED_STEPS, ()))
+    scale = segment[prefix + m.SCALE]
+    steps = [int(step) for step, _ in scale]
+    growth = _aligned(segment.get(prefix + m.GROWTH_COUNTER, ()), steps, 0)
+    skipped = _aligned(segment.get(prefix + m.SKIPPED_STEPS, ()), steps, 0)
     # Runs logged on another axis (Lightning's logging step) carry the optimizer steps as a value.
-    attempted = _by_step(segment.get(prefix + m.STEPS, ()))
+    attempted = _aligned(segment.get(prefix + m.STEPS, ()), steps, None)
     tracker = MetricsTracker(min_scale=min_scale)
-    return [tracker.observe({"steps": int(attempted.get(step, step)), "scale": float(scale),
-                             "growth_counter": int(growth.get(step, 0)), "hysteresis_left": 0,
-                             "skipped_steps": int(skipped.get(step, 0))})
-            for step, scale in segment[prefix + m.SCALE]]
+    return [tracker.observe({"steps": int(at), "scale": float(value), "growth_counter": int(counter),
+                             "hysteresis_left": 0, "skipped_steps": int(skips)})
+            for (_, value), at, counter, skips in zip(scale, attempted, growth, skipped, strict=True)]
 
 
 def snapshots_from_series(series: Mapping[str, Points],
