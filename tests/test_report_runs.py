@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -255,3 +256,21 @@ def test_a_file_the_user_may_not_read_does_not_abort_the_folder(mixed):
         for locked in (copy / "locked_folder", *(copy / "locked_file").glob("*")):
             os.chmod(locked, 0o755)
         shutil.rmtree(copy, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_sweep_benchmark_runs_in_its_quick_mode(tmp_path):
+    """``benchmarks/report_read.py --sweep --quick``: 3 runs x 200 intervals, every figure printed."""
+    from repo_scripts import ROOT
+
+    command = [sys.executable, str(ROOT / "benchmarks" / "report_read.py"), "--sweep", "--quick", "--dir",
+               str(tmp_path / "runs")]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = r"\d+\.\d+ s, CPU \d+\.\d+ s, peak \d+ MiB$"
+    for pattern in (r"^3 runs x 200 intervals, ", rf"^lossscale-callbacks report \(text\): {figures}",
+                    rf"^lossscale-callbacks report --json > file \([\d.]+ MiB\): {figures}",
+                    rf"^TensorBoard EventMultiplexer \(every run, all scalars\): {figures}",
+                    r"^ours \(text\) / TensorBoard's: \d+\.\d+ \(wall time\)$"):
+        assert re.search(pattern, done.stdout, re.MULTILINE), (pattern, done.stdout)
