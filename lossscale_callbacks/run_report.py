@@ -73,11 +73,10 @@ def _find_prefix(series: Mapping[str, Sequence[tuple[int, float]]]) -> str:
 Points = Sequence[tuple[int, float]]
 # Series that describe the whole run (the policy), not one stretch of it.
 _RUN_WIDE = (MIN_SCALE, MAX_SCALE, GROWTH_INTERVAL)
-# The restart marker the logging loop writes with every metrics write after a restart (issue 24).
-SEGMENT = "loss_scale/segment"
-# Written together with the scale at every interval: they restart exactly where it does.
+# Written together with the scale at every interval: they restart exactly where it does (the logging
+# loop's restart marker among them, written with every metrics write after a restart).
 _WITH_THE_SCALE = (m.SCALE, m.LOG2_SCALE, m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL,
-                   m.SKIP_RATE, m.STEPS, SEGMENT)
+                   m.SKIP_RATE, m.STEPS, m.SEGMENT)
 # A float32 bound read back as float64 may differ from the policy's by the last float32 bit.
 _BOUND_SLACK = 2.0**-22
 
@@ -99,7 +98,7 @@ def _scale_splits(series: Mapping[str, Points], prefix: str) -> list[int]:
     marker (``loss_scale/segment``, written with every metrics write after a restart) starts or changes."""
     scale = series[prefix + m.SCALE]
     starts = set(_splits(scale, strict=False))
-    marker = series.get(prefix + SEGMENT, [])
+    marker = series.get(prefix + m.SEGMENT, [])
     offset = len(scale) - len(marker)
     # The marker rides on the scale's own writes, so it lines up with the scale's last points.
     if marker and offset >= 0 and np.array_equal(_steps_of(marker), _steps_of(scale)[offset:]):
