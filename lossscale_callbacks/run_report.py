@@ -224,7 +224,8 @@ def snapshots_from_series(series: Mapping[str, Points],
 class Segment:
     """One stretch of a run between restarts (the step count going back), judged on its own.
 
-    ``skipped_steps`` is None when the run did not log skipped steps.
+    ``index`` counts restarts as the logging loop's ``loss_scale/segment`` does: 0 before the first,
+    1 after it, and so on. ``skipped_steps`` is None when the run did not log skipped steps.
     """
 
     index: int
@@ -441,5 +442,5 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
         verdicts=tuple(latest.verdicts), series=series, snapshots=tuple(latest.snapshots),
         health=latest.monitor.assessment(), max_scale=float(upper[-1][1]) if upper else None,
         forensics=latest.forensics, damage=tuple(damage), notes=tuple(notes),
-        segments=tuple(_segment(i, j) for i, j in enumerate(judged, start=1)),
+        segments=tuple(_segment(i, j) for i, j in enumerate(judged)),
     )

@@ -56,7 +56,9 @@ def _the_reset_is_reported_right(payload):
     assert not first["healthy"] and first["skipped_steps"] > 100
     assert (latest["first_step"], latest["last_step"], latest["log_points"]) == (10, 200, 20)
     assert "Restarts: the step count went back 1 time(s)" in payload["summary"]
-    assert "segment 1: steps 10 to 300 (30 log points)" in payload["summary"]
+    assert "segment 0: steps 10 to 300 (30 log points)" in payload["summary"]
+    assert "the latest segment (1, steps 10 to 200)" in payload["summary"]
+    assert [s["index"] for s in payload["segments"]] == [0, 1]  # as the loop's loss_scale/segment counts
 
 
 def test_a_scaler_reset_mid_run_is_reported_as_a_new_segment(tmp_path, capsys):
