@@ -232,9 +232,10 @@ class _Collector:
             return
         pending &= ~matched
         steps, values = decode_rows(layout, rows[matched])
+        places = order[matched]  # one array for every tag of these records: series() sorts it once
         for tag, column in values:
             if "loss_scale/" in tag:
-                self.columns.setdefault(tag, []).append((order[matched], steps, column))
+                self.columns.setdefault(tag, []).append((places, steps, column))
 
     def _parse_one(self, file_path: str, index: int, data: bytes) -> None:
         event = _parse(file_path, data)
@@ -250,16 +251,28 @@ class _Collector:
                 self.points.setdefault(value.tag, []).append((index, int(event.step), number))
 
     def series(self) -> dict[str, list[tuple[int, float]]]:
-        """Every scalar tag's ``(step, value)`` pairs in the order they were written."""
+        """Every scalar tag's ``(step, value)`` pairs in the order they were written.
+
+        Tags written in the same events share their records' places and steps: those are sorted once.
+        """
         out = {}
+        shared: dict[tuple[int, ...], tuple[np.ndarray, list[int]]] = {}
         for tag in dict.fromkeys([*self.columns, *self.points]):
             loose = self.points.get(tag, [])
             parts = [*self.columns.get(tag, []), (np.array([p[0] for p in loose], dtype=np.int64),
                                                   np.array([p[1] for p in loose], dtype=np.int64),
                                                   np.array([p[2] for p in loose], dtype=np.float64))]
-            order, steps, values = (np.concatenate([part[k] for part in parts]) for k in range(3))
-            sort = np.argsort(order, kind="stable")
-            out[tag] = list(zip(steps[sort].tolist(), values[sort].tolist(), strict=True))
+            key = tuple(id(part[0]) for part in parts[:-1]) if not loose else None
+            if key is None or key not in shared:
+                order = np.concatenate([part[0] for part in parts])
+                sort = np.argsort(order, kind="stable")
+                steps = np.concatenate([part[1] for part in parts])[sort].tolist()
+                if key is not None:
+                    shared[key] = sort, steps
+            else:
+                sort, steps = shared[key]
+            values = np.concatenate([part[2] for part in parts])[sort].tolist()
+            out[tag] = list(zip(steps, values, strict=True))
         return out
 
     def ordered_texts(self) -> list[tuple[str, int, str]]:
