@@ -5,7 +5,10 @@ only: no batch is allocated, so ``--batch-size 1000000000`` costs what 8 does) a
 target, precision, batch size, TF32), the findings table and a line explaining the exit status (or the
 whole report as JSON). Exit status: 0 when nothing is at least as severe as ``--fail-on`` (default
 ``high``), 1 when something is, 2 when the file cannot be checked. TensorFlow's own start-up logging
-is silenced.
+is silenced. Needs Keras and its TensorFlow backend (``pip install "lossscale-callbacks[keras]"
+tensorflow``); a missing one is named with that command before anything is loaded. What a file may
+cost is bounded first (:mod:`lossscale_callbacks.check_limits`): ``--max-unzipped-mib``,
+``--batch-size`` up to 2**31 - 1, and ``--recursion-limit`` for deeply nested models.
 
 Example:
     >>> import argparse
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -29,35 +34,48 @@ from typing import TextIO
 from lossscale_callbacks.alignment.checkers import framework_of_file, load_checker
 from lossscale_callbacks.alignment.report import AlignmentReport
 from lossscale_callbacks.alignment.targets import TARGETS
+from lossscale_callbacks.check_limits import (
+    DEFAULT_MAX_UNZIPPED_MIB,
+    DEFAULT_RECURSION_LIMIT,
+    MAX_BATCH_SIZE,
+    ArchiveTooLargeError,
+    ModelTooDeepError,
+    run_deep,
+)
+from lossscale_callbacks.cli_common import fail, integer, positive_number
+from lossscale_callbacks.extras import MissingExtraError, install_hint
 
 _TF32 = {"auto": None, "on": True, "off": False}
+_NEEDS = (f'Keras and its TensorFlow backend: {install_hint("keras")} tensorflow (tensorflow-cpu on a '
+          "machine without a GPU)")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--batch-size must be an integer >= 1, got {text!r}")
-    return value
+def _require_keras_and_tensorflow() -> None:
+    """Name the install command when Keras or TensorFlow is missing (nothing is imported to find out)."""
+    missing = [name for name in ("keras", "tensorflow") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtraError(f"check needs {_NEEDS}; not installed: {', '.join(missing)}")
 
 
 def _fail(err: TextIO, message: str) -> int:
-    # One line, like the report command: these messages end up in CI logs and shell scripts.
-    print(f"lossscale-callbacks check: error: {' '.join(str(message).split())}", file=err)
-    return 2
+    return fail("check", message, err)
 
 
 def add_check_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``check`` command to an ``argparse`` subparsers object; ``args.handler(args)`` runs it."""
     parser = subparsers.add_parser(
-        "check", help="check a saved model's shapes against the Tensor Core rules",
+        "check", help="check a saved model's shapes against the Tensor Core rules "
+                      "(needs the [keras] extra and TensorFlow)",
         description="Trace one training step of a saved Keras model and report the layer dimensions that "
-                    "keep Tensor Cores from running at full speed, and mixed-precision problems.")
+                    "keep Tensor Cores from running at full speed, and mixed-precision problems. Needs "
+                    f"{_NEEDS}.",
+        epilog="Exit status: 0 nothing at or above --fail-on; 1 something is; 2 the file cannot be checked "
+               "(missing, not a model, too big to inflate, nested too deeply).")
     parser.add_argument("model", help="a saved Keras model (.keras)")
-    parser.add_argument("--batch-size", type=_positive_int, default=8,
-                        help="training batch size (a GEMM dimension too); default 8")
+    parser.add_argument("--batch-size", default=8,
+                        type=integer("--batch-size", 1, MAX_BATCH_SIZE, ": TensorFlow computes some "
+                                      "shapes of the traced step in 32-bit integers"),
+                        help="training batch size (a GEMM dimension too), up to 2**31 - 1; default 8")
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
     parser.add_argument("--target", choices=sorted(TARGETS), default=None,
                         help="GPU whose recommendations (128-byte alignment, SM count) apply")
@@ -65,6 +83,15 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
                         help="whether float32 runs as TF32 (default: TensorFlow's own setting)")
     parser.add_argument("--fail-on", choices=("high", "medium", "low", "never"), default="high",
                         help="lowest severity that makes the exit status 1 (default high)")
+    parser.add_argument("--max-unzipped-mib", type=positive_number("--max-unzipped-mib"),
+                        default=DEFAULT_MAX_UNZIPPED_MIB, metavar="MIB",
+                        help="refuse a .keras archive that would inflate to more than this (config, metadata "
+                             f"and weights together; default {DEFAULT_MAX_UNZIPPED_MIB} MiB): raise it for a "
+                             "bigger model")
+    parser.add_argument("--recursion-limit", default=DEFAULT_RECURSION_LIMIT,
+                        type=integer("--recursion-limit", 100),
+                        metavar="FRAMES", help="Python frames the check may use to load and trace the model "
+                        f"(Keras recurses a few per layer of a chain; default {DEFAULT_RECURSION_LIMIT})")
     parser.set_defaults(handler=run_check)
     return parser
 
@@ -106,8 +133,11 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
               check_file: Callable[..., AlignmentReport] | None = None) -> int:
     """Run the ``check`` command; returns the exit status.
 
-    ``check_file(path, batch_size=, target=, tf32=) -> AlignmentReport`` replaces the framework's loader
-    (tests).
+    ``check_file(path, batch_size=, target=, tf32=, max_unzipped_mib=) -> AlignmentReport`` replaces the
+    framework's loader (tests).
+
+    Raises:
+        MissingExtraError: Keras or TensorFlow is not installed (nothing is loaded then).
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -122,12 +152,23 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
     try:
         if check_file is None:
             framework = framework_of_file(path)
+            _require_keras_and_tensorflow()
             with _quiet_native_stderr():
                 check_file = load_checker(framework).check_model_file
+    except MissingExtraError:
+        raise  # the console script says it in one line; main() callers get the ImportError
     except (ValueError, ImportError) as exc:
         return _fail(err, str(exc))
+    check = functools.partial(check_file, str(path), batch_size=args.batch_size, target=args.target,
+                              tf32=_TF32[args.tf32], max_unzipped_mib=args.max_unzipped_mib)
     try:
-        report = check_file(str(path), batch_size=args.batch_size, target=args.target, tf32=_TF32[args.tf32])
+        report = run_deep(check, args.recursion_limit)
+    except ArchiveTooLargeError as exc:
+        return _fail(err, f"{exc}; --max-unzipped-mib sets the limit")
+    except ModelTooDeepError as exc:
+        return _fail(err, f"{path}: loading and tracing the model needs more than --recursion-limit "
+                          f"{exc.limit} Python frames (it is nested too deeply for that); raise it, for "
+                          f"example --recursion-limit {exc.limit * 4}")
     except Exception as exc:  # a corrupt or unloadable model file is bad input, not a crash
         return _fail(err, f"{path} is not a model this check can read ({type(exc).__name__}: {exc})")
     status, line = _status_line(report, args.fail_on)

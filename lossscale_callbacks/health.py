@@ -247,19 +247,42 @@ class ScaleOnlyDecreases:
         _check_positive_int("during_steps", self.during_steps)
         _check_action(self.action)
 
+    # The last look at a history, carried forward when the history only gained its newest snapshot
+    # (and, when full, lost its oldest): a scale that never grows again (held at max_scale) would
+    # otherwise cost a scan of the whole history at every read, quadratic over a replayed run.
+    # Not part of the rule: the verdicts are those of a full scan (tests compare them).
+    _memo: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+
+    def _backoffs_since_growth(self, history: Sequence[Snapshot]) -> int | None:
+        """Backoffs after the history's last growth, or None when the history holds a growth."""
+        memo = self._memo
+        if memo and memo[0] == id(history) and len(history) >= 2:
+            _, first, second, last, grew_from, backoffs = memo
+            if history[-1] is last and history[0] is first:
+                return None if grew_from is not None else backoffs
+            if history[-2] is last and (history[0] is first or history[0] is second):
+                if history[0] is not first:  # the oldest snapshot left a full history
+                    if grew_from is first:
+                        grew_from = None
+                    elif grew_from is None and second.step > first.step and second.scale < first.scale:
+                        backoffs -= 1
+                newest = history[-1]
+                if newest.step > last.step and newest.scale > last.scale:
+                    grew_from, backoffs = last, 0
+                elif newest.step > last.step and newest.scale < last.scale:
+                    backoffs += 1
+                memo[1:] = [history[0], history[1], newest, grew_from, backoffs]
+                return None if grew_from is not None else backoffs
+        grew_from, backoffs = _last_growth(history)
+        memo[:] = [id(history), history[0], history[1] if len(history) > 1 else None, history[-1], grew_from,
+                   backoffs]
+        return None if grew_from is not None else backoffs
+
     def _judge(self, history: Sequence[Snapshot], min_steps: int) -> Verdict | None:
         if not history or history[-1].step < min_steps:
             return None
-        # Newest first: a healthy run's last growth is found within a few snapshots.
-        backoffs = 0
-        later = None
-        for snap in reversed(history):
-            if later is not None and later.step > snap.step:
-                if later.scale > snap.scale:
-                    return None
-                backoffs += later.scale < snap.scale
-            later = snap
-        if backoffs < self.min_backoffs:
+        backoffs = self._backoffs_since_growth(history)
+        if backoffs is None or backoffs < self.min_backoffs:
             return None
         last = history[-1]
         return Verdict(
@@ -286,6 +309,20 @@ class ScaleOnlyDecreases:
             return None
         return (f"whether the scale recovers could not be judged before {self.min_steps} steps "
                 f"(the run has {steps})")
+
+
+def _last_growth(history: Sequence[Snapshot]) -> tuple[Snapshot | None, int]:
+    """The snapshot the history's last growth started from (None if it never grew), and the backoffs
+    after that growth. Newest first: a healthy run's last growth is found within a few snapshots."""
+    backoffs = 0
+    later = None
+    for snap in reversed(history):
+        if later is not None and later.step > snap.step:
+            if later.scale > snap.scale:
+                return snap, backoffs
+            backoffs += later.scale < snap.scale
+        later = snap
+    return None, backoffs
 
 
 def default_rules(action: str = "warn", growth_interval: int | None = None,

@@ -16,7 +16,9 @@ from repo_scripts import load_script
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import metrics as m
 from lossscale_callbacks.cli import main
-from lossscale_callbacks.report import available_readers, build_report, write_png
+from lossscale_callbacks.run_picture import write_png
+from lossscale_callbacks.run_readers import available_readers
+from lossscale_callbacks.run_report import build_report
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.wandb import WandbSink
 from lossscale_callbacks.wandb.reader import wait_until_finished
@@ -48,6 +50,13 @@ def expected_numbers(written):
         "max_scale_seen": max(scales),
         "log_points": len(written),
     }
+
+
+def the_read_run(out: str) -> dict:
+    """The one run of a ``--json`` output that was read (every run found is listed, read or not)."""
+    payload = json.loads(out)
+    (run,) = [r for r in payload["runs"] if r["status"] == "read"]
+    return {**run, "png": payload["png"]}
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -86,7 +95,7 @@ def test_report_on_a_tensorboard_run_prints_the_summary_and_writes_a_png(tensorb
 def test_json_numbers_equal_the_written_ones(tensorboard_run, capsys):
     folder, written = tensorboard_run
     assert main(["report", str(folder), "--json"]) == 0
-    payload = json.loads(capsys.readouterr().out)
+    payload = the_read_run(capsys.readouterr().out)
     for key, value in expected_numbers(written).items():
         assert payload[key] == value, key
     assert payload["reader"] == "tensorboard" and payload["healthy"] is True and payload["verdicts"] == []
@@ -101,7 +110,7 @@ def test_report_on_a_wandb_offline_run(tmp_path, capsys):
     (run_file,) = run_dir.glob("*.wandb")
     for path in (tmp_path, tmp_path / "wandb", run_dir, run_file):
         assert main(["report", str(path), "--json"]) == 0
-        payload = json.loads(capsys.readouterr().out)
+        payload = the_read_run(capsys.readouterr().out)
         assert payload["reader"] == "wandb"
         for key, value in expected_numbers(written).items():
             assert payload[key] == value, (path, key)
@@ -213,7 +222,7 @@ def test_the_console_script_gives_no_traceback(tensorboard_run, tmp_path):
     good = subprocess.run([str(CLI), "report", str(folder), "--json"], capture_output=True, text=True,
                           timeout=60)
     assert good.returncode == 0, good.stderr
-    assert json.loads(good.stdout)["steps"] == written[-1][0]
+    assert the_read_run(good.stdout)["steps"] == written[-1][0]
 
 
 def test_keras_tensorboard_callback_tags_are_understood(tmp_path, capsys):
@@ -229,7 +238,7 @@ def test_keras_tensorboard_callback_tags_are_understood(tmp_path, capsys):
     validation.write(1, {"epoch_loss": 0.2})
     validation.close()
     assert main(["report", str(tmp_path / "logs"), "--json"]) == 0
-    payload = json.loads(capsys.readouterr().out)
+    payload = the_read_run(capsys.readouterr().out)
     assert (payload["steps"], payload["skipped_steps"], payload["final_scale"]) == (30, 1, 2.0**30)
 
     only_epochs = TensorBoardSink(tmp_path / "epochs")
@@ -287,7 +296,7 @@ def test_report_on_a_keras_run(tmp_path, capsys):
     for path in (log_dir, log_dir / "train"):
         png = tmp_path / "keras.png"
         assert main(["report", str(path), "--json", "--png", str(png)]) == 0
-        payload = json.loads(capsys.readouterr().out)
+        payload = the_read_run(capsys.readouterr().out)
         assert payload["steps"] == step and payload["skipped_steps"] == int(last[m.SKIPPED_STEPS])
         assert payload["final_scale"] == last[m.SCALE] and payload["log_points"] == len(ours)
         png_size(png)
@@ -334,7 +343,7 @@ def test_report_on_a_lightning_run(tmp_path, capsys):
     png = tmp_path / "lightning.png"
     for path in (tmp_path / "tb", logger.log_dir):
         assert main(["report", str(path), "--json", "--png", str(png)]) == 0
-        payload = json.loads(capsys.readouterr().out)
+        payload = the_read_run(capsys.readouterr().out)
         assert payload["steps"] == state.steps and payload["skipped_steps"] == state.skipped_steps
         assert payload["final_scale"] == state.scale and payload["log_points"] == 10
         png_size(png)

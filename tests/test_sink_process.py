@@ -82,7 +82,9 @@ def test_a_disabled_sink_still_closes_its_backend_quietly(clean_env):
 def test_the_core_report_and_cli_import_no_framework_or_dashboard_package():
     code = (
         "import sys\n"
-        "import lossscale_callbacks.cli, lossscale_callbacks.report\n"
+        "import lossscale_callbacks.cli, lossscale_callbacks.report_cli, lossscale_callbacks.run_report\n"
+        "import lossscale_callbacks.run_readers, lossscale_callbacks.run_discovery\n"
+        "import lossscale_callbacks.run_picture\n"
         "import lossscale_callbacks.ranks, lossscale_callbacks.sinks, lossscale_callbacks.at_exit\n"
         "heavy = ('tensorflow', 'torch', 'keras', 'lightning', 'pytorch_lightning', 'wandb', 'tensorboard',"
         " 'matplotlib')\n"

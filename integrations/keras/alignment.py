@@ -28,6 +28,7 @@ import contextlib
 import functools
 import math
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,12 @@ from lossscale_callbacks.alignment.records import (
 from lossscale_callbacks.alignment.report import AlignmentReport
 from lossscale_callbacks.alignment.rules import analyze, warn_if_nothing_checked
 from lossscale_callbacks.alignment.targets import get_target
+from lossscale_callbacks.check_limits import (
+    DEFAULT_MAX_UNZIPPED_MIB,
+    ModelTooDeepError,
+    check_archive,
+    check_batch_size,
+)
 
 _ONLY_TENSORFLOW = (
     "the Keras alignment check traces TensorFlow graphs and supports KERAS_BACKEND='tensorflow' only. "
@@ -536,8 +543,27 @@ def check_alignment(model, sample: Any = None, *, batch_size: int = 8, target: s
                                    "'mixed_float16') (or 'mixed_bfloat16'), as you train it")
 
 
-def check_model_file(path: str, *, batch_size: int = 8, target: str | None = None,
-                     tf32: bool | None = None) -> AlignmentReport:
-    """Load a ``.keras`` file (without compiling) and check it: the ``lossscale-callbacks check`` command."""
-    model = keras.saving.load_model(path, compile=False)
-    return check_alignment(model, batch_size=batch_size, target=target, tf32=tf32)
+def check_model_file(path: str, *, batch_size: int = 8, target: str | None = None, tf32: bool | None = None,
+                     max_unzipped_mib: float = DEFAULT_MAX_UNZIPPED_MIB) -> AlignmentReport:
+    """Load a ``.keras`` file (without compiling) and check it: the ``lossscale-callbacks check`` command.
+
+    The file is looked at before Keras loads it (see :mod:`lossscale_callbacks.check_limits`): an
+    archive that would inflate to more than ``max_unzipped_mib`` MiB is refused, and so is a batch
+    size TensorFlow cannot trace. A model nested deeper than Python's recursion limit allows is a
+    :class:`~lossscale_callbacks.check_limits.ModelTooDeepError`; run the check through
+    :func:`~lossscale_callbacks.check_limits.run_deep` (as the command does) for a higher limit.
+
+    Raises:
+        ValueError: ``batch_size`` out of range.
+        ArchiveTooLargeError: the archive would inflate to more than the limit, or than it declares.
+        ModelTooDeepError: the model needs more Python frames than the recursion limit.
+    """
+    check_batch_size(batch_size)
+    check_archive(path, max_unzipped_mib)
+    try:
+        model = keras.saving.load_model(path, compile=False)
+        return check_alignment(model, batch_size=batch_size, target=target, tf32=tf32)
+    except RecursionError as exc:
+        limit = sys.getrecursionlimit()
+        raise ModelTooDeepError(f"{path}: loading and tracing the model needs more than Python's recursion "
+                                f"limit of {limit} frames", limit) from exc

@@ -37,7 +37,7 @@ from typing import Any
 from wandb.proto import wandb_internal_pb2
 
 from lossscale_callbacks.metrics import SCALE
-from lossscale_callbacks.report import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
+from lossscale_callbacks.run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
 
 __all__ = [
     "RunInfo",
@@ -271,7 +271,10 @@ def read_run_info(path: str) -> RunInfo:
 
 
 def read_run(path: str) -> dict[str, list[tuple[int, float]]]:
-    """The history of a W&B offline run: every numeric metric, by name, sorted by step.
+    """The history of a W&B offline run: every numeric metric, by name, in the order logged.
+
+    A restarted run's steps go back (an old checkpoint loaded, a new scaler); the order is kept so
+    that the report can tell the restarts apart.
 
     The step of a value is its ``step_metric`` (from ``define_metric``) in the same row when
     it has one, else W&B's ``_step``. W&B's own keys (``_step``, ``_runtime``, ``_timestamp``)
@@ -295,8 +298,6 @@ def read_run(path: str) -> dict[str, list[tuple[int, float]]]:
             if step is None or not math.isfinite(step):
                 continue
             series.setdefault(name, []).append((int(step), value))
-    for points in series.values():
-        points.sort(key=lambda p: p[0])  # stable: one step's values keep their order of writing
     # The policy is in the run config (written once); older runs logged the bounds as series.
     policy = info.config.get("loss_scale")
     if isinstance(policy, dict) and series.get(SCALE):
