@@ -19,6 +19,7 @@ MODULES = {
     "accelerate": ["lossscale_callbacks.accelerate", "lossscale_callbacks.accelerate.install",
                    "lossscale_callbacks.accelerate.monitor", "lossscale_callbacks.accelerate.reading",
                    "lossscale_callbacks.accelerate.trackers"],
+    "transformers": ["lossscale_callbacks.transformers", "lossscale_callbacks.transformers.callback"],
     "tensorflow": ["lossscale_callbacks.keras.alignment", "lossscale_callbacks.keras.optimizer",
                    "lossscale_callbacks.keras.arguments", "lossscale_callbacks.keras.seed_api",
                    "lossscale_callbacks.keras.state_variables", "lossscale_callbacks.keras.backend_steps",
