@@ -152,7 +152,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         if self.installs and scaler is not self.scaler:
             raise RuntimeError("the Trainer replaced its Accelerator (and the scaler installed in it) after "
                                "attach(); attach the callback again after that")
-        self._close_loop()
+        self._close_owned_sinks()  # left open by a train() that raised
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             self._warn_no_scaler(args, state)
             return
@@ -160,6 +160,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.source.start_at(state.global_step)
         self._read_at = state.global_step
         self._stop_requested = False
+        self.summary = None
         self.loop = LoggingLoop(self.source.policy, sinks=self._sinks, health=self.health,
                                 writer=bool(state.is_world_process_zero), stop=self._request_stop,
                                 echo=self.echo)
@@ -204,7 +205,7 @@ class LossScaleTrainerCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.source is None or self.loop is None:
+        if self.source is None or self.loop is None or self.summary is not None:
             return
         if state.global_step > self._read_at:
             # Steps after the last log event (none when the Trainer logged at its last step).
@@ -212,9 +213,8 @@ class LossScaleTrainerCallback(TrainerCallback):
             self.loop.observe(self.source.read(), sink_step=state.global_step,
                               forensics=self.source.read_forensics())
         self.summary = self.loop.finish()
-        self._close_loop()
+        self._close_owned_sinks()
 
-    def _close_loop(self) -> None:
+    def _close_owned_sinks(self) -> None:
         for sink in self._owned:
             GuardedSink(sink).close()
-        self.loop = None
