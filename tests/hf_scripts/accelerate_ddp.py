@@ -33,6 +33,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from hf_scripts import tiny_accelerate as tiny  # noqa: E402
 from hf_scripts import tiny_trainer  # noqa: E402
+from lightning_scripts.tiny import exit_cleanly  # noqa: E402
 
 from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
 from lossscale_callbacks.transformers.callback import LossScaleTrainerCallback  # noqa: E402
@@ -101,7 +102,7 @@ def main() -> None:
     for name, result in results.items():
         with open(os.path.join(args.out, f"{name}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    tiny.exit_cleanly()
+    exit_cleanly()
 
 
 if __name__ == "__main__":

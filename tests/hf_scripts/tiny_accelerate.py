@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 import torch
@@ -118,14 +117,3 @@ def run(accelerator: Accelerator, setup: Setup, *, first: int = 0, save_at: int 
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
 
-
-def exit_cleanly() -> None:
-    """End a distributed script without the interpreter's teardown (see lightning_scripts/tiny.py)."""
-    import sys
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
