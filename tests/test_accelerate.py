@@ -12,6 +12,8 @@ import glob
 import itertools
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -147,6 +149,16 @@ def test_distributed_types_that_scale_themselves_are_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"supports the distributed types NO, MULTI_CPU, MULTI_GPU; this "
                                          r"accelerator runs DEEPSPEED"):
         install_loss_scaler(accelerator)
+
+
+def test_without_accelerate_the_import_names_the_extra():
+    # A fresh interpreter where `import accelerate` fails, as where the package is not installed.
+    code = ("import sys; sys.modules['accelerate'] = None\n"
+            "try:\n    import lossscale_callbacks.accelerate\n"
+            "except ImportError as exc:\n    print(type(exc).__name__, exc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("MissingExtraError lossscale_callbacks.accelerate needs the 'accelerate' package")
+    assert 'pip install "lossscale-callbacks[accelerate]"' in out
 
 
 # ----------------------------------------------------------------- bit-identical to GradScaler

@@ -10,6 +10,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -220,6 +222,16 @@ def test_installing_needs_fp16_and_must_come_before_training(tmp_path):
     trainer.train()
     with pytest.raises(RuntimeError, match=r"before accelerator\.prepare"):
         LossScaleTrainerCallback(policy=POLICY).attach(trainer)
+
+
+@pytest.mark.parametrize("hidden", ["transformers", "accelerate"])
+def test_without_its_packages_the_import_names_the_extra(hidden):
+    code = (f"import sys; sys.modules[{hidden!r}] = None\n"
+            "try:\n    import lossscale_callbacks.transformers\n"
+            "except ImportError as exc:\n    print(type(exc).__name__, exc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith(f"MissingExtraError lossscale_callbacks.transformers needs the {hidden!r} package")
+    assert 'pip install "lossscale-callbacks[transformers]"' in out
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

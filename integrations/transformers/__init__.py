@@ -15,6 +15,7 @@ from __future__ import annotations
 from lossscale_callbacks.extras import require
 
 require("transformers", "transformers", feature="lossscale_callbacks.transformers")
+require("accelerate", "transformers", feature="lossscale_callbacks.transformers")  # the Trainer runs on it
 
 from lossscale_callbacks.transformers.callback import LossScaleTrainerCallback  # noqa: E402
 
