@@ -82,10 +82,12 @@ def install_loss_scaler(accelerator: Accelerator, scaler: torch.amp.GradScaler |
     then on the loop is Accelerate's own: ``accelerator.backward`` scales the loss, the prepared
     optimizer's ``step`` unscales, skips a step with Inf/NaN gradients and updates the scale,
     ``accelerator.clip_grad_norm_`` unscales first, ``accelerator.accumulate`` steps once per cycle,
-    the prepared scheduler is held on skipped steps, and ``save_state``/``load_state`` carry the
-    scaler (its policy and counters with ours). On the CPU it also switches on what Accelerate
-    leaves off there (fp16 autocast around the prepared model's forward and the unscaling in
-    ``clip_grad_norm_``); see the module docstring for the two attributes it sets and why.
+    the prepared scheduler is held on skipped steps (not with a fused optimizer, which skips on the
+    device where Accelerate cannot see it: the same as with GradScaler), and
+    ``save_state``/``load_state`` carry the scaler (its policy and counters with ours). On the CPU
+    it also switches on what Accelerate leaves off there (fp16 autocast around the prepared model's
+    forward and the unscaling in ``clip_grad_norm_``); see the module docstring for the two
+    attributes it sets and why.
 
     Without ``scaler`` a :class:`~lossscale_callbacks.torch.LossScaler` is made with ``policy``, or
     else with the settings of the accelerator's ``GradScalerKwargs`` handler, or else GradScaler's

@@ -34,6 +34,7 @@ class Setup:
     clip: bool = False
     inject_at: tuple[int, ...] = (2, 3, 7)
     log_every: int = 4
+    fused: bool = False  # Adam(fused=True), which skips on the device, instead of SGD with momentum
     monitor_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -64,10 +65,11 @@ def make_accelerator(setup: Setup, **kwargs: Any) -> Accelerator:
     return accelerator
 
 
-def model_and_data(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any]:
+def model_and_data(seed: int = 0, fused: bool = False) -> tuple[torch.nn.Module, Any, Any, Any]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if fused
+                 else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(256, 8, generator=g)
@@ -79,8 +81,7 @@ def run(accelerator: Accelerator, setup: Setup, *, first: int = 0, save_at: int 
         save_dir: str | None = None, resume_from: str | None = None) -> tuple[list[Record], Any]:
     """Train optimizer steps ``first`` .. ``setup.steps - 1``; optionally save after ``save_at`` steps,
     or resume from ``resume_from`` (then ``first`` must be the step it was saved at)."""
-    model, optimizer, scheduler, data = model_and_data()
-    model, optimizer, scheduler, data = accelerator.prepare(model, optimizer, scheduler, data)
+    model, optimizer, scheduler, data = accelerator.prepare(*model_and_data(fused=setup.fused))
     monitor = AccelerateLossScaleMonitor(accelerator, log_every=setup.log_every,
                                          **{"echo": None, **setup.monitor_kwargs})
     accelerator.register_for_checkpointing(monitor)
