@@ -214,6 +214,17 @@ def test_attach_is_required_and_checked(tmp_path):
         callback.attach(tiny.trainer(str(tmp_path), max_steps=2))
 
 
+def test_attaching_twice_installs_once_more_and_keeps_one_callback(tmp_path):
+    trainer = tiny.trainer(str(tmp_path), max_steps=2, report_to=[])
+    callback = callback_for("ours", echo=None)
+    first = callback.attach(trainer).installed
+    second = callback.attach(trainer).installed
+    assert first is not second and trainer.accelerator.scaler is second and second.policy == POLICY
+    assert trainer.callback_handler.callbacks.count(callback) == 1
+    trainer.train()
+    assert callback.loop.last.step == 2
+
+
 def test_installing_needs_fp16_and_must_come_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"needs TrainingArguments\(fp16=True\)"):
         LossScaleTrainerCallback(policy=POLICY).attach(tiny.trainer(str(tmp_path), fp16=False))

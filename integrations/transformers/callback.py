@@ -76,6 +76,11 @@ class LossScaleTrainerCallback(TrainerCallback):
         sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
         echo: prints the summary on the main process (``None``: silent).
 
+    Attributes:
+        installed: the scaler :meth:`attach` installed (``None`` when it reads the Trainer's own).
+        loop: the run's :class:`~lossscale_callbacks.LoggingLoop` (its ``last`` snapshot, ``verdicts``).
+        summary: the end-of-run summary, after training.
+
     Example:
         >>> from lossscale_callbacks.policy import DynamicPolicy
         >>> callback = LossScaleTrainerCallback(policy=DynamicPolicy(initial_scale=2.0**12), diagnose=True)
@@ -93,7 +98,8 @@ class LossScaleTrainerCallback(TrainerCallback):
             check_int("log_every", log_every)
         HealthMonitor.from_spec(health)  # validated now, with the caller's argument name in the message
         self.policy = policy
-        self.scaler = scaler
+        self._given_scaler = scaler
+        self.installed: torch.amp.GradScaler | None = None
         self.log_every = log_every
         self.health = health
         self.echo = echo
@@ -108,7 +114,7 @@ class LossScaleTrainerCallback(TrainerCallback):
     @property
     def installs(self) -> bool:
         """Whether :meth:`attach` installs a scaler (``policy``, ``diagnose`` or ``scaler`` given)."""
-        return self.policy is not None or bool(self.diagnose) or self.scaler is not None
+        return self.policy is not None or bool(self.diagnose) or self._given_scaler is not None
 
     def attach(self, trainer: Trainer) -> LossScaleTrainerCallback:
         """Add this callback to ``trainer`` (before ``trainer.train()``), installing the scaler if asked.
@@ -131,10 +137,10 @@ class LossScaleTrainerCallback(TrainerCallback):
             if not trainer.args.fp16:
                 raise ValueError("LossScaleTrainerCallback(policy=/diagnose=/scaler=) installs a float16 "
                                  "loss scaler: it needs TrainingArguments(fp16=True)")
-            self.scaler = install_loss_scaler(trainer.accelerator, self.scaler, policy=self.policy,
-                                              diagnose=self.diagnose)
+            self.installed = install_loss_scaler(trainer.accelerator, self._given_scaler, policy=self.policy,
+                                                 diagnose=self.diagnose)
             if self.diagnose:
-                self.scaler.watch(trainer.model)
+                self.installed.watch(trainer.model)
         callbacks = trainer.callback_handler.callbacks
         if self in callbacks:
             callbacks.remove(self)
@@ -151,7 +157,7 @@ class LossScaleTrainerCallback(TrainerCallback):
             raise RuntimeError("LossScaleTrainerCallback was given to the Trainer without attach(): use "
                                "LossScaleTrainerCallback(...).attach(trainer) instead of callbacks=[...]")
         scaler = trainer.accelerator.scaler
-        if self.installs and scaler is not self.scaler:
+        if self.installs and scaler is not self.installed:
             raise RuntimeError("the Trainer replaced its Accelerator (and the scaler installed in it) after "
                                "attach(); attach the callback again after that")
         self._close_owned_sinks()  # left open by a train() that raised
