@@ -382,32 +382,46 @@ def test_monitor_arguments_and_missing_scaler_are_refused():
     with pytest.raises(ValueError, match=r"accelerator must be an accelerate\.Accelerator"):
         AccelerateLossScaleMonitor(None)
     monitor = AccelerateLossScaleMonitor(accelerator, echo=None)
-    with pytest.raises(RuntimeError, match=r"after optimizer\.step\(\) of an optimizer returned by"):
-        monitor.step()  # nothing prepared: no optimizer step can have happened
-    accelerator.prepare(*linear_and_sgd())
+    with pytest.raises(RuntimeError, match=r"has not scaled any loss yet"):
+        monitor.step()  # no loss scaled yet: no optimizer step can have happened
+    model, optimizer = accelerator.prepare(*linear_and_sgd())
+    accelerator.backward(model(torch.ones(2, 4)).float().mean())
+    optimizer.step()
     with pytest.raises(ValueError, match="log_step"):
         monitor.step(log_step=-1)
 
 
-def test_load_state_dict_checks_everything_before_it_changes_anything():
+def trained_monitor(scaler: torch.amp.GradScaler, steps: int) -> AccelerateLossScaleMonitor:
     accelerator = fp16_cpu()
-    scaler = install_loss_scaler(accelerator)
-    monitor = AccelerateLossScaleMonitor(accelerator, echo=None)
-    with pytest.raises(ValueError, match=r"expected the keys \['steps'\].*a LossScaler"):
-        monitor.load_state_dict({"steps": 0, "skipped_steps": 0})
-    with pytest.raises(ValueError, match=r"state\['steps'\]"):
-        monitor.load_state_dict({"steps": True})
-    with pytest.raises(ValueError, match=r"says 5 optimizer steps, but the scaler restored with it says 0"):
-        monitor.load_state_dict({"steps": 5})
-    scaler.load_state_dict({**scaler.state_dict(), "steps": 5})
-    monitor.load_state_dict({"steps": 5})
-    assert monitor.loop.last.step == 5  # the baseline: the next interval covers only its own steps
+    install_loss_scaler(accelerator, scaler)
+    model, optimizer = accelerator.prepare(*linear_and_sgd())
+    monitor = AccelerateLossScaleMonitor(accelerator, log_every=100, trackers=False, echo=None)
+    for step in range(steps):
+        accelerator.backward(model(torch.ones(2, 4)).float().mean())
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+    return monitor
+
+
+@pytest.mark.parametrize("kind", ["ours", "stock"])
+def test_load_state_dict_checks_everything_before_it_changes_anything(kind):
+    make = (lambda: LossScaler("cpu", init_scale=64.0)) if kind == "ours" else (
+        lambda: torch.amp.GradScaler("cpu", init_scale=64.0))
+    saved = trained_monitor(make(), 3).state_dict()
+    assert saved["steps"] == 3 and (kind == "ours" or saved["stock"] == {"steps": 3, "skipped_steps": 1})
     tiny.reset_accelerate()
-    stock_accelerator = fp16_cpu()
-    install_loss_scaler(stock_accelerator, torch.amp.GradScaler("cpu"))
-    monitor = AccelerateLossScaleMonitor(stock_accelerator, echo=None)
-    with pytest.raises(ValueError, match=r"0 <= skipped_steps <= steps"):
-        monitor.load_state_dict({"steps": 3, "skipped_steps": 4})
-    assert monitor.state_dict() == {"steps": 0, "skipped_steps": 0}
-    monitor.load_state_dict({"steps": 3, "skipped_steps": 2})
-    assert monitor.state_dict() == {"steps": 3, "skipped_steps": 2}
+    monitor = trained_monitor(make(), 0)
+    before = monitor.state_dict()
+    bad_scale = {**saved, "scaler": {**saved["scaler"], "scale": float("nan")}}
+    for state, message in [({**saved, "extra": 1}, "unknown"), ({**saved, "steps": 7}, "disagrees"),
+                           (bad_scale, "scale"), ({**saved, "steps": True}, "steps")]:
+        with pytest.raises(ValueError, match=message):
+            monitor.load_state_dict(state)
+        assert monitor.state_dict() == before  # nothing was loaded
+    monitor.load_state_dict(saved)
+    assert monitor.state_dict() == saved
+    # The baseline: the next interval covers only its own steps.
+    assert (monitor.loop.last.step, monitor.loop.last.skipped_steps) == (3, 1)

@@ -112,7 +112,7 @@ def test_the_trainers_tensorboard_files_hold_the_scale_and_the_skips(tmp_path, k
         assert (state.scale, state.skipped_steps, state.steps) == (truth[12][0], len(INJECT), 12)
     else:
         assert type(scaler) is torch.amp.GradScaler and scaler.get_scale() == truth[12][0]
-        assert callback.source.read()["skipped_steps"] == len(INJECT)
+        assert callback.reader.read().skipped_steps == len(INJECT)
     out = capsys.readouterr().out
     assert callback.summary.startswith("Loss scaling: 12 optimizer steps, 3 skipped (25.00%)")
     assert callback.summary in out and "Health:" in callback.summary

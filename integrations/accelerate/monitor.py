@@ -11,13 +11,12 @@ from accelerate import Accelerator
 
 from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.accelerate.install import check_accelerator
-from lossscale_callbacks.accelerate.reading import ScalerSource, open_sinks
 from lossscale_callbacks.accelerate.trackers import TrackerSink
 from lossscale_callbacks.health import HealthSpec
 from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import Snapshot
 from lossscale_callbacks.sinks import GuardedSink, Sink
-from lossscale_callbacks.torch.stock import StockScalerReader
+from lossscale_callbacks.torch.reader import ScalerReader
 
 __all__ = ["AccelerateLossScaleMonitor"]
 
@@ -31,8 +30,9 @@ class AccelerateLossScaleMonitor:
     """Reads the accelerator's loss scaler once per interval; metrics to its trackers and our sinks.
 
     Works with the scaler that :func:`~lossscale_callbacks.accelerate.install_loss_scaler` put in
-    (ours, read directly) and with Accelerate's own ``torch.amp.GradScaler`` (``mixed_precision=
-    "fp16"`` on a GPU), whose skipped steps it counts on the device after each optimizer step. Call
+    (ours) and with Accelerate's own ``torch.amp.GradScaler`` (``mixed_precision="fp16"`` on a GPU),
+    whose skipped steps it counts on the device after each optimizer step; both are read through
+    :class:`~lossscale_callbacks.torch.reader.ScalerReader`, whose step count is the scaler's. Call
     :meth:`step` after every ``optimizer.step()``; in an ``accelerator.accumulate`` loop the calls
     of the accumulation steps are not counted (``accelerator.sync_gradients`` is false there), so
     the count is the optimizer steps attempted, skipped ones included. The state is read from the
@@ -43,9 +43,9 @@ class AccelerateLossScaleMonitor:
     out of the loop when it is true), the summary printed at the end.
 
     To resume, register the monitor with ``accelerator.register_for_checkpointing(monitor)``:
-    ``save_state``/``load_state`` then carry its step count (and a stock scaler's skipped steps,
-    which ``GradScaler`` does not checkpoint), and the first interval after a resume counts only
-    its own steps.
+    ``save_state``/``load_state`` then carry its state (the scaler's state and step count, and a
+    stock scaler's skipped steps, which ``GradScaler`` does not checkpoint), checked through the
+    core's state gate, and the first interval after a resume counts only its own steps.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose scaler is read.
@@ -89,21 +89,27 @@ class AccelerateLossScaleMonitor:
                  wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = (),
                  echo: Any = print) -> None:
         check_accelerator(accelerator)
-        check_int("log_every", log_every)
         check_bool("trackers", trackers)
         scaler = accelerator.scaler
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             raise ValueError(_NO_SCALER)
-        all_sinks, self._owned = open_sinks(tensorboard, wandb, sinks)
-        if trackers:
-            all_sinks.insert(0, GuardedSink(TrackerSink(accelerator), name="Accelerate trackers"))
         self.accelerator = accelerator
-        self.source = ScalerSource(scaler)
+        self.reader = ScalerReader(scaler)
         self.should_stop = False
-        self.summary: str | None = None
-        self.loop = LoggingLoop(self.source.policy, sinks=all_sinks, health=health,
-                                writer=bool(accelerator.is_main_process), every_steps=log_every,
+        self._started = False
+        self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
+                                sinks=sinks, health=health, writer=bool(accelerator.is_main_process),
                                 stop=self._stop, echo=echo)
+        if trackers:
+            # Accelerate's trackers join the run like a trainer's loggers: written and flushed, never
+            # closed by the loop (accelerator.end_training() closes them).
+            self.loop.start(sinks=[GuardedSink(TrackerSink(accelerator), name="Accelerate trackers")])
+        self.loop.restart_interval(self.reader.steps)
+
+    @property
+    def summary(self) -> str | None:
+        """The end-of-run summary (after :meth:`finish`)."""
+        return self.loop.summary
 
     def _stop(self) -> None:
         self.should_stop = True
@@ -119,17 +125,23 @@ class AccelerateLossScaleMonitor:
         Returns:
             The interval's :class:`~lossscale_callbacks.metrics.Snapshot` when it read the scaler
             (one host read), else ``None`` (no host read).
+
+        Raises:
+            RuntimeError: the scaler has not scaled a loss yet, so no optimizer step was taken.
         """
         if log_step is not None:
             check_int("log_step", log_step, minimum=0)
-        if not self.accelerator._optimizers:
-            raise RuntimeError("monitor.step() counts optimizer steps: call it after optimizer.step() of an "
-                               "optimizer returned by accelerator.prepare")
+        if not self._started:
+            if not self.reader.started:
+                raise RuntimeError("AccelerateLossScaleMonitor.step() counts an optimizer step, but the loss "
+                                   "scaler has not scaled any loss yet: call it after optimizer.step(), once "
+                                   "accelerator.backward(loss) ran")
+            self._started = True
         if not self.accelerator.sync_gradients:
             return None  # an accumulation step: the prepared optimizer did not step
-        self.source.after_optimizer_step()
-        return self.loop.maybe_observe(self.source.steps, self.source.read, sink_step=log_step,
-                                       read_forensics=self.source.read_forensics)
+        self.reader.after_optimizer_step()  # device ops only for a stock scaler, no host read
+        return self.loop.maybe_observe(self.reader.steps, self.reader.read, sink_step=log_step,
+                                       read_forensics=self.reader.read_forensics)
 
     def finish(self) -> str:
         """End of training: one last read, the summary (printed on the main process, returned everywhere).
@@ -137,43 +149,28 @@ class AccelerateLossScaleMonitor:
         Closes the sinks made from ``tensorboard=``/``wandb=``; the trackers are Accelerate's to
         close (``accelerator.end_training()``).
         """
-        self.summary = self.loop.finish(self.source.read())
-        for sink in self._owned:
-            GuardedSink(sink).close()
-        return self.summary
+        return self.loop.finish(self.reader.read())
 
     # -------------------------------------------------------------------------------- checkpoints
 
-    def state_dict(self) -> dict[str, int]:
-        """The step count (and a stock scaler's skipped steps), for ``register_for_checkpointing``. One host
-        read with a stock scaler."""
-        if self.source.stock is not None:
-            return self.source.stock.state_dict()
-        return {"steps": self.source.steps}
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state and the step count (and a stock scaler's skipped steps, which GradScaler does
+        not keep), for ``accelerator.register_for_checkpointing``. One host read."""
+        return self.reader.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: checked whole before anything changes.
+        """Continue from :meth:`state_dict`, checked whole (the core's state gate) before anything changes.
 
-        ``accelerator.load_state`` loads the scaler before the registered objects, so our scaler's
-        own step count is already restored here and must agree with the saved one.
+        ``accelerator.load_state`` loads the scaler (``scaler.pt``) before the registered objects, so
+        the scaler part loaded here is the same state again; a ``steps`` that disagrees with it, or
+        a state saved with the other kind of scaler, is refused. The logging loop then judges
+        against the loaded policy, from the loaded step on.
 
         Raises:
-            ValueError: not a state of this monitor's kind of scaler, or one that disagrees with the scaler.
+            ValueError: naming the key or field; nothing was loaded.
         """
-        keys = {"steps", "skipped_steps"} if self.source.stock is not None else {"steps"}
-        if not isinstance(state, Mapping) or set(state) != keys:
-            raise ValueError(f"state: expected the keys {sorted(keys)} of this monitor's state_dict() (saved "
-                             f"with {'a stock GradScaler' if self.source.stock else 'a LossScaler'}), got "
-                             f"{state!r}")
-        steps = check_int("state['steps']", state["steps"], minimum=0, maximum=2**62)
-        if self.source.stock is not None:
-            StockScalerReader.check_state(dict(state))
-            self.source.stock.load_state_dict(dict(state))
-            self.source.steps = steps
-        elif (restored := self.source.scaler.get_state().steps) != steps:
-            raise ValueError(f"state: the checkpoint says {steps} optimizer steps, but the scaler restored "
-                             f"with it says {restored}; load the monitor with the scaler saved with it "
-                             "(accelerator.load_state restores both)")
-        if steps:
-            # One read now, not a step: the first interval after resuming covers only its own steps.
-            self.loop.baseline(self.source.read())
+        self.reader.load_state_dict(state)
+        self.loop.set_policy(self.reader.policy)
+        self.loop.restart_interval(self.reader.steps)
+        # One read now, not a step: the first interval after resuming covers only its own steps.
+        self.loop.baseline(self.reader.read())

@@ -11,14 +11,13 @@ from typing import Any
 import torch
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
-from lossscale_callbacks._validation import check_int
 from lossscale_callbacks.accelerate.install import install_loss_scaler
-from lossscale_callbacks.accelerate.reading import ScalerSource, open_sinks
 from lossscale_callbacks.forensics import check_diagnose
-from lossscale_callbacks.health import HealthMonitor, HealthSpec
+from lossscale_callbacks.health import HealthSpec
 from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.policy import Policy
-from lossscale_callbacks.sinks import GuardedSink, Sink
+from lossscale_callbacks.policy import Policy, check_policy
+from lossscale_callbacks.sinks import Sink
+from lossscale_callbacks.torch.reader import ScalerReader
 
 __all__ = ["LossScaleTrainerCallback"]
 
@@ -78,8 +77,9 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     Attributes:
         installed: the scaler :meth:`attach` installed (``None`` when it reads the Trainer's own).
-        loop: the run's :class:`~lossscale_callbacks.LoggingLoop` (its ``last`` snapshot, ``verdicts``).
-        summary: the end-of-run summary, after training.
+        loop: the :class:`~lossscale_callbacks.LoggingLoop` (its ``last`` snapshot, ``verdicts``).
+        reader: the :class:`~lossscale_callbacks.torch.reader.ScalerReader` of the Trainer's scaler
+            (from the start of training; ``None`` when the Trainer has none).
 
     Example:
         >>> from lossscale_callbacks.policy import DynamicPolicy
@@ -94,22 +94,23 @@ class LossScaleTrainerCallback(TrainerCallback):
                  wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = (),
                  echo: Any = print) -> None:
         self.diagnose = check_diagnose(diagnose)
-        if log_every is not None:
-            check_int("log_every", log_every)
-        HealthMonitor.from_spec(health)  # validated now, with the caller's argument name in the message
+        if policy is not None:
+            check_policy("policy", policy)
         self.policy = policy
         self._given_scaler = scaler
         self.installed: torch.amp.GradScaler | None = None
-        self.log_every = log_every
-        self.health = health
-        self.echo = echo
-        self._sinks, self._owned = open_sinks(tensorboard, wandb, sinks)
+        # Every argument checked now (tensorboard=/wandb= need their extras now, not when training starts).
+        self.loop = LoggingLoop(None, log_every=log_every, tensorboard=tensorboard, wandb=wandb, sinks=sinks,
+                                health=health, stop=self._request_stop, echo=echo)
+        self.reader: ScalerReader | None = None
         self._trainer: weakref.ref[Trainer] | None = None
-        self.source: ScalerSource | None = None
-        self.loop: LoggingLoop | None = None
-        self.summary: str | None = None
         self._read_at = 0
         self._stop_requested = False
+
+    @property
+    def summary(self) -> str | None:
+        """The end-of-run summary, after training."""
+        return self.loop.summary
 
     @property
     def installs(self) -> bool:
@@ -160,24 +161,21 @@ class LossScaleTrainerCallback(TrainerCallback):
         if self.installs and scaler is not self.installed:
             raise RuntimeError("the Trainer replaced its Accelerator (and the scaler installed in it) after "
                                "attach(); attach the callback again after that")
-        self._close_owned_sinks()  # left open by a train() that raised
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             self._warn_no_scaler(args, state)
             return
-        self.source = ScalerSource(scaler)
-        self.source.start_at(state.global_step)
+        self.reader = ScalerReader(scaler)
+        self.reader.count_from(state.global_step)  # a stock GradScaler checkpoints no count: from here
         self._read_at = state.global_step
         self._stop_requested = False
-        self.summary = None
-        self.loop = LoggingLoop(self.source.policy, sinks=self._sinks, health=self.health,
-                                writer=bool(state.is_world_process_zero), stop=self._request_stop,
-                                echo=self.echo)
+        self.loop.start(policy=self.reader.policy, writer=bool(state.is_world_process_zero))
+        self.loop.restart_interval(state.global_step)
         if state.global_step > 0:
             # Resumed: one read now (not a step), so the first interval covers only its own steps.
-            self.loop.baseline(self.source.read())
+            self.loop.baseline(self.reader.read())
 
     def _warn_no_scaler(self, args: Any, state: Any) -> None:
-        self.source = None
+        self.reader = None
         if not state.is_world_process_zero:
             return
         why = ("TrainingArguments(fp16=True) on the CPU: Accelerate makes no scaler and no autocast there, "
@@ -190,22 +188,23 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._stop_requested = True
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.source is not None:
-            self.source.after_optimizer_step()  # a stock scaler's overflow, counted on the device
+        if self.reader is not None:
+            self.reader.after_optimizer_step()  # a stock scaler's overflow, counted on the device
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.source is not None and self.log_every is not None and state.global_step % self.log_every == 0:
+        # log_every asks the Trainer for a log event; the read itself happens in on_log.
+        if self.reader is not None and self.loop.log_every is not None and self.loop.due(state.global_step):
             control.should_log = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
-        if self.source is None or self.loop is None or logs is None or state.global_step <= self._read_at:
+        if self.reader is None or logs is None or state.global_step <= self._read_at:
             return
         if any(key.startswith(_EVALUATION_PREFIXES) for key in logs):
             return
         self._read_at = state.global_step
-        forensics = self.source.read_forensics()
-        snapshot = self.loop.observe(self.source.read(), sink_step=state.global_step, forensics=forensics)
+        forensics = self.reader.read_forensics()
+        snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
         logs.update(snapshot.metrics())
         if forensics is not None:
             logs.update(forensics.metrics())
@@ -213,16 +212,11 @@ class LossScaleTrainerCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.source is None or self.loop is None or self.summary is not None:
+        if self.reader is None or self.loop.summary is not None:
             return
         if state.global_step > self._read_at:
             # Steps after the last log event (none when the Trainer logged at its last step).
             self._read_at = state.global_step
-            self.loop.observe(self.source.read(), sink_step=state.global_step,
-                              forensics=self.source.read_forensics())
-        self.summary = self.loop.finish()
-        self._close_owned_sinks()
-
-    def _close_owned_sinks(self) -> None:
-        for sink in self._owned:
-            GuardedSink(sink).close()
+            self.loop.observe(self.reader.read(), sink_step=state.global_step,
+                              forensics=self.reader.read_forensics())
+        self.loop.finish()  # prints the summary on the main process, closes the sinks it opened
