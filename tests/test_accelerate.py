@@ -351,6 +351,17 @@ def test_a_stop_rule_sets_should_stop_and_a_raise_rule_raises():
         tiny.run(tiny.make_accelerator(setup), setup)
 
 
+def train_with_an_overflow_at_step_1(accelerator: Accelerator, model: torch.nn.Module, optimizer,
+                                     monitor: AccelerateLossScaleMonitor, steps: int) -> None:
+    for step in range(steps):
+        accelerator.backward(model(torch.ones(2, 4)).float().sum())
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+
+
 def test_diagnose_names_the_layer_in_the_summary():
     accelerator = fp16_cpu()
     model, optimizer = linear_and_sgd()
@@ -358,13 +369,7 @@ def test_diagnose_names_the_layer_in_the_summary():
     model, optimizer = accelerator.prepare(model, optimizer)
     memory = InMemorySink()
     monitor = AccelerateLossScaleMonitor(accelerator, log_every=2, sinks=[memory], trackers=False, echo=None)
-    for step in range(4):
-        accelerator.backward(model(torch.ones(2, 4)).float().sum())
-        if step == 1:
-            model.weight.grad[0, 0] = float("inf")
-        optimizer.step()
-        optimizer.zero_grad()
-        monitor.step()
+    train_with_an_overflow_at_step_1(accelerator, model, optimizer, monitor, steps=4)
     assert memory.series("loss_scale/skips/grad_inf")[0] == (2, 1.0)
     assert "Linear" in monitor.finish() and "Forensics:" in monitor.summary
 
@@ -396,13 +401,7 @@ def trained_monitor(scaler: torch.amp.GradScaler, steps: int) -> AccelerateLossS
     install_loss_scaler(accelerator, scaler)
     model, optimizer = accelerator.prepare(*linear_and_sgd())
     monitor = AccelerateLossScaleMonitor(accelerator, log_every=100, trackers=False, echo=None)
-    for step in range(steps):
-        accelerator.backward(model(torch.ones(2, 4)).float().mean())
-        if step == 1:
-            model.weight.grad[0, 0] = float("inf")
-        optimizer.step()
-        optimizer.zero_grad()
-        monitor.step()
+    train_with_an_overflow_at_step_1(accelerator, model, optimizer, monitor, steps)
     return monitor
 
 
