@@ -30,11 +30,14 @@ FACES: dict[str, list[str]] = {
         "FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"],
     "lossscale_callbacks.tensorboard": ["TensorBoardSink"],
     "lossscale_callbacks.wandb": ["WandbSink"],
+    "lossscale_callbacks.accelerate": ["AccelerateLossScaleMonitor", "install_loss_scaler"],
+    "lossscale_callbacks.transformers": ["LossScaleTrainerCallback"],
 }
 # The outside package a face needs (its test is skipped where that is not installed).
 NEEDS = {"lossscale_callbacks.keras": "keras", "lossscale_callbacks.torch": "torch",
          "lossscale_callbacks.lightning": "lightning", "lossscale_callbacks.lightning.fabric": "lightning",
-         "lossscale_callbacks.tensorboard": "tensorboard", "lossscale_callbacks.wandb": "wandb"}
+         "lossscale_callbacks.tensorboard": "tensorboard", "lossscale_callbacks.wandb": "wandb",
+         "lossscale_callbacks.accelerate": "accelerate", "lossscale_callbacks.transformers": "transformers"}
 NOT_COUNTED = {"__version__"}
 MAX_NAMES = 40
 
@@ -72,7 +75,8 @@ MOVED: dict[str, list[str]] = {
     "lossscale_callbacks.wandb.sink": ["FINAL_SCALE", "OVERALL_SKIP_RATE", "STEP_METRIC",
                                        "TOTAL_SKIPPED_STEPS", "WandbOfflineWarning"],
 }
-FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard")
+FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
+              "accelerate", "transformers")
 
 
 def _package_dirs() -> tuple[list[str], dict[str, str]]:

@@ -1,0 +1,22 @@
+"""Hugging Face Transformers: the loss scale of a ``Trainer`` in the logs of its ``report_to`` integrations.
+
+``LossScaleTrainerCallback(...).attach(trainer)`` before ``trainer.train()``; with ``policy=`` or
+``diagnose=True`` it also installs our scaler (and makes ``fp16=True`` real on the CPU). Needs
+``pip install "lossscale-callbacks[transformers]"``.
+
+Example:
+    >>> from lossscale_callbacks.transformers import LossScaleTrainerCallback
+    >>> LossScaleTrainerCallback(log_every=50).installs
+    False
+"""
+
+from __future__ import annotations
+
+from lossscale_callbacks.extras import require
+
+require("transformers", "transformers", feature="lossscale_callbacks.transformers")
+require("accelerate", "transformers", feature="lossscale_callbacks.transformers")  # the Trainer runs on it
+
+from lossscale_callbacks.transformers.callback import LossScaleTrainerCallback  # noqa: E402
+
+__all__ = ["LossScaleTrainerCallback"]
