@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedType, GradScalerKwargs  # noqa: E402
 from hf_scripts import tiny_accelerate as tiny  # noqa: E402
 from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
+from report_json import the_read_run  # noqa: E402
 
 import lossscale_callbacks  # noqa: E402
 import lossscale_callbacks.accelerate  # noqa: E402
@@ -275,7 +275,7 @@ def test_the_monitor_writes_to_the_trackers_and_report_reads_them(tmp_path, kind
     assert monitor.summary in capsys.readouterr().out
     for folder in ("tracked", "ours_tb"):
         assert cli_main(["report", str(tmp_path / folder), "--json"]) == 0
-        payload = json.loads(capsys.readouterr().out)
+        payload = the_read_run(capsys.readouterr().out)
         assert (payload["steps"], payload["skipped_steps"], payload["final_scale"]) == (12, 3, 512.0)
 
 
@@ -313,8 +313,8 @@ def test_the_scaler_is_read_once_per_interval_and_never_in_a_step(kind):
             optimizer.step()
             optimizer.zero_grad()
             monitor.step()
-    read = [("cpu", "stock.py"), ("tolist", "stock.py")] if kind == "stock" else [("cpu", "scaler.py"),
-                                                                                 ("tolist", "scaler.py")]
+    where = "stock.py" if kind == "stock" else "update_paths.py"
+    read = [("cpu", where), ("tolist", where)]
     assert counter.reads == read * 2
     assert monitor.loop.last.skipped_steps == 1 and monitor.loop.last.step == 8
 

@@ -4,7 +4,6 @@ and ``report`` reads what they wrote."""
 from __future__ import annotations
 
 import glob
-import json
 
 import pytest
 
@@ -13,6 +12,7 @@ pytest.importorskip("transformers")
 
 from hf_scripts import tiny_accelerate
 from repo_scripts import load_script
+from report_json import the_read_run
 
 from lossscale_callbacks.cli import main as cli_main
 
@@ -29,7 +29,7 @@ def in_a_fresh_folder(tmp_path, monkeypatch):
 def _report(path, capsys) -> dict:
     capsys.readouterr()
     assert cli_main(["report", str(path), "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    return the_read_run(capsys.readouterr().out)
 
 
 def _step_lines(out: str) -> list[str]:

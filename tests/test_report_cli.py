@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import wandb
 from repo_scripts import load_script
+from report_json import the_read_run
 
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import metrics as m
@@ -50,13 +51,6 @@ def expected_numbers(written):
         "max_scale_seen": max(scales),
         "log_points": len(written),
     }
-
-
-def the_read_run(out: str) -> dict:
-    """The one run of a ``--json`` output that was read (every run found is listed, read or not)."""
-    payload = json.loads(out)
-    (run,) = [r for r in payload["runs"] if r["status"] == "read"]
-    return {**run, "png": payload["png"]}
 
 
 def png_size(path: Path) -> tuple[int, int]:

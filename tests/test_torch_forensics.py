@@ -133,6 +133,28 @@ class _NewTensors(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("fused", [False, True])
+def test_an_inf_clipped_after_unscale_is_still_told_as_inf_in_its_layer(fused):
+    """unscale_, then clip_grad_norm_ (which turns an Inf into NaN and zeroes the rest), then step: the
+    forensics tell what the check saw (the Trainer and Lightning clip there)."""
+    model = _mlp(3)
+    opt = torch.optim.AdamW(model.parameters(), fused=fused)
+    scaler = LossScaler(device="cpu", policy=DynamicPolicy(initial_scale=2.0**10), diagnose=True,
+                        headroom_every=1000).watch(model)
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).pow(2).mean()).backward()
+        if step == 1:
+            model[1].weight.grad[0, 0] = math.inf
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    forensics = scaler.read_forensics()
+    assert forensics.causes["grad_inf"] == 1 and forensics.causes["grad_nan"] == 0
+    assert forensics.layer_skips == {"1": 1}
+
+
+@pytest.mark.parametrize("fused", [False, True])
 def test_layerdrop_keeps_one_plan_and_makes_no_host_copy_in_the_step(fused):
     """Every step trains another subset of layers (LayerDrop, a mixture of experts' routing)."""
     model = _mlp(12)

@@ -8,7 +8,6 @@ Accelerate's stock ``GradScaler`` and for ours, and check them against the core'
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ pytest.importorskip("transformers")
 from hf_scripts import tiny_accelerate  # noqa: E402
 from hf_scripts import tiny_trainer as tiny  # noqa: E402
 from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
+from report_json import the_read_run  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import lossscale_callbacks  # noqa: E402
@@ -117,12 +117,12 @@ def test_the_trainers_tensorboard_files_hold_the_scale_and_the_skips(tmp_path, k
     assert callback.summary.startswith("Loss scaling: 12 optimizer steps, 3 skipped (25.00%)")
     assert callback.summary in out and "Health:" in callback.summary
     assert cli_main(["report", str(tmp_path / "runs"), "--json"]) == 0
-    payload = json.loads(capsys.readouterr().out)
+    payload = the_read_run(capsys.readouterr().out)
     assert (payload["steps"], payload["skipped_steps"], payload["final_scale"]) == (12, 3, truth[12][0])
 
 
 def test_no_host_read_in_a_step_only_at_the_trainers_log_steps(tmp_path):
-    for kind, read in (("ours", [("cpu", "scaler.py"), ("tolist", "scaler.py")]),
+    for kind, read in (("ours", [("cpu", "update_paths.py"), ("tolist", "update_paths.py")]),
                        ("stock", [("cpu", "stock.py"), ("tolist", "stock.py")])):
         tiny_accelerate.reset_accelerate()
         # The Trainer's default optimizer (fused AdamW) decides the skip on the device for both scalers.

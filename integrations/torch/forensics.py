@@ -8,8 +8,10 @@ is a bounded number of dispatched ops, whatever the number of parameter tensors:
   one ``stack`` and one ``scatter_reduce`` into per-layer maxima (NaN propagates through both, so
   the maxima tell NaN from Inf for fused optimizers too). Taken only where it can matter: on the
   skipped steps of a non-fused optimizer (whose step reads the skip decision on the host anyway),
-  and on every step of a fused one (which decides on the device), where it is one more read of the
-  gradients (the fused check-and-unscale kernel keeps one flag for all of them). On CUDA the norm is
+  on every step of a fused one (which decides on the device), where it is one more read of the
+  gradients (the fused check-and-unscale kernel keeps one flag for all of them), and on every step
+  whose gradients the user unscales with ``unscale_`` (clipping may rewrite them before ``step``:
+  a clipped Inf is a NaN, every other gradient a zero). On CUDA the norm is
   a multi-tensor kernel (a few launches for any number of tensors); on the CPU torch runs it as one
   op that loops over the tensors inside, so there its time still grows with the number of tensors
   (a few µs per tensor), and it is the 2-norm, not the max-norm, which torch's CPU reduces 30x

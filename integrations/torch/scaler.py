@@ -397,8 +397,13 @@ class LossScaler(torch.amp.GradScaler):
     # --------------------------------------------------------------------------------- unscale
 
     def _check_and_unscale(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                           allow_fp16: bool) -> None:
-        """One fused check(+unscale) per (device, dtype) group; records found_inf on the scaler's device."""
+                           allow_fp16: bool, before_user_code: bool = False) -> None:
+        """One fused check(+unscale) per (device, dtype) group; records found_inf on the scaler's device.
+
+        ``before_user_code``: the user's ``unscale_``, after which their code (clipping) may rewrite
+        the gradients before ``step``: the forensics look at them now, as they were checked (a
+        clipped Inf is a NaN by ``step``).
+        """
         home = self._path.device
         groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list))
@@ -425,7 +430,8 @@ class LossScaler(torch.amp.GradScaler):
             found_inf = torch.zeros((), dtype=torch.float32, device=home)
             sync = self._should_sync(optimizer)
             if self.forensics is not None and checked:  # sees the gradients while they are still scaled
-                self.forensics.check(id(optimizer), entries, self._path.scale, defer=not sync)
+                self.forensics.check(id(optimizer), entries, self._path.scale,
+                                     defer=not (sync or before_user_code))
             for device, by_dtype in groups.items():
                 local_inf = found_inf if device == home else torch.zeros_like(found_inf, device=device)
                 local_inv = inv_scale if device == home else inv_scale.to(device, non_blocking=True)
@@ -480,12 +486,15 @@ class LossScaler(torch.amp.GradScaler):
                 "unscale_() has already been called on this optimizer since the last update().")
         if opt_state.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
+        self._unscale(optimizer, state, before_user_code=True)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, state: Any, before_user_code: bool) -> None:
         # GradScaler takes the reciprocal in float64 and rounds it to float32 (3 ops). IEEE float32
         # division is correctly rounded, and rounding a float64 quotient of float32 numbers to float32
         # is too (53 >= 2 * 24 + 2 bits, Figueroa 1995): one op, the same bits (tested on every exponent).
         inv_scale = torch.reciprocal(state.scale)
-        self._check_and_unscale(optimizer, inv_scale, allow_fp16=False)
-        opt_state.stage = _Stage.UNSCALED
+        self._check_and_unscale(optimizer, inv_scale, allow_fp16=False, before_user_code=before_user_code)
+        self._per_optimizer[id(optimizer)].stage = _Stage.UNSCALED
 
     # ------------------------------------------------------------------------------------ step
 
@@ -547,7 +556,7 @@ class LossScaler(torch.amp.GradScaler):
             return retval
 
         if opt_state.stage is _Stage.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer, state, before_user_code=False)
         if not opt_state.checked:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         assert opt_state.found_inf is not None
