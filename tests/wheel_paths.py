@@ -47,6 +47,8 @@ PROBES = {
     "torch": "import lossscale_callbacks.torch",
     "lightning": "import lossscale_callbacks.lightning",
     "keras": "import lossscale_callbacks.keras",
+    "accelerate": "import lossscale_callbacks.accelerate",
+    "transformers": "import lossscale_callbacks.transformers",
     "plot": "from lossscale_callbacks.cli import main\nmain(['report', '.', '--png', 'x.png'])",
 }
 
@@ -198,6 +200,8 @@ def implied(extras: set[str]) -> set[str]:
     out = set()
     if extras & {"lightning", "accelerate", "transformers"}:
         out.add("torch")
+    if "transformers" in extras:
+        out.add("accelerate")
     return out
 
 
