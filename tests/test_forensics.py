@@ -456,12 +456,14 @@ def test_keras_fit_names_the_layer_and_the_causes(tmp_path):
     out = _keras_script(tmp_path, KERAS_FIT)
     summary = next(line for line in out.splitlines() if line.startswith("SUMMARY"))
     # Keras' own default layer names, told apart by identity: the poisoned one is "poisonable_dense"
-    assert "Layer `poisonable_dense` had non-finite gradients in 2 of 2 skipped steps" in summary
+    assert "The overflow started in layer `poisonable_dense` in all 2 skipped steps" in summary
+    assert "| `poisonable_dense` | 2 of 2 | 2 of 2 |" in summary  # the only flagged layer
     assert "The loss itself was non-finite (Inf/NaN) in 1 step" in summary
     assert "2 skipped steps had Inf gradients" in summary
     report = _report(tmp_path / "tb")
     assert "Skip causes (overflow forensics): 1 non-finite loss, 2 Inf gradients" in report
     assert "Layers with non-finite gradients in skipped steps: `poisonable_dense` (2)" in report
+    assert "The overflow started in layer `poisonable_dense` in all 2 skipped steps" in report
 
 
 KERAS_HEADROOM = """

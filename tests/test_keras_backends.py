@@ -96,15 +96,9 @@ def test_metrics_reach_tensorboard_on_every_backend(results, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_overflow_forensics_run_on_tensorflow_and_are_refused_clearly_elsewhere(results, backend):
-    said = results(backend)["diagnose"]
-    if backend == "tensorflow":
-        assert said == "accepted | accepted"
-    else:
-        callback, optimizer = said.split(" | ")
-        assert callback == optimizer
-        assert callback.startswith("ValueError: diagnose (overflow forensics) is built for the TensorFlow")
-        assert f"KERAS_BACKEND='{backend}'" in callback
+def test_overflow_forensics_are_accepted_on_every_backend(results, backend):
+    # what they find on each backend: tests/test_keras_forensics.py
+    assert results(backend)["diagnose"] == "accepted | accepted"
 
 
 @pytest.mark.slow
