@@ -136,10 +136,15 @@ class TensorFlowStep(_Step):
             finite = tf_ops.replicas_agree_finite(tf_ops.all_finite(grads))
         else:
             dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-            finite, tally = forensics.traced(
-                forensics.values(), dense, variables or opt._trainable_variables, self.take_loss(grads),
+            finite, changed, update = forensics.traced(
+                forensics.values, dense, variables or opt._trainable_variables, self.take_loss(grads),
                 opt.loss_scale_variables.values(), unscaled, self.agree)
-            forensics.assign(tally)
+
+            def commit() -> Any:
+                forensics.assign(update())
+                return tf.constant(True)
+
+            tf.cond(changed, commit, lambda: tf.constant(False))  # an ordinary step assigns nothing
         if not unscaled:
             grads = self.unscale_all(grads, variables or opt._trainable_variables,
                                      opt.loss_scale_variables.scale.value)
@@ -224,8 +229,9 @@ class _KerasOpsStep(_Step):
             finite = keras_ops.all_finite(grads)
         else:
             tally = Tally(*(by_variable[id(v)] for v in forensics.variables))
-            finite, tally = forensics.traced(tally, grads, opt._trainable_variables, self.take_loss(grads),
-                                             state, unscaled, self.agree)
+            finite, changed, update = forensics.traced(lambda: tally, grads, opt._trainable_variables,
+                                                       self.take_loss(grads), state, unscaled, self.agree)
+            tally = Tally(*ops.cond(changed, update, lambda: tally))
             by_variable.update({id(v): value for v, value in zip(forensics.variables, tally, strict=True)})
         if not unscaled:
             grads = self.unscale_all(grads, opt._trainable_variables, state.scale)

@@ -155,13 +155,13 @@ class ForensicsWiring:
 
     # ---------------------------------------------------------------------------- the step
 
-    def traced(self, tally: device.Tally, grads: Sequence[Any], variables: Sequence[Any], loss_bad: Any,
-               state: LossScaleState, unscaled: bool,
-               agree: Callable[[Any, Any], tuple[Any, Any]]) -> tuple[Any, device.Tally]:
-        """The skip flag and the new tally of one step, all on the device (TensorFlow, JAX).
+    def traced(self, tally: Callable[[], device.Tally], grads: Sequence[Any], variables: Sequence[Any],
+               loss_bad: Any, state: LossScaleState, unscaled: bool,
+               agree: Callable[[Any, Any], tuple[Any, Any]]) -> tuple[Any, Any, Callable[[], device.Tally]]:
+        """The skip flag of one step and how its tally changes, all on the device (TensorFlow, JAX).
 
         Args:
-            tally: the tally's values before the step.
+            tally: gives the tally's values before the step (called only where the tally changes).
             grads: the gradients (dense), scaled unless ``unscaled``; ``None`` where a variable has none.
             variables: the variable of each gradient.
             loss_bad: whether this step's loss was non-finite (a bool tensor).
@@ -170,26 +170,33 @@ class ForensicsWiring:
             agree: makes the per-layer flags and ``loss_bad`` global (``tf.distribute``'s all-reduce).
 
         Returns:
-            ``(finite, tally)``: whether every gradient is finite, as the step decides it, and the tally.
+            ``(finite, changed, update)``: whether every gradient is finite, as the step decides it;
+            whether the tally changes (a skipped or a sampled step); and the function that makes the new
+            tally, for the caller to run in a ``cond`` on ``changed``, so an ordinary step runs none of it.
         """
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
         if not pairs:
-            return ops.convert_to_tensor(True), tally
+            return ops.convert_to_tensor(True), ops.convert_to_tensor(False), tally
         dense = [g for g, _ in pairs]
         ids, seen = self._constants([v for _, v in pairs])
         assert self.layout is not None
         layers = len(self.layout.layers)
         flags, loss_bad = agree(device.layer_flags(device.bad_flags(dense), ids, layers), loss_bad)
         finite = ops.equal(ops.sum(flags), 0.0)
-        def count() -> device.Tally:  # a skipped step: its cause, layers and origin
-            return _like(device.fold_skip(tally, flags, loss_bad, device.any_nan(dense)), tally)
-
-        counted = ops.cond(finite, lambda: tally, count)
-        factor = state.scale if unscaled else ops.ones((), "float32")
         due = ops.equal(ops.mod(state.steps, self.every), 0)
-        sampled = ops.cond(due, lambda: _like(device.sample(counted, dense, ids, seen, factor, state.scale),
-                                              tally), lambda: counted)
-        return finite, device.Tally(*sampled)
+
+        def update() -> device.Tally:
+            before = tally()
+
+            def count() -> device.Tally:  # a skipped step: its cause, layers and origin
+                return _like(device.fold_skip(before, flags, loss_bad, device.any_nan(dense)), before)
+
+            counted = ops.cond(finite, lambda: before, count)
+            factor = state.scale if unscaled else ops.ones((), "float32")
+            return device.Tally(*ops.cond(due, lambda: _like(
+                device.sample(counted, dense, ids, seen, factor, state.scale), before), lambda: counted))
+
+        return finite, ops.logical_or(ops.logical_not(finite), due), update
 
     def eager(self, grads: Sequence[Any], variables: Sequence[Any], skipped: bool,
               loss_bad: Callable[[], Any], scale: Any, unscaled: bool) -> None:
