@@ -19,8 +19,9 @@ is a bounded number of dispatched ops, whatever the number of parameter tensors:
 * **Loss non-finite**: three ops on the scaled loss in :meth:`LossScaler.scale` (``0 * loss``, summed
   into a probe that turns NaN once a loss value is Inf or NaN).
 * **End of the step**: about 13 ops fold the step's maxima into the interval's counts by cause, and
-  about 6 more count the step's **origin**: with the layers in forward order (the model's module
-  registration order, from :meth:`GradForensics.watch`), the last flagged layer, one-hot.
+  where the maxima were taken, 6 more count the step's **origin**: with the layers in forward order
+  (the model's module registration order, from :meth:`GradForensics.watch`), the last flagged layer,
+  one-hot.
 * **Headroom, underflow, histogram** every ``headroom_every`` optimizer steps (a host counter), or
   every step with ``"every_step"``: the gradients are concatenated per device and dtype in chunks of
   at most :data:`SAMPLE_CHUNK` values (``torch._chunk_cat``) and about 20 ops per chunk compute the
@@ -163,6 +164,7 @@ class GradForensics:
         self._counts: torch.Tensor | None = None  # this interval, per layer: skipped steps flagged
         self._origins: torch.Tensor | None = None  # this interval, per layer: skipped steps it started
         self._positions: torch.Tensor | None = None  # 1, 2, ... per layer: its place in forward order
+        self._analysed = False  # this step's maxima were taken (else no layer can be flagged)
         self._sample = None
 
     # ------------------------------------------------------------------------------ names
@@ -332,6 +334,7 @@ class GradForensics:
         scaled gradient that float16 could hold comes near.
         """
         vectors = []
+        self._analysed = True
         with torch.no_grad():
             for device, positions in plan.by_device:
                 grads = [entries[i][1] if entries[i][1] is not None else self._zero(device, torch.float32)
@@ -413,7 +416,9 @@ class GradForensics:
         # Per layer: + grad_skip where the maximum is Inf or NaN (0 * either is NaN, 0 * a number 0).
         not_finite = torch.nan_to_num(self._step_max * 0.0, nan=1.0)
         self._counts.addcmul_(not_finite, grad_skip)
-        self._count_origin(not_finite, grad_skip)
+        if self._analysed:  # else no layer is flagged: a step the host knows was applied costs nothing
+            self._count_origin(not_finite, grad_skip)
+            self._analysed = False
         if self._sample is not None and self._sample["open"]:
             self._sample["max"] = self._step_max.clone()
             self._sample["open"] = False
