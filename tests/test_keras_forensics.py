@@ -8,7 +8,6 @@ files it writes are read back here, and ``lossscale-callbacks report`` is run on
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -21,30 +20,14 @@ from lossscale_callbacks.forensics import FORENSICS_TAG
 pytest.importorskip("keras")
 pytest.importorskip("tensorboard")
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "keras_scripts", "forensics_checks.py")
-BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(importlib.util.find_spec(b) is None,
-                                                     reason=f"{b} is not installed"))
-            for b in ("tensorflow", "jax", "torch")]
+from keras_backend_runs import BACKENDS, results_per_backend
+
 ORDER = ["poisonable", "dense", "poisonable_1", "dense_1"]  # the model's forward order
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache: dict[str, dict] = {}
-
-    def get(backend: str) -> dict:
-        if backend not in cache:
-            out = tmp_path_factory.mktemp(backend)
-            env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-                       XLA_FLAGS="--xla_force_host_platform_device_count=2")
-            proc = subprocess.run([sys.executable, SCRIPT, str(out)], env=env, capture_output=True, text=True,
-                                  timeout=300)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-            line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-            cache[backend] = {**json.loads(line[len("RESULT "):]), "out": str(out)}
-        return cache[backend]
-
-    return get
+    return results_per_backend("forensics_checks.py", tmp_path_factory)
 
 
 def _tensorboard(run: str) -> tuple[dict[str, list[float]], list[str]]:
