@@ -12,8 +12,9 @@ round (the order reversed every other round):
   dtype, and a faster step makes the ratio larger, not smaller. And a *launch-bound* step: 64 layers
   of 32 x 32 (128 parameter tensors, 68K parameters), batch 8, one thread, where the step's time is
   the ops' dispatch, as a small model's step is on a GPU: what forensics cost when every op counts.
-* Keras (TensorFlow): ``fit`` with ``LossScaleCallback`` on the mixed_float16 MLP of
-  ``keras_overhead.py``; wall time per step.
+* Keras, on each backend installed (TensorFlow, JAX, torch; each in its own process, since Keras picks
+  its backend at import): ``fit`` with ``LossScaleCallback`` on the MLP of ``keras_overhead.py``
+  (mixed_float16; float32 on torch, whose CPU float16 matmuls are emulated); wall time per step.
 
 Arms: ``off`` (``diagnose=False``), ``on`` (``diagnose=True``, the headroom sampled every 1000 steps:
 never inside a timed round, as in a real run where it is one step in a thousand) and ``every`` (the
@@ -25,10 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 from _quick import parse_args
@@ -99,7 +104,9 @@ def keras_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
 
     from lossscale_callbacks.keras import LossScaleCallback
 
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    # torch's CPU float16 matmuls are emulated (100x the float32 step), which would hide any overhead.
+    on_torch = keras.backend.backend() == "torch"
+    keras.mixed_precision.set_global_policy("float32" if on_torch else "mixed_float16")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128 * steps, 64)).astype("float32")
     y = rng.integers(0, 10, size=(128 * steps,))
@@ -131,6 +138,27 @@ def keras_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
     return times
 
 
+KERAS_ROWS = {"tensorflow": "keras_fit", "jax": "keras_fit_jax", "torch": "keras_fit_torch"}
+
+
+def keras_backend_results(rounds: int, steps: int, quick: bool) -> dict[str, dict[str, float]]:
+    """The Keras rows, one process per installed backend (``--only keras-here`` under ``KERAS_BACKEND``)."""
+    results = {}
+    for backend, row in KERAS_ROWS.items():
+        if importlib.util.find_spec(backend) is None:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "keras.json")
+            command = [sys.executable, os.path.abspath(__file__), "--only", "keras-here",
+                       "--rounds", str(rounds), "--keras-steps", str(steps), "--json", out,
+                       *(["--quick"] if quick else [])]
+            subprocess.run(command, env=dict(os.environ, KERAS_BACKEND=backend), check=True,
+                           stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                results[row] = json.load(f)["keras_here"]
+    return results
+
+
 def summarize(times: dict[str, list[float]]) -> dict[str, float]:
     out = {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in ARMS}
     for name in ("on", "every"):
@@ -159,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keras-steps", type=int, default=300)
     parser.add_argument("--width", type=int, default=2048, help="torch MLP's width (2048: 8.9M parameters)")
     parser.add_argument("--batch", type=int, default=256, help="batch of the torch MLP")
-    parser.add_argument("--only", choices=("torch", "keras"), default=None)
+    parser.add_argument("--only", choices=("torch", "keras", "keras-here"), default=None,
+                        help="keras: every installed Keras backend, each in a subprocess; keras-here: "
+                             "this process's backend only (KERAS_BACKEND)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parse_args(parser, argv, rounds=2, steps=2, keras_steps=5, width=64, batch=16)
     if args.rounds < 3 and not args.quick:
@@ -171,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = summarize(times)
         results.update(launch_bound_results(args.rounds, args.steps * 10))
     if args.only in (None, "keras"):
-        results["keras_fit"] = summarize(keras_rounds(args.rounds, args.keras_steps))
+        results.update(keras_backend_results(args.rounds, args.keras_steps, args.quick))
+    if args.only == "keras-here":
+        results["keras_here"] = summarize(keras_rounds(args.rounds, args.keras_steps))
     print(f"{os.cpu_count()} CPU cores, {args.rounds} alternating rounds\n")
     print(f"{'setup':<28} {'off ms':>9} {'on ms':>9} {'every ms':>9} {'on/off':>8} {'every/off':>10}")
     for name, r in results.items():

@@ -11,8 +11,10 @@ callback skips those steps, backs the scale off until they fit, and grows it aga
 ``growth_interval`` clean steps. The scale and the skipped steps go to Keras' progress bar
 (``log_metrics=`` puts chosen metrics into History and CSVLogger too), every metric to
 TensorBoard and to an offline W&B run under ``runs/``. ``diagnose=True`` adds the
-overflow forensics: the summary names the layer whose gradients overflowed and the cause, and the
-sinks get the report (TensorBoard's Text tab) and a histogram of the scaled gradients.
+overflow forensics, one sentence per finding: why steps were skipped, the layer where the overflow
+started (and how often), the flagged layers as a table, and the largest scaled gradient against
+float16's maximum. The sinks get the same words (TensorBoard's Text tab), per-layer counts and a
+histogram of the scaled gradients. It works the same on ``KERAS_BACKEND=jax`` or ``torch``.
 """
 
 from __future__ import annotations

@@ -189,6 +189,7 @@ class LoggingLoop:
         self._group: SinkGroup | None = None
         self.summary: str | None = None
         self.forensics = ForensicsTotals()
+        self._last_at: int | None = None  # the sinks' step of the last metrics write (or the baseline's)
         self.segment = 0
         self.restarts: list[tuple[int, int]] = []
         self._restart_text: str | None = None
@@ -309,6 +310,8 @@ class LoggingLoop:
         state = observed_state(state)
         self._last_read_time = self.clock()
         self._restart_if_needed(state)
+        if self._last_at is None:
+            self._last_at = int(state.steps)
         return self.tracker.observe(state)
 
     def observe(self, state: Any, sink_step: int | None = None,
@@ -376,8 +379,12 @@ class LoggingLoop:
         if self.segment:
             metrics[SEGMENT] = self.segment
         if forensics is not None:
-            metrics.update(forensics.metrics())
+            first, values = self.forensics.series(forensics)
+            if first and self._last_at is not None and self._last_at < at:
+                self.sinks.write(self._last_at, first)  # a layer series begins: a 0 one interval back
+            metrics.update(values)
         self.sinks.write(at, metrics)
+        self._last_at = at
         self._write_config_once()  # after the metrics: a text lands at their step
         if self._restart_text is not None:
             self.sinks.write_text(RESTART_TAG, self._restart_text)
@@ -399,15 +406,13 @@ class LoggingLoop:
         """The rules' verdicts with the interval's diagnosis in plain words, and a non-finite loss's own."""
         if forensics is None:
             return verdicts
-        words = forensics.sentences()
-        layer_words = [s for s in words if s.startswith("Layer ")]
-        if layer_words:
-            verdicts = [dataclasses.replace(v, message=f"{v.message} {layer_words[0]}") for v in verdicts]
-        loss_bad = bool(forensics.causes.get("loss_nonfinite"))
-        if loss_bad and not self._loss_verdict_given and self.health is not None:
+        words = forensics.findings()
+        if words.origin:
+            verdicts = [dataclasses.replace(v, message=f"{v.message} {words.origin}") for v in verdicts]
+        if words.loss and not self._loss_verdict_given and self.health is not None:
             self._loss_verdict_given = True
             action = self.health.rules[0].action if self.health.rules else "warn"
-            verdicts = [*verdicts, Verdict("NonFiniteLoss", action, step, words[0])]
+            verdicts = [*verdicts, Verdict("NonFiniteLoss", action, step, words.loss)]
         return verdicts
 
     def _act(self, verdicts: list[Verdict]) -> None:
@@ -473,9 +478,9 @@ class LoggingLoop:
                      f"numbers and the health assessment are those of its last segment.")
         if self.health is not None:
             text += "\n" + self.health.assessment()
-        diagnosis = self.forensics.sentences()
+        diagnosis = self.forensics.findings().markdown()
         if diagnosis:
-            text += "\nForensics: " + " ".join(diagnosis)
+            text += "\nForensics:\n" + diagnosis
         if note:
             text += "\n" + note
         return text

@@ -31,7 +31,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "forensics_overhead.py": ([], [
         rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for name in ("torch_adamw_foreach", "torch_adamw_fused", "torch_launch_bound_foreach",
-                     "torch_launch_bound_fused", "keras_fit")
+                     "torch_launch_bound_fused", "keras_fit", "keras_fit_jax", "keras_fit_torch")
     ]),
     "keras_overhead.py": ([], [
         *(rf"^{arm}\s+{NUM}\s+{NUM}\s+{NUM}$" for arm in ("keras", "ours", r"ours\+cb", r"ours\+null")),

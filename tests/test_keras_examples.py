@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -28,9 +29,14 @@ def test_keras_quickstart(tmp_path):
     out = _run("keras_quickstart.py", tmp_path)
     assert "Loss scaling: 256 optimizer steps" in out
     assert "Loss-scale trajectory" in out and "loss_scale/scale" in out  # progress bar shows the metrics
-    # Overflow forensics: the demo's model overflows in its first Dense layer (Keras' default name).
-    assert "Forensics: Layer `dense` had non-finite gradients in" in out
-    assert "skipped steps had Inf gradients" in out
+    # Overflow forensics, one sentence per finding: the cause, where the overflow started (the demo's
+    # model overflows mostly in its first Dense layer, Keras' default name), the layers as a table,
+    # the headroom against float16's maximum (never a negative "below").
+    assert "skipped steps had Inf gradients with a finite loss: the scale was too high" in out
+    assert "The overflow started in layer `dense` in " in out
+    assert "| layer | overflow started here | non-finite gradients |" in out and "| `dense` | " in out
+    assert "Largest scaled gradient at the last headroom sample: 2^" in out
+    assert "(float16's max is 2^15.99)" in out and not re.search(r"2\^-[\d.]+ below", out)
     assert glob.glob(str(tmp_path / "runs" / "keras_quickstart" / "events.out.tfevents.*"))
     assert glob.glob(str(tmp_path / "runs" / "wandb" / "offline-run-*" / "*.wandb"))
     bar = out.split("Loss-scale trajectory")[0]  # quiet by default (issue 19): the scale and the skips

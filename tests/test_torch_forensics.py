@@ -225,3 +225,54 @@ def test_layerdrop_on_cuda_passes_sync_debug_mode_error():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(scaler.forensics._plans) == 1
+
+
+def _origin_run(fused: bool, poison) -> dict:
+    """Six steps of a 4-layer MLP (layers `0`, `2`, `4`, `6`), ``poison(model, step)`` at steps 1 and 4."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+              torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    scaler = LossScaler(device="cpu", diagnose=True).watch(model)
+    x = torch.randn(16, 8)
+    for step in range(6):
+        opt.zero_grad()
+        poison(model, step in (1, 4), "before")
+        scaler.scale(model(x).pow(2).mean()).backward()
+        poison(model, step in (1, 4), "after")
+        scaler.step(opt)
+        scaler.update()
+    found = scaler.read_forensics()
+    return {"skips": found.layer_skips, "origins": found.layer_origins, "order": found.layer_order,
+            "sentences": found.sentences()}
+
+
+def _poison_output(_module, _inputs, output):
+    output.register_hook(lambda grad: torch.full_like(grad, math.inf))
+
+
+def _late_output(model, hot, when):
+    """An Inf in layer `4`'s output gradient: the backward pass carries it into `2` and `0`."""
+    if when == "before" and hot:
+        model._poison = model[4].register_forward_hook(_poison_output)
+    elif when == "after" and hot:
+        model._poison.remove()
+
+
+def _first_weight(model, hot, when):
+    """An Inf in layer `0`'s weight gradient only."""
+    if when == "after" and hot:
+        model[0].weight.grad[0, 0] = math.inf
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_origin_is_the_layer_nearest_the_loss_among_the_flagged_ones(fused):
+    late = _origin_run(fused, _late_output)
+    assert late["order"] == ("0", "2", "4", "6")  # registration order, the forward order here
+    assert late["skips"] == {"0": 2, "2": 2, "4": 2}  # `6` (after the poisoned output) stays finite
+    assert late["origins"] == {"4": 2}
+    first = _origin_run(fused, _first_weight)
+    assert first["skips"] == {"0": 2} and first["origins"] == {"0": 2}
+    assert any(s.startswith("The overflow started in layer `0` in all 2 skipped steps")
+               for s in first["sentences"])

@@ -13,12 +13,17 @@ are finite and moves the loss scale by the core's rule (:func:`~lossscale_callba
   ``LossScaleOptimizer`` (torch has no traced conditional for Keras' step).
 
 Each step works on a :class:`~lossscale_callbacks.keras.optimizer.LossScaleOptimizer` (its inner
-optimizer, its :class:`~lossscale_callbacks.keras.state_variables.LossScaleVariables`, its forensics);
-TensorFlow is imported only by :class:`TensorFlowStep`.
+optimizer, its :class:`~lossscale_callbacks.keras.state_variables.LossScaleVariables`, its forensics).
+With ``diagnose`` the skip decision comes from the forensics' per-layer flags (the same reductions) and
+each step notes whether the loss was finite where ``scale_loss`` sees it (:meth:`_Step.note_loss`),
+for the skip's cause: TensorFlow per replica and trace, JAX through the backward pass of the scaled
+loss (``scale_loss`` runs inside Keras' ``value_and_grad``, whose scope keeps no state), torch
+lazily, on skipped steps only. TensorFlow is imported only by :class:`TensorFlowStep`.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +32,7 @@ import keras
 from keras import ops
 
 from lossscale_callbacks.keras import keras_ops
+from lossscale_callbacks.keras.forensics_device import Tally
 from lossscale_callbacks.state import LossScaleState
 from lossscale_callbacks.update import next_state
 
@@ -51,6 +57,10 @@ class _Step:
         """(the replica, the trace) a call comes from; only TensorFlow has several of either."""
         return None, None
 
+    def agree(self, flags: Any, loss_bad: Any) -> tuple[Any, Any]:
+        """The per-layer flags and the loss flag of every replica (one process holds them all but on TF)."""
+        return flags, loss_bad
+
 
 class TensorFlowStep(_Step):
     """The TensorFlow step: ``tf.cond`` skip, replicas agree on the flag, forensics traced in."""
@@ -61,6 +71,32 @@ class TensorFlowStep(_Step):
         from lossscale_callbacks.keras import tf_ops
 
         self._tf, self._tf_ops = tf, tf_ops
+        self._losses: dict[Any, tuple[Any, Any]] = {}
+
+    def note_loss(self, loss: Any) -> Any:
+        """``scale_loss`` saw ``loss`` (forensics on): keep whether it was finite for this replica's next
+        apply in the same trace; returns the loss to scale."""
+        replica, trace = self.call_site()
+        self._losses[replica] = (trace, _loss_bad(loss))
+        return loss
+
+    def take_loss(self, grads: Sequence[Any]) -> Any:
+        """Whether the loss of this apply's step was non-finite (``False`` when no ``scale_loss`` of this
+        replica and trace preceded it: a loop that scales its loss another way)."""
+        replica, trace = self.call_site()
+        noted = self._losses.pop(replica, None)
+        return noted[1] if noted is not None and noted[0] == trace else ops.convert_to_tensor(False)
+
+    def agree(self, flags: Any, loss_bad: Any) -> tuple[Any, Any]:
+        """All-reduced over ``tf.distribute`` replicas in one collective (the skip flag's own): every replica
+        then skips alike and counts the same layers and cause."""
+        tf = self._tf
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return flags, loss_bad
+        local = tf.concat([flags, [tf.cast(loss_bad, flags.dtype)]], 0)
+        both = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        return tf.minimum(both[:-1], 1.0), both[-1] > 0
 
     def tensor(self, value: Any) -> Any:
         return self._tf.convert_to_tensor(value)  # keras.ops gives a tf.Variable back as it is
@@ -99,10 +135,16 @@ class TensorFlowStep(_Step):
         if forensics is None:
             finite = tf_ops.replicas_agree_finite(tf_ops.all_finite(grads))
         else:
-            per_grad = tf_ops.finite_flags(grads)
-            finite = tf_ops.replicas_agree_finite(tf.reduce_all(per_grad))
-            state = opt.loss_scale_variables.values()
-            forensics.on_step(grads, per_grad, finite, state.scale, state.steps, unscaled)
+            dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            finite, changed, update = forensics.traced(
+                forensics.values, dense, variables or opt._trainable_variables, self.take_loss(grads),
+                opt.loss_scale_variables.values(), unscaled, self.agree)
+
+            def commit() -> Any:
+                forensics.assign(update())
+                return tf.constant(True)
+
+            tf.cond(changed, commit, lambda: tf.constant(False))  # an ordinary step assigns nothing
         if not unscaled:
             grads = self.unscale_all(grads, variables or opt._trainable_variables,
                                      opt.loss_scale_variables.scale.value)
@@ -171,12 +213,26 @@ class _KerasOpsStep(_Step):
         if len(optimizer_values) != len(variables):
             raise ValueError(f"optimizer_variables: expected {len(variables)} values (this optimizer's "
                              f"`variables`), got {len(optimizer_values)}")
+        if len(trainable_values) != len(opt._trainable_variables):
+            # Keras' own optimizers refuse this too: JAX's fit passes the values of the trainable
+            # variables only, so a layer frozen after the build changes the count.
+            raise ValueError(f"trainable_variables: expected {len(opt._trainable_variables)} values (the "
+                             f"variables this optimizer was built with), got {len(trainable_values)}; "
+                             "after freezing layers, compile with a new optimizer")
         own = variables[:len(variables) - len(inner.variables)]
         own_values, inner_values = optimizer_values[:len(own)], optimizer_values[len(own):]
         by_variable = {id(v): value for v, value in zip(own, own_values, strict=True)}
         fields = opt.loss_scale_variables.fields
         state = LossScaleState(*(by_variable[id(v)] for v in fields))
-        finite = keras_ops.all_finite(grads)
+        forensics = opt.forensics
+        if forensics is None:
+            finite = keras_ops.all_finite(grads)
+        else:
+            tally = Tally(*(by_variable[id(v)] for v in forensics.variables))
+            finite, changed, update = forensics.traced(lambda: tally, grads, opt._trainable_variables,
+                                                       self.take_loss(grads), state, unscaled, self.agree)
+            tally = Tally(*ops.cond(changed, update, lambda: tally))
+            by_variable.update({id(v): value for v, value in zip(forensics.variables, tally, strict=True)})
         if not unscaled:
             grads = self.unscale_all(grads, opt._trainable_variables, state.scale)
 
@@ -192,6 +248,46 @@ class _KerasOpsStep(_Step):
         for var, value in zip(fields, new_state, strict=True):
             by_variable[id(var)] = ops.cast(value, var.dtype)
         return new_trainable, [by_variable[id(v)] for v in own] + new_inner
+
+
+def _loss_bad(loss: Any) -> Any:
+    return ops.logical_not(ops.all(ops.isfinite(ops.cast(loss, "float32"))))
+
+
+def _jax_loss_probe(keep: Callable[[Any], None]) -> Callable[[Any], Any]:
+    """The identity on the loss, whose backward pass hands ``keep`` whether the loss was finite.
+
+    Keras' JAX trainer scales the loss inside ``value_and_grad`` and a ``StatelessScope`` that keeps no
+    state; the flag computed there would be a tracer of the inner transformation. A ``custom_vjp``
+    residual is a value of the step's own trace: the backward pass of the same ``jit`` sees it, and so
+    does ``stateless_apply`` after it. The gradients are bit-identical (the cotangent passes through).
+    """
+    import jax
+
+    @jax.custom_vjp
+    def probe(loss: Any) -> Any:
+        return loss
+
+    def forward(loss: Any) -> tuple[Any, Any]:
+        return loss, _loss_bad(loss)
+
+    def backward(bad: Any, cotangent: Any) -> tuple[Any]:
+        keep(bad)
+        return (cotangent,)
+
+    probe.defvjp(forward, backward)
+    return probe
+
+
+def _same_trace(value: Any, grads: Sequence[Any]) -> bool:
+    """Whether ``value`` belongs to the computation that made ``grads`` (the same ``jit`` trace, or both
+    concrete): a flag left by another trace must not leak in."""
+    import jax
+
+    grad = next((g for g in grads if g is not None), None)
+    if isinstance(value, jax.core.Tracer) != isinstance(grad, jax.core.Tracer):
+        return False
+    return not isinstance(value, jax.core.Tracer) or value._trace is grad._trace
 
 
 def _jax_gradients(fn: Callable[[], Any], variables: list[Any]) -> list[Any]:
@@ -227,20 +323,58 @@ class JaxStep(_KerasOpsStep):
         import jax
 
         self._pack = jax.jit(_jax_pack)
+        self._loss_flag: Any = None
+        self._probe = _jax_loss_probe(self._keep_loss_flag)
+
+    def _keep_loss_flag(self, bad: Any) -> None:
+        self._loss_flag = bad
+
+    def note_loss(self, loss: Any) -> Any:
+        """The loss through the probe: its backward pass keeps whether it was finite (see
+        :func:`_jax_loss_probe`)."""
+        self._loss_flag = None
+        return self._probe(loss)
+
+    def take_loss(self, grads: Sequence[Any]) -> Any:
+        """Whether the loss whose gradients these are was non-finite (``False`` when unknown)."""
+        flag, self._loss_flag = self._loss_flag, None
+        return flag if flag is not None and _same_trace(flag, grads) else ops.convert_to_tensor(False)
 
     def pack_state(self, state: LossScaleState) -> Any:
         """The state as one integer vector: the float32 scale's bits, then the counters (one jitted call)."""
         return self._pack(*state)
 
     def apply(self, opt: Any, grads: list[Any], variables: list[Any] | None, unscaled: bool) -> None:
-        """The stateless step on the current values, written back to the variables."""
-        variables = variables or opt._trainable_variables
-        new_trainable, new_optimizer = self.stateless(
-            opt, [v.value for v in opt.variables], grads, [v.value for v in variables], unscaled)
-        for var, value in zip(variables, new_trainable, strict=True):
+        """The stateless step on the current values, written back to the variables.
+
+        The gradients are matched to the optimizer's variables by identity (``variables`` in any order,
+        or only some of them: the others are left as they are, as by Keras' own ``apply``).
+        """
+        own = opt._trainable_variables
+        if variables is not None:
+            grads = _in_optimizer_order(opt, grads, variables)
+        with warnings.catch_warnings():
+            # A subset leaves the other gradients None: Keras' apply drops them, and would warn.
+            warnings.filterwarnings("ignore", message="Gradients do not exist for variables")
+            new_trainable, new_optimizer = self.stateless(
+                opt, [v.value for v in opt.variables], grads, [v.value for v in own], unscaled)
+        for var, value in zip(own, new_trainable, strict=True):
             var.assign(value)
         for var, value in zip(opt.variables, new_optimizer, strict=True):
             var.assign(value)
+
+
+def _in_optimizer_order(opt: Any, grads: list[Any], variables: list[Any]) -> list[Any]:
+    """``grads`` rearranged into the order of the variables ``opt`` was built with (``None`` where a
+    variable got no gradient), matched by identity."""
+    out: list[Any] = [None] * len(opt._trainable_variables)
+    for grad, variable in zip(grads, variables, strict=True):
+        index = opt._trainable_variables_indices.get(opt._var_key(variable))
+        if index is None:
+            raise ValueError(f"Unknown variable: {variable}. This optimizer can only be called for the "
+                             "variables it was originally built with.")
+        out[index] = grad
+    return out
 
 
 
@@ -251,6 +385,17 @@ class TorchStep(_KerasOpsStep):
 
     def __init__(self) -> None:
         self._rule_ops: Any = None
+        self._loss: Any = None
+
+    def note_loss(self, loss: Any) -> Any:
+        """Keep the loss (detached): whether it was finite is computed only if the step is skipped."""
+        self._loss = loss.detach()
+        return loss
+
+    def take_loss(self, grads: Sequence[Any]) -> Any:
+        """Whether the loss noted for this step was non-finite (``False`` when none was)."""
+        loss, self._loss = self._loss, None
+        return ops.convert_to_tensor(False) if loss is None else _loss_bad(loss)
 
     def pack_state(self, state: LossScaleState) -> Any:
         """The state as one int64 vector: the float32 scale's bits, then the counters (torch's own ops)."""
@@ -265,8 +410,15 @@ class TorchStep(_KerasOpsStep):
         trainable = variables or opt._trainable_variables
         keep = range(len(grads)) if unscaled else [
             i for i, v in enumerate(trainable) if getattr(v, "overwrite_with_gradient", False)]
-        finite, grads = keras_ops.check_and_unscale(grads, state_vars.scale.value, keep)
-        ops.cond(finite, lambda: opt.inner_optimizer.apply(grads, variables), lambda: None)
+        finite, unscaled_grads = keras_ops.check_and_unscale(grads, state_vars.scale.value, keep)
+        applied = bool(finite)  # the step's one host read
+        forensics = opt.forensics
+        if forensics is not None:  # before the state moves: the sample is taken at this step's scale
+            forensics.eager(grads, trainable, not applied, lambda: self.take_loss(grads),
+                            state_vars.scale.value, unscaled)
+        self._loss = None
+        if applied:
+            opt.inner_optimizer.apply(unscaled_grads, variables)
         state_vars.advance(finite, self._ops_on(state_vars.scale.value.device))
 
     def _ops_on(self, device: Any) -> Any:

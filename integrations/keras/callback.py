@@ -14,7 +14,6 @@ import keras
 from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.keras.config import record_in_compile_config
-from lossscale_callbacks.keras.forensics_wiring import DIAGNOSE_TF_ONLY
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
 from lossscale_callbacks.keras.wrapping import wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
@@ -110,12 +109,13 @@ class LossScaleCallback(keras.callbacks.Callback):
             progress bar, History, CSVLogger, Keras' TensorBoard, ``EarlyStopping``): ``True`` (all
             of ``lossscale_callbacks.METRIC_NAMES``), ``False`` (none; the sinks still get them) or
             names from ``METRIC_NAMES``.
-        diagnose: overflow forensics on the installed optimizer (TensorFlow backend; ``True`` or
-            ``"every_step"``, see :mod:`lossscale_callbacks.forensics`): the skip causes per
-            interval join the sinks' metrics, the report (which layer overflowed, and why, in plain
-            words) and the gradient histogram go to the sinks, the health warnings and the summary
-            name the layer. Layers are named by the model's layer objects. No host read is added to
-            the step.
+        diagnose: overflow forensics on the installed optimizer, on every Keras backend (``True`` or
+            ``"every_step"``, see :mod:`lossscale_callbacks.forensics`): the skip causes and the
+            per-layer counts per interval join the sinks' metrics, the report (why steps were skipped
+            and in which layer the overflow started, in plain words) and the gradient histogram go to
+            the sinks, the health warnings and the summary name the layer. Layers are named by the
+            model's layer objects, in the model's order. No host read is added to the step (on torch
+            the step's own read of the skip flag serves them).
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend,
@@ -151,8 +151,6 @@ class LossScaleCallback(keras.callbacks.Callback):
         check_bool("check_alignment", check_alignment)
         self.diagnose = check_diagnose(diagnose)
         self.headroom_every = check_int("headroom_every", headroom_every)
-        if diagnose and keras.backend.backend() != "tensorflow":
-            raise ValueError(DIAGNOSE_TF_ONLY)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics

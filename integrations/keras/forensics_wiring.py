@@ -1,46 +1,63 @@
-"""How the Keras ``LossScaleOptimizer`` is wired to overflow forensics (``diagnose=``): settings, the model
-whose layers name the report, the device-side accumulators and the read at the log interval.
+"""How the Keras ``LossScaleOptimizer`` is wired to overflow forensics (``diagnose=``) on every backend.
 
-The accumulators themselves (:class:`~lossscale_callbacks.keras.tf_forensics.KerasForensics`) run on the
-TensorFlow backend only for now; this module holds what the optimizer needs to switch them on and off.
-The wiring is a plain object, outside Keras' tracking: neither a saved model nor a ``tf.train.Checkpoint``
-depends on ``diagnose``.
+The wiring holds what was asked for, the model whose layers name the report, the
+:class:`~lossscale_callbacks.keras.forensics_layout.ForensicsLayout` (gradients mapped to layers by
+variable, layers in forward order) and the tally's variables, and runs the device functions of
+:mod:`~lossscale_callbacks.keras.forensics_device` where each backend's step calls it:
+
+- TensorFlow and JAX (:meth:`ForensicsWiring.traced`): inside the traced step, with the skip decision
+  made from the per-layer flags (one ``all(isfinite)`` per gradient, as without forensics), a ``cond``
+  that counts a skipped step and one that takes the headroom sample every ``headroom_every`` steps,
+  both decided on the device. TensorFlow assigns the new tally to the variables; JAX's stateless step
+  returns it with the other optimizer variables (the variables are among ``optimizer.variables``, so
+  ``fit``'s jitted step threads them, under ``keras.distribution`` too).
+- torch (:meth:`ForensicsWiring.eager`): the step already reads the skip flag on the host (as Keras' own
+  class does), so the forensics run only on skipped and on sampled steps, with no host read of their own.
+
+The tally's variables are outside Keras' tracking and saving: neither a saved model nor a
+``tf.train.Checkpoint`` depends on ``diagnose``. :meth:`ForensicsWiring.read` is the one host read, at the
+log interval.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import numpy as np
+from keras import ops
 
 from lossscale_callbacks._validation import check_int
-from lossscale_callbacks.forensics import check_diagnose
+from lossscale_callbacks.forensics import CAUSES, IntervalForensics, LayerHeadroom, check_diagnose
+from lossscale_callbacks.keras import forensics_device as device
+from lossscale_callbacks.keras.forensics_layout import ForensicsLayout
+from lossscale_callbacks.keras.keras_ops import counter_dtype
 from lossscale_callbacks.state import LossScaleState
-
-# The optimizer and the callback refuse diagnose off TensorFlow with these same words.
-DIAGNOSE_TF_ONLY = ("diagnose (overflow forensics) is built for the TensorFlow backend of Keras for now, "
-                    f"got KERAS_BACKEND={keras.backend.backend()!r}; pass diagnose=False (loss scaling "
-                    "itself runs on every backend)")
 
 
 def check_diagnose_settings(diagnose: Any, headroom_every: Any) -> tuple[bool | str, int]:
-    """``(diagnose, headroom_every)`` checked, or a ``ValueError`` naming the argument (also off TensorFlow).
+    """``(diagnose, headroom_every)`` checked, or a ``ValueError`` naming the argument.
 
     Example:
-        >>> check_diagnose_settings(False, 1000)
-        (False, 1000)
+        >>> check_diagnose_settings("every_step", 1000)
+        ('every_step', 1000)
     """
-    check_diagnose(diagnose)
-    check_int("headroom_every", headroom_every)
-    if diagnose and keras.backend.backend() != "tensorflow":
-        raise ValueError(DIAGNOSE_TF_ONLY)
-    return diagnose, headroom_every
+    return check_diagnose(diagnose), check_int("headroom_every", headroom_every)
+
+
+def _creation_scope() -> Any:
+    """Variables made while a ``tf.function`` traces the first apply must be made eagerly."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.init_scope()
+    return contextlib.nullcontext()
 
 
 class ForensicsWiring:
-    """The forensics of one optimizer: what was asked for, which model names the layers, the accumulators.
+    """The forensics of one optimizer: what was asked for, which model names the layers, the tally.
 
     Args:
         diagnose: ``False``, ``True`` or ``"every_step"`` (see :mod:`lossscale_callbacks.forensics`).
@@ -48,50 +65,192 @@ class ForensicsWiring:
 
     Example:
         >>> wiring = ForensicsWiring(False, 1000)
-        >>> wiring.accumulators is None
-        True
+        >>> wiring.active, wiring.variable_list
+        (False, [])
     """
 
     def __init__(self, diagnose: bool | str, headroom_every: int) -> None:
         self.settings = check_diagnose_settings(diagnose, headroom_every)
         self.model: Any = None
-        self.accumulators: Any = None
+        self.layout: ForensicsLayout | None = None
+        self.variables: device.Tally | None = None
+        self._ids: dict[tuple[int, ...], tuple[Any, Any]] = {}  # torch: constants made once
+        self._host_steps = 0  # torch: its sampling schedule, counted where the step runs
 
-    def configure(self, diagnose: bool | str, headroom_every: int, variables: Sequence[Any] | None) -> None:
-        """Switch on or off; ``variables`` (the optimizer's, once built) get accumulators right away."""
-        settings = check_diagnose_settings(diagnose, headroom_every)
-        if settings != self.settings or (diagnose and self.accumulators is None):
-            self.settings = settings
-            self.accumulators = None
-            self.build(variables)
+    @property
+    def active(self) -> bool:
+        """Whether the forensics run (switched on, and the optimizer built)."""
+        return self.variables is not None
 
-    def watch(self, model: Any, variables: Sequence[Any] | None) -> None:
-        """Name the layers by ``model``'s layer objects from now on (rebuilds live accumulators)."""
-        self.model = model
-        if self.accumulators is not None:
-            self.accumulators = None
-            self.build(variables)
+    @property
+    def variable_list(self) -> list[Any]:
+        """The tally's variables (part of ``optimizer.variables``, so stateless steps thread them)."""
+        return list(self.variables) if self.variables is not None else []
 
-    def build(self, variables: Sequence[Any] | None) -> None:
-        """Make the accumulators for ``variables`` when forensics are on and there are none yet (``None``:
-        the optimizer is not built)."""
+    @property
+    def every(self) -> int:
         mode, every = self.settings
-        if not mode or variables is None or self.accumulators is not None:
+        return 1 if mode == "every_step" else every
+
+    # ---------------------------------------------------------------------------- setting up
+
+    def configure(self, diagnose: bool | str, headroom_every: int, optimizer: Any) -> None:
+        """Switch on or off; a built ``optimizer`` (else ``None``) gets its tally right away."""
+        settings = check_diagnose_settings(diagnose, headroom_every)
+        if settings != self.settings or (diagnose and not self.active):
+            self.settings = settings
+            self._drop()
+            self.build(optimizer)
+
+    def watch(self, model: Any, optimizer: Any) -> None:
+        """Name the layers by ``model``'s layer objects, in its order, from now on (a new tally)."""
+        self.model = model
+        if self.active:
+            self._drop()
+            self.build(optimizer)
+
+    def _drop(self) -> None:
+        self.layout, self.variables, self._ids = None, None, {}
+
+    def build(self, optimizer: Any) -> None:
+        """The layout and the tally for ``optimizer``'s variables, when forensics are on and it is built
+        (``None``: not built yet)."""
+        if not self.settings[0] or optimizer is None or self.active:
             return
-        import tensorflow as tf
+        variables = list(optimizer._trainable_variables)
+        if not variables:
+            return
+        self.layout = ForensicsLayout.of(variables, self.model, optimizer._var_key)
+        initial = device.zeros(len(self.layout.layers), len(variables))
+        with _creation_scope():
+            self.variables = device.Tally(*(
+                keras.Variable(value, dtype=value.dtype.name, trainable=False,
+                               aggregation="only_first_replica", name=f"forensics_{name}")
+                for name, value in zip(device.Tally._fields, initial, strict=True)))
 
-        from lossscale_callbacks.keras.tf_forensics import KerasForensics, variable_layers
+    def values(self) -> device.Tally:
+        """The tally's current values (tensors on the device)."""
+        assert self.variables is not None
+        return device.Tally(*(v.value for v in self.variables))
 
-        variables = list(variables)
-        names = variable_layers(variables, self.model)
-        sizes = [int(np.prod(v.shape)) for v in variables]
-        # Variables made while a tf.function traces the first apply must be made eagerly.
-        with tf.init_scope():
-            self.accumulators = KerasForensics(mode, every, names, sizes)
+    def assign(self, tally: device.Tally) -> None:
+        assert self.variables is not None
+        for variable, value in zip(self.variables, tally, strict=True):
+            variable.assign(value)
 
-    def read(self, state: LossScaleState) -> Any:
-        """The interval's ``IntervalForensics`` (``None`` when off), at the step and scale of ``state``
-        (host values). Host reads: call it at the log interval."""
-        if self.accumulators is None:
+    def _constants(self, variables: Sequence[Any]) -> tuple[Any, Any]:
+        """The layer id of each variable's gradient and the 0/1 vector of the optimizer variables present."""
+        assert self.layout is not None
+        layer_ids, indices = self.layout.positions(variables)
+        cached = self._ids.get(indices)
+        if cached is not None:
+            return cached
+        seen = np.zeros(len(self.layout.sizes), counter_dtype())
+        seen[list(indices)] = 1
+        ids = np.asarray(layer_ids, "int64" if keras.backend.backend() == "torch" else "int32")
+        made = (ops.convert_to_tensor(ids), ops.convert_to_tensor(seen))
+        if keras.backend.backend() == "torch":  # eager: made once; a traced step embeds them as constants
+            self._ids[indices] = made
+        return made
+
+    # ---------------------------------------------------------------------------- the step
+
+    def traced(self, tally: Callable[[], device.Tally], grads: Sequence[Any], variables: Sequence[Any],
+               loss_bad: Any, state: LossScaleState, unscaled: bool,
+               agree: Callable[[Any, Any], tuple[Any, Any]]) -> tuple[Any, Any, Callable[[], device.Tally]]:
+        """The skip flag of one step and how its tally changes, all on the device (TensorFlow, JAX).
+
+        Args:
+            tally: gives the tally's values before the step (called only where the tally changes).
+            grads: the gradients (dense), scaled unless ``unscaled``; ``None`` where a variable has none.
+            variables: the variable of each gradient.
+            loss_bad: whether this step's loss was non-finite (a bool tensor).
+            state: the loss-scale state before the step (its scale and steps).
+            unscaled: whether ``grads`` are divided by the scale already.
+            agree: makes the per-layer flags and ``loss_bad`` global (``tf.distribute``'s all-reduce).
+
+        Returns:
+            ``(finite, changed, update)``: whether every gradient is finite, as the step decides it;
+            whether the tally changes (a skipped or a sampled step); and the function that makes the new
+            tally, for the caller to run in a ``cond`` on ``changed``, so an ordinary step runs none of it.
+        """
+        pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
+        if not pairs:
+            return ops.convert_to_tensor(True), ops.convert_to_tensor(False), tally
+        dense = [g for g, _ in pairs]
+        ids, seen = self._constants([v for _, v in pairs])
+        assert self.layout is not None
+        layers = len(self.layout.layers)
+        flags, loss_bad = agree(device.layer_flags(device.bad_flags(dense), ids, layers), loss_bad)
+        finite = ops.equal(ops.sum(flags), 0.0)
+        due = ops.equal(ops.mod(state.steps, self.every), 0)
+
+        def update() -> device.Tally:
+            before = tally()
+
+            def count() -> device.Tally:  # a skipped step: its cause, layers and origin
+                return _like(device.fold_skip(before, flags, loss_bad, device.any_nan(dense)), before)
+
+            counted = ops.cond(finite, lambda: before, count)
+            factor = state.scale if unscaled else ops.ones((), "float32")
+            return device.Tally(*ops.cond(due, lambda: _like(
+                device.sample(counted, dense, ids, seen, factor, state.scale), before), lambda: counted))
+
+        return finite, ops.logical_or(ops.logical_not(finite), due), update
+
+    def eager(self, grads: Sequence[Any], variables: Sequence[Any], skipped: bool,
+              loss_bad: Callable[[], Any], scale: Any, unscaled: bool) -> None:
+        """torch: count a step whose skip the host already knows; sample on the host's schedule."""
+        due = self._host_steps % self.every == 0
+        self._host_steps += 1
+        pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
+        if not (skipped or due) or not pairs:
+            return
+        dense = [g for g, _ in pairs]
+        ids, seen = self._constants([v for _, v in pairs])
+        tally = self.values()
+        if skipped:
+            assert self.layout is not None
+            flags = device.layer_flags(device.bad_flags(dense), ids, len(self.layout.layers))
+            tally = device.fold_skip(tally, flags, loss_bad(), device.any_nan(dense))
+        if due:
+            factor = scale if unscaled else ops.ones((), "float32")
+            tally = device.sample(tally, dense, ids, seen, factor, scale)
+        self.assign(_like(tally, self.values()))
+
+    # ---------------------------------------------------------------------------- reading
+
+    def read(self, state: LossScaleState) -> IntervalForensics | None:
+        """The interval's forensics at the step and scale of ``state`` (host values), and a fresh interval;
+        ``None`` when off. One host read (the packed tally): call it at the log interval."""
+        if not self.active:
             return None
-        return self.accumulators.read(int(state.steps), float(state.scale))
+        assert self.layout is not None and self.variables is not None
+        layers = self.layout.layers
+        tally = device.unpack(np.asarray(ops.convert_to_numpy(device.pack(self.values()))), len(layers),
+                              len(self.layout.sizes))
+        headroom: tuple[LayerHeadroom, ...] = ()
+        histogram = headroom_scale = None
+        if tally.sampled[0]:
+            totals = self.layout.layer_sizes(tally.sample_seen)
+            headroom = tuple(LayerHeadroom(name, float(tally.sample_max[i]), int(tally.sample_under[i]),
+                                           totals[name]) for i, name in enumerate(layers) if name in totals)
+            histogram = tuple(int(c) for c in tally.histogram)
+            headroom_scale = float(tally.sample_scale[0])
+        for name in ("causes", "layer_skips", "origins", "sampled"):
+            variable = getattr(self.variables, name)
+            variable.assign(ops.zeros(variable.shape, variable.dtype))
+
+        def per_layer(counts: np.ndarray) -> dict[str, int]:
+            return {name: int(c) for name, c in zip(layers, counts, strict=True) if c}
+
+        return IntervalForensics(
+            step=int(state.steps), scale=float(state.scale),
+            causes=dict(zip(CAUSES, map(int, tally.causes), strict=True)),
+            layer_skips=per_layer(tally.layer_skips), layer_origins=per_layer(tally.origins),
+            layer_order=layers, headroom=headroom, histogram=histogram, headroom_scale=headroom_scale)
+
+
+def _like(new: device.Tally, old: device.Tally) -> device.Tally:
+    """``new`` in ``old``'s dtypes: the branches of a ``cond`` must agree exactly."""
+    return device.Tally(*(ops.cast(n, o.dtype) for n, o in zip(new, old, strict=True)))

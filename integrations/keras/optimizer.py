@@ -57,7 +57,8 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
     BatchNormalization's moving statistics, still moves, as with any loss scaler), and moves
     the loss scale with the core's ``next_state``. No host synchronisation happens in the step
     on TensorFlow and JAX (torch reads the overflow flag once per step, as Keras' own class
-    does there); :meth:`read_state` is the one host read, for callbacks at their log interval.
+    does there, and the forensics add no read); :meth:`read_state` is the one host read, for
+    callbacks at their log interval.
 
     ``iterations`` is the inner optimizer's counter, so it counts *applied* steps only
     (as in Keras and tf.keras): a skipped step does not advance it, nor a
@@ -86,11 +87,13 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         policy: any core policy (hysteresis, min/max scale, factors) instead of the three
             seed arguments.
         name: the optimizer's name.
-        diagnose: overflow forensics (TensorFlow backend; see :mod:`lossscale_callbacks.forensics`):
-            ``True`` records on the device why each skipped step was skipped and which layers'
-            gradients were non-finite, and samples the float16 headroom every ``headroom_every``
+        diagnose: overflow forensics, on every backend (see :mod:`lossscale_callbacks.forensics`
+            and :mod:`~lossscale_callbacks.keras.forensics_wiring`): ``True`` records on the device
+            why each skipped step was skipped, which layers' gradients were non-finite and in which
+            layer the overflow started, and samples the float16 headroom every ``headroom_every``
             steps; ``"every_step"`` samples every step. Read with :meth:`read_forensics`;
-            :meth:`watch` names the layers by the model's layer objects. Not in the config.
+            :meth:`watch` names the layers by the model's layer objects, in its order (gradients are
+            matched to layers by variable). Not in the config.
         headroom_every: steps between headroom samples.
 
     Example:
@@ -159,8 +162,10 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
 
     @property
     def variables(self) -> list[Any]:
-        """Every variable this optimizer steps: its own, the loss-scale counters, the inner optimizer's."""
-        return self._variables + self.loss_scale_counters.variables + self.inner_optimizer.variables
+        """Every variable this optimizer steps: its own, the loss-scale counters, the forensics tally (with
+        ``diagnose``; never saved), the inner optimizer's."""
+        return (self._variables + self.loss_scale_counters.variables + self._forensics_wiring.variable_list
+                + self.inner_optimizer.variables)
 
     # Names of Keras' own LossScaleOptimizer, for code written against it.
     @property
@@ -220,12 +225,12 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
             super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
         finally:
             self._building_base = False
-        self._forensics_wiring.build(self._trainable_variables)
+        self._forensics_wiring.build(self)
 
     def _scaled(self, loss: Any) -> Any:
         loss = ops.convert_to_tensor(loss)
         if self.forensics is not None:
-            self.forensics.on_loss(loss)
+            loss = self._step.note_loss(loss)  # whether it was finite, for the step's skip cause
         dtype = keras.backend.standardize_dtype(loss.dtype)
         if dtype in ("float16", "bfloat16"):
             loss, dtype = ops.cast(loss, "float32"), "float32"
@@ -294,28 +299,28 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         return self._step.stateless(self, list(optimizer_variables), list(grads), list(trainable_variables),
                                     unscaled=self._pending_unscales.take())
 
-    # ---- overflow forensics (TensorFlow) ----
+    # ---- overflow forensics ----
 
     @property
-    def forensics(self) -> Any:
-        """The forensics accumulators (``KerasForensics``); ``None`` with ``diagnose=False`` or unbuilt."""
-        return self._forensics_wiring.accumulators
+    def forensics(self) -> ForensicsWiring | None:
+        """The forensics wiring while they run (``diagnose`` on and the optimizer built), else ``None``."""
+        return self._forensics_wiring if self._forensics_wiring.active else None
 
     def set_diagnose(self, diagnose: bool | str, headroom_every: int = 1000) -> None:
-        """Switch the overflow forensics on or off (see ``diagnose``); retrace the train function after it."""
-        self._forensics_wiring.configure(diagnose, headroom_every, self._built_variables())
+        """Switch the overflow forensics on or off (see ``diagnose``); retrace the train function after it
+        (on JAX the tally is part of ``variables``: ``fit``'s step must be made again)."""
+        self._forensics_wiring.configure(diagnose, headroom_every, self if self.built else None)
 
     def watch(self, model: Any) -> LossScaleOptimizer:
-        """Name the report's layers by the model's layer objects (paths in nested models); returns self."""
-        self._forensics_wiring.watch(model, self._built_variables())
+        """Name the report's layers by the model's layer objects, in the model's order (paths in nested
+        models); returns self. Retrace the train function after it, as after :meth:`set_diagnose`."""
+        self._forensics_wiring.watch(model, self if self.built else None)
         return self
 
-    def _built_variables(self) -> list[Any] | None:
-        return self._trainable_variables if self.built else None
-
     def read_forensics(self, state: LossScaleState | None = None) -> Any:
-        """The forensics since the last call as an ``IntervalForensics`` (``None`` when off). Host reads:
-        call it at the log interval; pass the ``state`` just read with :meth:`read_state` to save a read."""
+        """The forensics since the last call as an ``IntervalForensics`` (``None`` when off). One host read
+        (the packed tally; on JAX in ``fit``, sync the model's state first, as the callback does): call it
+        at the log interval; pass the ``state`` just read with :meth:`read_state` to save a second read."""
         if self.forensics is None:
             return None
         return self._forensics_wiring.read(self.read_state() if state is None else state)

@@ -86,19 +86,6 @@ def all_finite(grads: Iterable[Any]) -> tf.Tensor:
     return tf.reduce_all(tf.stack(checks))
 
 
-def finite_flags(grads: Iterable[Any]) -> tf.Tensor:
-    """One bool per gradient (``None`` counts as finite), from the same reductions as :func:`all_finite`."""
-    checks = []
-    for grad in grads:
-        if grad is None:
-            checks.append(tf.constant(True))
-            continue
-        if isinstance(grad, tf.IndexedSlices):
-            grad = grad.values
-        checks.append(tf.reduce_all(tf.math.is_finite(grad)))
-    return tf.stack(checks) if checks else tf.zeros([0], tf.bool)
-
-
 def replicas_agree_finite(local_finite: tf.Tensor) -> tf.Tensor:
     """Make the overflow decision global: one replica's Inf/NaN makes it False on every replica.
 

@@ -18,7 +18,10 @@ is a bounded number of dispatched ops, whatever the number of parameter tensors:
   slower (see :meth:`GradForensics._analyse`).
 * **Loss non-finite**: three ops on the scaled loss in :meth:`LossScaler.scale` (``0 * loss``, summed
   into a probe that turns NaN once a loss value is Inf or NaN).
-* **End of the step**: about 13 ops fold the step's maxima into the interval's counts by cause.
+* **End of the step**: about 13 ops fold the step's maxima into the interval's counts by cause, and
+  where the maxima were taken, 6 more count the step's **origin**: with the layers in forward order
+  (the model's module registration order, from :meth:`GradForensics.watch`), the last flagged layer,
+  one-hot.
 * **Headroom, underflow, histogram** every ``headroom_every`` optimizer steps (a host counter), or
   every step with ``"every_step"``: the gradients are concatenated per device and dtype in chunks of
   at most :data:`SAMPLE_CHUNK` values (``torch._chunk_cat``) and about 20 ops per chunk compute the
@@ -159,6 +162,9 @@ class GradForensics:
         self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._step_max: torch.Tensor | None = None  # this step, per layer: max |scaled gradient|
         self._counts: torch.Tensor | None = None  # this interval, per layer: skipped steps flagged
+        self._origins: torch.Tensor | None = None  # this interval, per layer: skipped steps it started
+        self._positions: torch.Tensor | None = None  # 1, 2, ... per layer: its place in forward order
+        self._analysed = False  # this step's maxima were taken (else no layer can be flagged)
         self._sample = None
 
     # ------------------------------------------------------------------------------ names
@@ -166,8 +172,11 @@ class GradForensics:
     def watch(self, model: torch.nn.Module) -> None:
         """Name the parameters after ``model``'s modules (``dec.5.attn.weight`` → layer ``dec.5.attn``).
 
-        Framework wrappers (DDP, ``torch.compile``, Lightning's and Fabric's, DeepSpeed's) are looked
-        through by type (:func:`unwrap`); the interval's layer counts start again.
+        The layers are numbered in the model's registration order (the order ``named_parameters``
+        gives, which is the forward order of a model that defines its layers as it calls them): the
+        origin of a skipped step is its last flagged layer in that order. Framework wrappers (DDP,
+        ``torch.compile``, Lightning's and Fabric's, DeepSpeed's) are looked through by type
+        (:func:`unwrap`); the interval's layer counts start again.
         """
         inner, prefix = unwrap(model)
         self._names = {}
@@ -177,6 +186,8 @@ class GradForensics:
                 name = f"{type(inner).__name__}.{name}"
             self._names[id(param)] = name
         self._reset_layers()
+        for name in self._names.values():
+            self._layer_id(layer_of(name))
 
     def _layer_name(self, param: torch.Tensor) -> str:
         name = self._names.get(id(param))
@@ -245,12 +256,13 @@ class GradForensics:
         if self._step_max is not None and self._step_max.numel() >= n:
             return
         capacity = max(n, 2 * (self._step_max.numel() if self._step_max is not None else 4))
-        for attr, dtype in (("_step_max", torch.float32), ("_counts", torch.float32)):
+        for attr in ("_step_max", "_counts", "_origins"):
             old = getattr(self, attr)
-            new = torch.zeros(capacity, dtype=dtype, device=self._device)
+            new = torch.zeros(capacity, dtype=torch.float32, device=self._device)
             if old is not None:
                 new[:old.numel()].copy_(old)
             setattr(self, attr, new)
+        self._positions = torch.arange(1, capacity + 1, dtype=torch.float32, device=self._device)
         if self._sample is not None:
             self._sample = None  # a sample begun before these layers existed is dropped
 
@@ -322,6 +334,7 @@ class GradForensics:
         scaled gradient that float16 could hold comes near.
         """
         vectors = []
+        self._analysed = True
         with torch.no_grad():
             for device, positions in plan.by_device:
                 grads = [entries[i][1] if entries[i][1] is not None else self._zero(device, torch.float32)
@@ -403,12 +416,22 @@ class GradForensics:
         # Per layer: + grad_skip where the maximum is Inf or NaN (0 * either is NaN, 0 * a number 0).
         not_finite = torch.nan_to_num(self._step_max * 0.0, nan=1.0)
         self._counts.addcmul_(not_finite, grad_skip)
+        if self._analysed:  # else no layer is flagged: a step the host knows was applied costs nothing
+            self._count_origin(not_finite, grad_skip)
+            self._analysed = False
         if self._sample is not None and self._sample["open"]:
             self._sample["max"] = self._step_max.clone()
             self._sample["open"] = False
         self._step_max.zero_()
         self._loss_probe.zero_()
         self._sample_now = False
+
+    def _count_origin(self, not_finite: torch.Tensor, grad_skip: torch.Tensor) -> None:
+        """+ ``grad_skip`` for the last flagged layer in forward order (none when no layer is flagged)."""
+        assert self._origins is not None and self._positions is not None
+        places = not_finite * self._positions  # flagged layers keep their place, the others 0
+        last = places.eq(places.amax()).float().mul_(not_finite)  # one-hot; all 0 when nothing is flagged
+        self._origins.addcmul_(last, grad_skip)
 
     # ------------------------------------------------------------------------------- reading
 
@@ -419,7 +442,9 @@ class GradForensics:
             return IntervalForensics(step=step, scale=scale, causes={}, layer_order=order)
         n = len(order)
         sample = self._sample if self._sample is not None and "max" in self._sample else None
-        parts = [torch.stack(self._tally).to(torch.float64), self._counts[:n].to(torch.float64)]
+        assert self._origins is not None
+        parts = [torch.stack(self._tally).to(torch.float64), self._counts[:n].to(torch.float64),
+                 self._origins[:n].to(torch.float64)]
         if sample is not None:
             parts += [sample["max"][:n].to(torch.float64), sample["under"][:n].to(torch.float64),
                       sample["hist"][:-1].to(torch.float64), sample["scale"].reshape(1).to(torch.float64)]
@@ -428,17 +453,20 @@ class GradForensics:
         causes = {"loss_nonfinite": skips - grad_skips, "grad_inf": grad_skips - nan_skips,
                   "grad_nan": nan_skips, "grad_nonfinite": 0}
         layer_skips = {layer: int(count) for layer, count in zip(order, host[3:3 + n], strict=True) if count}
+        layer_origins = {layer: int(count) for layer, count in zip(order, host[3 + n:3 + 2 * n], strict=True)
+                         if count}
         headroom: tuple[LayerHeadroom, ...] = ()
         histogram = headroom_scale = None
         if sample is not None:
-            rest = host[3 + n:]
+            rest = host[3 + 2 * n:]
             maxes, unders, hist = rest[:n], rest[n:2 * n], rest[2 * n:2 * n + (_HI - _LO)]
             headroom = tuple(LayerHeadroom(layer, float(maxes[i]), int(unders[i]), sample["totals"][layer])
                              for i, layer in enumerate(order) if layer in sample["totals"])
             histogram, headroom_scale = tuple(int(c) for c in hist), float(rest[-1])
             self._sample = None
         self._counts.zero_()
+        self._origins.zero_()
         torch._foreach_zero_(self._tally)
         return IntervalForensics(step=step, scale=scale, causes=causes, layer_skips=layer_skips,
-                                 layer_order=order, headroom=headroom, histogram=histogram,
-                                 headroom_scale=headroom_scale)
+                                 layer_origins=layer_origins, layer_order=order, headroom=headroom,
+                                 histogram=histogram, headroom_scale=headroom_scale)

@@ -210,7 +210,7 @@ def one_read() -> dict:
 
 
 def diagnose() -> str:
-    """Overflow forensics: built on TensorFlow; elsewhere both entry points refuse with the same words."""
+    """Overflow forensics: both entry points accept ``diagnose=True`` on every backend."""
     from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
 
     said = []
