@@ -73,7 +73,7 @@ class ForensicsWiring:
         self.settings = check_diagnose_settings(diagnose, headroom_every)
         self.model: Any = None
         self.layout: ForensicsLayout | None = None
-        self.variables: device.Tally | None = None
+        self.variables: device.Packed | None = None
         self._ids: dict[tuple[int, ...], tuple[Any, Any]] = {}  # torch: constants made once
         self._host_steps = 0  # torch: its sampling schedule, counted where the step runs
 
@@ -123,20 +123,25 @@ class ForensicsWiring:
         self.layout = ForensicsLayout.of(variables, self.model, optimizer._var_key)
         initial = device.zeros(len(self.layout.layers), len(variables))
         with _creation_scope():
-            self.variables = device.Tally(*(
+            self.variables = device.Packed(*(
                 keras.Variable(value, dtype=value.dtype.name, trainable=False,
                                aggregation="only_first_replica", name=f"forensics_{name}")
-                for name, value in zip(device.Tally._fields, initial, strict=True)))
+                for name, value in zip(device.Packed._fields, initial, strict=True)))
 
-    def values(self) -> device.Tally:
+    def values(self) -> device.Packed:
         """The tally's current values (tensors on the device)."""
         assert self.variables is not None
-        return device.Tally(*(v.value for v in self.variables))
+        return device.Packed(*(v.value for v in self.variables))
 
-    def assign(self, tally: device.Tally) -> None:
+    def assign(self, packed: device.Packed) -> None:
         assert self.variables is not None
-        for variable, value in zip(self.variables, tally, strict=True):
+        for variable, value in zip(self.variables, packed, strict=True):
             variable.assign(value)
+
+    def split(self, packed: device.Packed) -> device.Tally:
+        """``packed`` as a :class:`~lossscale_callbacks.keras.forensics_device.Tally` (views, no copy)."""
+        assert self.layout is not None
+        return device.split(packed, len(self.layout.layers), len(self.layout.sizes))
 
     def _constants(self, variables: Sequence[Any]) -> tuple[Any, Any]:
         """The layer id of each variable's gradient and the 0/1 vector of the optimizer variables present."""
@@ -155,9 +160,9 @@ class ForensicsWiring:
 
     # ---------------------------------------------------------------------------- the step
 
-    def traced(self, tally: Callable[[], device.Tally], grads: Sequence[Any], variables: Sequence[Any],
+    def traced(self, tally: Callable[[], device.Packed], grads: Sequence[Any], variables: Sequence[Any],
                loss_bad: Any, state: LossScaleState, unscaled: bool,
-               agree: Callable[[Any, Any], tuple[Any, Any]]) -> tuple[Any, Any, Callable[[], device.Tally]]:
+               agree: Callable[[Any, Any], tuple[Any, Any]]) -> tuple[Any, Any, Callable[[], device.Packed]]:
         """The skip flag of one step and how its tally changes, all on the device (TensorFlow, JAX).
 
         Args:
@@ -185,16 +190,18 @@ class ForensicsWiring:
         finite = ops.equal(ops.sum(flags), 0.0)
         due = ops.equal(ops.mod(state.steps, self.every), 0)
 
-        def update() -> device.Tally:
+        def update() -> device.Packed:
             before = tally()
 
-            def count() -> device.Tally:  # a skipped step: its cause, layers and origin
-                return _like(device.fold_skip(before, flags, loss_bad, device.any_nan(dense)), before)
+            def count() -> device.Packed:  # a skipped step: its cause, layers and origin
+                nan = device.any_nan(dense)
+                return device.join(device.fold_skip(self.split(before), flags, loss_bad, nan), before)
 
-            counted = ops.cond(finite, lambda: before, count)
+            counted = device.Packed(*ops.cond(finite, lambda: before, count))
             factor = state.scale if unscaled else ops.ones((), "float32")
-            return device.Tally(*ops.cond(due, lambda: _like(
-                device.sample(counted, dense, ids, seen, factor, state.scale), before), lambda: counted))
+            return device.Packed(*ops.cond(due, lambda: device.join(
+                device.sample(self.split(counted), dense, ids, seen, factor, state.scale), before),
+                lambda: counted))
 
         return finite, ops.logical_or(ops.logical_not(finite), due), update
 
@@ -208,7 +215,8 @@ class ForensicsWiring:
             return
         dense = [g for g, _ in pairs]
         ids, seen = self._constants([v for _, v in pairs])
-        tally = self.values()
+        before = self.values()
+        tally = self.split(before)
         if skipped:
             assert self.layout is not None
             flags = device.layer_flags(device.bad_flags(dense), ids, len(self.layout.layers))
@@ -216,7 +224,7 @@ class ForensicsWiring:
         if due:
             factor = scale if unscaled else ops.ones((), "float32")
             tally = device.sample(tally, dense, ids, seen, factor, scale)
-        self.assign(_like(tally, self.values()))
+        self.assign(device.join(tally, before))
 
     # ---------------------------------------------------------------------------- reading
 
@@ -227,8 +235,8 @@ class ForensicsWiring:
             return None
         assert self.layout is not None and self.variables is not None
         layers = self.layout.layers
-        tally = device.unpack(np.asarray(ops.convert_to_numpy(device.pack(self.values()))), len(layers),
-                              len(self.layout.sizes))
+        host = np.asarray(ops.convert_to_numpy(device.pack(self.values())))
+        tally = device.unpack(host, len(layers), len(self.layout.sizes))
         headroom: tuple[LayerHeadroom, ...] = ()
         histogram = headroom_scale = None
         if tally.sampled[0]:
@@ -237,9 +245,9 @@ class ForensicsWiring:
                                            totals[name]) for i, name in enumerate(layers) if name in totals)
             histogram = tuple(int(c) for c in tally.histogram)
             headroom_scale = float(tally.sample_scale[0])
-        for name in ("causes", "layer_skips", "origins", "sampled"):
-            variable = getattr(self.variables, name)
-            variable.assign(ops.zeros(variable.shape, variable.dtype))
+        counts = host[:self.variables.counts.shape[0]].astype(self.variables.counts.dtype)
+        counts[:device.reset_length(len(layers))] = 0  # the sample stays until the next one replaces it
+        self.variables.counts.assign(counts)
 
         def per_layer(counts: np.ndarray) -> dict[str, int]:
             return {name: int(c) for name, c in zip(layers, counts, strict=True) if c}
@@ -250,7 +258,3 @@ class ForensicsWiring:
             layer_skips=per_layer(tally.layer_skips), layer_origins=per_layer(tally.origins),
             layer_order=layers, headroom=headroom, histogram=histogram, headroom_scale=headroom_scale)
 
-
-def _like(new: device.Tally, old: device.Tally) -> device.Tally:
-    """``new`` in ``old``'s dtypes: the branches of a ``cond`` must agree exactly."""
-    return device.Tally(*(ops.cast(n, o.dtype) for n, o in zip(new, old, strict=True)))
