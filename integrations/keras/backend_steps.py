@@ -231,7 +231,7 @@ class _KerasOpsStep(_Step):
             tally = Packed(*(by_variable[id(v)] for v in forensics.variables))
             finite, changed, update = forensics.traced(lambda: tally, grads, opt._trainable_variables,
                                                        self.take_loss(grads), state, unscaled, self.agree)
-            tally = Packed(*ops.cond(changed, update, lambda: tally))
+            tally = update() if changed is None else Packed(*ops.cond(changed, update, lambda: tally))
             by_variable.update({id(v): value for v, value in zip(forensics.variables, tally, strict=True)})
         if not unscaled:
             grads = self.unscale_all(grads, opt._trainable_variables, state.scale)

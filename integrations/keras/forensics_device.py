@@ -145,6 +145,13 @@ def bad_flags(grads: Sequence[Any]) -> Any:
     return 1.0 - ops.cast(finite, "float32")  # 2 ops for all of them, not 2 more per gradient
 
 
+def bad_codes(grads: Sequence[Any]) -> Any:
+    """``[n]`` float32: per gradient 0 when finite, 1 when it holds an Inf (and no NaN), 2 when a NaN: one
+    reduction per gradient, as the skip check's own, so a skipped step's cause needs no second pass."""
+    return ops.stack([ops.max(ops.where(ops.isfinite(g), 0.0, ops.where(ops.isnan(g), 2.0, 1.0)))
+                      for g in grads])
+
+
 def layer_flags(bad: Any, ids: Any, layers: int) -> Any:
     """``[L]`` float32: 1 where any of the layer's gradients is flagged in ``bad``."""
     return ops.minimum(_segment_sum(bad, ids, layers), 1.0)

@@ -75,7 +75,11 @@ class ForensicsWiring:
         self.layout: ForensicsLayout | None = None
         self.variables: device.Packed | None = None
         self._ids: dict[tuple[int, ...], tuple[Any, Any]] = {}  # torch: constants made once
-        self._host_steps = 0  # torch: its sampling schedule, counted where the step runs
+        self._host_steps = 0  # torch, and JAX's fit: the sampling schedule, counted on the host
+        # JAX's fit (set by LossScaleCallback): the host decides the samples; a trace takes one when
+        # ``sampling`` holds while it traces, so an ordinary step's trace has no sample branch at all.
+        self.host_schedule = False
+        self.sampling = False
 
     @property
     def active(self) -> bool:
@@ -178,6 +182,7 @@ class ForensicsWiring:
             ``(finite, changed, update)``: whether every gradient is finite, as the step decides it;
             whether the tally changes (a skipped or a sampled step); and the function that makes the new
             tally, for the caller to run in a ``cond`` on ``changed``, so an ordinary step runs none of it.
+            Under ``host_schedule`` (JAX's fit) ``changed`` is ``None``: run ``update`` as it is.
         """
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
         if not pairs:
@@ -186,6 +191,8 @@ class ForensicsWiring:
         ids, seen = self._constants([v for _, v in pairs])
         assert self.layout is not None
         layers = len(self.layout.layers)
+        if self.host_schedule:
+            return self._host_scheduled(tally, dense, ids, seen, loss_bad, state, unscaled)
         flags, loss_bad = agree(device.layer_flags(device.bad_flags(dense), ids, layers), loss_bad)
         finite = ops.equal(ops.sum(flags), 0.0)
         due = ops.equal(ops.mod(state.steps, self.every), 0)
@@ -205,11 +212,40 @@ class ForensicsWiring:
 
         return finite, ops.logical_or(ops.logical_not(finite), due), update
 
+    def _host_scheduled(self, tally: Callable[[], device.Packed], dense: list[Any], ids: Any, seen: Any,
+                        loss_bad: Any, state: LossScaleState, unscaled: bool) -> tuple[Any, None, Any]:
+        """JAX's fit (:meth:`traced` under ``host_schedule``): one reduction per gradient tells finite, Inf
+        and NaN apart, a skipped step is counted without a branch (a few ops on ``L`` values) and the
+        sample is in the trace only when ``sampling`` held while tracing: no ``cond`` holds the gradients."""
+        assert self.layout is not None
+        codes = device.bad_codes(dense)
+        flags = device.layer_flags(ops.minimum(codes, 1.0), ids, len(self.layout.layers))
+        finite = ops.equal(ops.sum(flags), 0.0)
+        nan = ops.equal(ops.max(codes), 2.0)
+        sampling = self.sampling
+
+        def update() -> device.Packed:
+            before = tally()
+            folded = device.join(device.fold_skip(self.split(before), flags, loss_bad, nan), before)
+            counted = device.Packed(*(ops.where(finite, b, f) for b, f in zip(before, folded, strict=True)))
+            if not sampling:
+                return counted
+            factor = state.scale if unscaled else ops.ones((), "float32")
+            taken = device.sample(self.split(counted), dense, ids, seen, factor, state.scale)
+            return device.join(taken, before)
+
+        return finite, None, update
+
+    def host_due(self, steps: int) -> bool:
+        """Whether one of the next ``steps`` steps takes the headroom sample, on the host's count (torch's
+        step and JAX's fit count here); counts them."""
+        first, self._host_steps = self._host_steps, self._host_steps + steps
+        return (-first) % self.every < steps
+
     def eager(self, grads: Sequence[Any], variables: Sequence[Any], skipped: bool,
               loss_bad: Callable[[], Any], scale: Any, unscaled: bool) -> None:
         """torch: count a step whose skip the host already knows; sample on the host's schedule."""
-        due = self._host_steps % self.every == 0
-        self._host_steps += 1
+        due = self.host_due(1)
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
         if not (skipped or due) or not pairs:
             return
