@@ -146,3 +146,10 @@ def test_jax_data_parallel_names_the_origin(results):
     # the late layer's output gradient poisoned in one row of the second device's shard
     assert dp["totals"]["skips"] == {"poisonable": 1, "dense": 1, "poisonable_1": 1}
     assert dp["totals"]["origins"] == {"poisonable_1": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fit_samples_the_headroom_every_headroom_every_steps(results, backend):
+    # JAX's fit decides the samples on the host (two train functions), the others on their own schedule.
+    assert results(backend)["fit_samples"] == {"sampled": [0, 3, 6]}

@@ -32,7 +32,7 @@ import keras
 from keras import ops
 
 from lossscale_callbacks.keras import keras_ops
-from lossscale_callbacks.keras.forensics_device import Tally
+from lossscale_callbacks.keras.forensics_device import Packed
 from lossscale_callbacks.state import LossScaleState
 from lossscale_callbacks.update import next_state
 
@@ -228,10 +228,10 @@ class _KerasOpsStep(_Step):
         if forensics is None:
             finite = keras_ops.all_finite(grads)
         else:
-            tally = Tally(*(by_variable[id(v)] for v in forensics.variables))
+            tally = Packed(*(by_variable[id(v)] for v in forensics.variables))
             finite, changed, update = forensics.traced(lambda: tally, grads, opt._trainable_variables,
                                                        self.take_loss(grads), state, unscaled, self.agree)
-            tally = Tally(*ops.cond(changed, update, lambda: tally))
+            tally = update() if changed is None else Packed(*ops.cond(changed, update, lambda: tally))
             by_variable.update({id(v): value for v, value in zip(forensics.variables, tally, strict=True)})
         if not unscaled:
             grads = self.unscale_all(grads, opt._trainable_variables, state.scale)

@@ -14,6 +14,7 @@ import keras
 from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.keras.config import record_in_compile_config
+from lossscale_callbacks.keras.fit_sampling import FitSampling
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
 from lossscale_callbacks.keras.wrapping import wrap
 from lossscale_callbacks.logging_loop import LoggingLoop
@@ -150,6 +151,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         check_policy("policy", policy)
         check_bool("check_alignment", check_alignment)
         self.diagnose = check_diagnose(diagnose)
+        self._fit_sampling = FitSampling()  # JAX: the headroom samples decided on the host
         self.headroom_every = check_int("headroom_every", headroom_every)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
@@ -249,6 +251,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         # Each fit() is a run of the loop: its own W&B run and event file, the optimizer's policy.
         self.loop.start(policy=self.optimizer.policy, writer=_is_chief(self.model))
         self._primed = False
+        self._fit_sampling.begin(self.optimizer)
         if self.check_alignment and self.alignment_report is None:
             self._run_alignment_check()
 
@@ -277,6 +280,9 @@ class LossScaleCallback(keras.callbacks.Callback):
             self._primed = True
             self.loop.baseline(self._read_state())
 
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._fit_sampling.before_batch(self.model)
+
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # With steps_per_execution=k Keras reports only every k-th index: the loop's rule logs when
         # the execution just run passed a multiple of log_every (landing on one is not needed).
@@ -292,6 +298,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         last = self.loop.last
         if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
             self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
+        self._fit_sampling.end(self.model)
         self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
 
 

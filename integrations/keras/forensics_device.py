@@ -14,6 +14,8 @@ them through ``jit``, and torch's step runs them eagerly:
 - :func:`sample`: every ``headroom_every`` steps, per layer the largest ``|scaled gradient|`` (a NaN
   wins), the values below float16's smallest subnormal, and a histogram of ``log2 |scaled gradient|``
   (the float32 exponent bits, exact).
+- :class:`Packed`, :func:`split`/:func:`join`: the tally as the optimizer holds it, one integer and one
+  float32 vector (a jitted step threads two arrays, not nine).
 - :func:`pack`/:func:`unpack`: the whole tally as one integer vector (the float32 values as their
   bits), so the read at the log interval is one device-to-host copy.
 
@@ -35,7 +37,6 @@ from lossscale_callbacks.keras.keras_ops import counter_dtype
 
 _LO, _HI = HISTOGRAM_EXPONENTS
 BINS = _HI - _LO
-_FLOATS = ("sample_scale", "sample_max")
 
 
 class Tally(NamedTuple):
@@ -64,12 +65,56 @@ class Tally(NamedTuple):
     histogram: Any
 
 
-def zeros(layers: int, variables: int) -> Tally:
+class Packed(NamedTuple):
+    """The tally as the optimizer holds it: two vectors, so a jitted step threads two arrays, not nine.
+
+    Attributes:
+        counts: the integer fields of :class:`Tally` one after the other (``COUNTS`` order).
+        floats: the float32 fields (``FLOATS`` order).
+    """
+
+    counts: Any
+    floats: Any
+
+
+COUNTS = ("causes", "layer_skips", "origins", "sampled", "sample_under", "sample_seen", "histogram")
+FLOATS = ("sample_scale", "sample_max")
+# The counters a read starts afresh: the leading fields of ``counts`` (the sample stays until replaced).
+RESET = ("causes", "layer_skips", "origins", "sampled")
+
+
+def _sizes(layers: int, variables: int) -> dict[str, int]:
+    return dict(zip(Tally._fields, (4, layers, layers, 1, 1, layers, layers, variables, BINS), strict=True))
+
+
+def reset_length(layers: int) -> int:
+    """How many leading values of ``counts`` a read sets back to 0 (the ``RESET`` fields)."""
+    return sum(_sizes(layers, 0)[name] for name in RESET)
+
+
+def zeros(layers: int, variables: int) -> Packed:
     """A fresh tally as NumPy arrays (the variables' initial values)."""
-    count = counter_dtype()
-    shapes = Tally(4, layers, layers, (), (), layers, layers, variables, BINS)
-    return Tally(*(np.zeros(shape, "float32" if name in _FLOATS else count)
-                   for name, shape in zip(Tally._fields, shapes, strict=True)))
+    sizes = _sizes(layers, variables)
+    return Packed(np.zeros(sum(sizes[n] for n in COUNTS), counter_dtype()),
+                  np.zeros(sum(sizes[n] for n in FLOATS), "float32"))
+
+
+def split(packed: Packed, layers: int, variables: int) -> Tally:
+    """:class:`Packed` as a :class:`Tally` of slices (scalars for ``sampled`` and ``sample_scale``)."""
+    sizes, fields = _sizes(layers, variables), {}
+    for vector, names in ((packed.counts, COUNTS), (packed.floats, FLOATS)):
+        start = 0
+        for name in names:
+            part = vector[start:start + sizes[name]]
+            fields[name] = ops.reshape(part, ()) if name in ("sampled", "sample_scale") else part
+            start += sizes[name]
+    return Tally(**fields)
+
+
+def join(tally: Tally, like: Packed) -> Packed:
+    """A :class:`Tally` as :class:`Packed`, in ``like``'s dtypes (the branches of a ``cond`` must agree)."""
+    return Packed(*(ops.cast(ops.concatenate([ops.reshape(getattr(tally, n), (-1,)) for n in names]), v.dtype)
+                    for names, v in ((COUNTS, like.counts), (FLOATS, like.floats))))
 
 
 def _torch() -> bool:
@@ -98,6 +143,13 @@ def bad_flags(grads: Sequence[Any]) -> Any:
     """``[n]`` float32: 1 where a gradient holds an Inf or NaN (the skip check's reductions), 0 else."""
     finite = ops.stack([ops.all(ops.isfinite(g)) for g in grads])
     return 1.0 - ops.cast(finite, "float32")  # 2 ops for all of them, not 2 more per gradient
+
+
+def bad_codes(grads: Sequence[Any]) -> Any:
+    """``[n]`` float32: per gradient 0 when finite, 1 when it holds an Inf (and no NaN), 2 when a NaN: one
+    reduction per gradient, as the skip check's own, so a skipped step's cause needs no second pass."""
+    return ops.stack([ops.max(ops.where(ops.isfinite(g), 0.0, ops.where(ops.isnan(g), 2.0, 1.0)))
+                      for g in grads])
 
 
 def layer_flags(bad: Any, ids: Any, layers: int) -> Any:
@@ -162,21 +214,18 @@ def sample(tally: Tally, grads: Sequence[Any], ids: Any, seen: Any, factor: Any,
         histogram=histogram[:BINS])
 
 
-def pack(tally: Tally) -> Any:
-    """The tally as one integer vector: the integers as they are, the float32 values as their bits."""
-    count = counter_dtype()
-    parts = [ops.reshape(ops.cast(ops.view(ops.cast(value, "float32"), "int32"), count), (-1,))
-             if name in _FLOATS else ops.reshape(value, (-1,))
-             for name, value in zip(Tally._fields, tally, strict=True)]
-    return ops.concatenate(parts)
+def pack(packed: Packed) -> Any:
+    """The tally as one integer vector for the host: the counts, then the float32 values as their bits."""
+    bits = ops.cast(ops.view(ops.cast(packed.floats, "float32"), "int32"), packed.counts.dtype)
+    return ops.concatenate([packed.counts, bits])
 
 
 def unpack(host: np.ndarray, layers: int, variables: int) -> Tally:
     """:func:`pack`'s vector, back on the host, as a tally of NumPy arrays."""
-    sizes = Tally(4, layers, layers, 1, 1, layers, layers, variables, BINS)
-    out, start = [], 0
-    for name, size in zip(Tally._fields, sizes, strict=True):
-        part = np.asarray(host[start:start + size])
-        start += size
-        out.append(part.astype(np.int32).view(np.float32) if name in _FLOATS else part.astype(np.int64))
-    return Tally(*out)
+    sizes = _sizes(layers, variables)
+    out, start = {}, 0
+    for name in COUNTS + FLOATS:
+        part = np.asarray(host[start:start + sizes[name]])
+        start += sizes[name]
+        out[name] = part.astype(np.int32).view(np.float32) if name in FLOATS else part.astype(np.int64)
+    return Tally(**out)

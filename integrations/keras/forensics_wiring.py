@@ -10,7 +10,9 @@ variable, layers in forward order) and the tally's variables, and runs the devic
   that counts a skipped step and one that takes the headroom sample every ``headroom_every`` steps,
   both decided on the device. TensorFlow assigns the new tally to the variables; JAX's stateless step
   returns it with the other optimizer variables (the variables are among ``optimizer.variables``, so
-  ``fit``'s jitted step threads them, under ``keras.distribution`` too).
+  ``fit``'s jitted step threads them, under ``keras.distribution`` too). In JAX's ``fit`` with
+  ``LossScaleCallback`` the host decides the samples instead (``host_schedule``, see
+  :mod:`~lossscale_callbacks.keras.fit_sampling`): an ordinary step's trace holds no ``cond`` at all.
 - torch (:meth:`ForensicsWiring.eager`): the step already reads the skip flag on the host (as Keras' own
   class does), so the forensics run only on skipped and on sampled steps, with no host read of their own.
 
@@ -73,9 +75,13 @@ class ForensicsWiring:
         self.settings = check_diagnose_settings(diagnose, headroom_every)
         self.model: Any = None
         self.layout: ForensicsLayout | None = None
-        self.variables: device.Tally | None = None
+        self.variables: device.Packed | None = None
         self._ids: dict[tuple[int, ...], tuple[Any, Any]] = {}  # torch: constants made once
-        self._host_steps = 0  # torch: its sampling schedule, counted where the step runs
+        self._host_steps = 0  # torch, and JAX's fit: the sampling schedule, counted on the host
+        # JAX's fit (set by LossScaleCallback): the host decides the samples; a trace takes one when
+        # ``sampling`` holds while it traces, so an ordinary step's trace has no sample branch at all.
+        self.host_schedule = False
+        self.sampling = False
 
     @property
     def active(self) -> bool:
@@ -123,20 +129,25 @@ class ForensicsWiring:
         self.layout = ForensicsLayout.of(variables, self.model, optimizer._var_key)
         initial = device.zeros(len(self.layout.layers), len(variables))
         with _creation_scope():
-            self.variables = device.Tally(*(
+            self.variables = device.Packed(*(
                 keras.Variable(value, dtype=value.dtype.name, trainable=False,
                                aggregation="only_first_replica", name=f"forensics_{name}")
-                for name, value in zip(device.Tally._fields, initial, strict=True)))
+                for name, value in zip(device.Packed._fields, initial, strict=True)))
 
-    def values(self) -> device.Tally:
+    def values(self) -> device.Packed:
         """The tally's current values (tensors on the device)."""
         assert self.variables is not None
-        return device.Tally(*(v.value for v in self.variables))
+        return device.Packed(*(v.value for v in self.variables))
 
-    def assign(self, tally: device.Tally) -> None:
+    def assign(self, packed: device.Packed) -> None:
         assert self.variables is not None
-        for variable, value in zip(self.variables, tally, strict=True):
+        for variable, value in zip(self.variables, packed, strict=True):
             variable.assign(value)
+
+    def split(self, packed: device.Packed) -> device.Tally:
+        """``packed`` as a :class:`~lossscale_callbacks.keras.forensics_device.Tally` (views, no copy)."""
+        assert self.layout is not None
+        return device.split(packed, len(self.layout.layers), len(self.layout.sizes))
 
     def _constants(self, variables: Sequence[Any]) -> tuple[Any, Any]:
         """The layer id of each variable's gradient and the 0/1 vector of the optimizer variables present."""
@@ -155,9 +166,9 @@ class ForensicsWiring:
 
     # ---------------------------------------------------------------------------- the step
 
-    def traced(self, tally: Callable[[], device.Tally], grads: Sequence[Any], variables: Sequence[Any],
+    def traced(self, tally: Callable[[], device.Packed], grads: Sequence[Any], variables: Sequence[Any],
                loss_bad: Any, state: LossScaleState, unscaled: bool,
-               agree: Callable[[Any, Any], tuple[Any, Any]]) -> tuple[Any, Any, Callable[[], device.Tally]]:
+               agree: Callable[[Any, Any], tuple[Any, Any]]) -> tuple[Any, Any, Callable[[], device.Packed]]:
         """The skip flag of one step and how its tally changes, all on the device (TensorFlow, JAX).
 
         Args:
@@ -173,6 +184,7 @@ class ForensicsWiring:
             ``(finite, changed, update)``: whether every gradient is finite, as the step decides it;
             whether the tally changes (a skipped or a sampled step); and the function that makes the new
             tally, for the caller to run in a ``cond`` on ``changed``, so an ordinary step runs none of it.
+            Under ``host_schedule`` (JAX's fit) ``changed`` is ``None``: run ``update`` as it is.
         """
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
         if not pairs:
@@ -181,34 +193,68 @@ class ForensicsWiring:
         ids, seen = self._constants([v for _, v in pairs])
         assert self.layout is not None
         layers = len(self.layout.layers)
+        if self.host_schedule:
+            return self._host_scheduled(tally, dense, ids, seen, loss_bad, state, unscaled)
         flags, loss_bad = agree(device.layer_flags(device.bad_flags(dense), ids, layers), loss_bad)
         finite = ops.equal(ops.sum(flags), 0.0)
         due = ops.equal(ops.mod(state.steps, self.every), 0)
 
-        def update() -> device.Tally:
+        def update() -> device.Packed:
             before = tally()
 
-            def count() -> device.Tally:  # a skipped step: its cause, layers and origin
-                return _like(device.fold_skip(before, flags, loss_bad, device.any_nan(dense)), before)
+            def count() -> device.Packed:  # a skipped step: its cause, layers and origin
+                nan = device.any_nan(dense)
+                return device.join(device.fold_skip(self.split(before), flags, loss_bad, nan), before)
 
-            counted = ops.cond(finite, lambda: before, count)
+            counted = device.Packed(*ops.cond(finite, lambda: before, count))
             factor = state.scale if unscaled else ops.ones((), "float32")
-            return device.Tally(*ops.cond(due, lambda: _like(
-                device.sample(counted, dense, ids, seen, factor, state.scale), before), lambda: counted))
+            return device.Packed(*ops.cond(due, lambda: device.join(
+                device.sample(self.split(counted), dense, ids, seen, factor, state.scale), before),
+                lambda: counted))
 
         return finite, ops.logical_or(ops.logical_not(finite), due), update
+
+    def _host_scheduled(self, tally: Callable[[], device.Packed], dense: list[Any], ids: Any, seen: Any,
+                        loss_bad: Any, state: LossScaleState, unscaled: bool) -> tuple[Any, None, Any]:
+        """JAX's fit (:meth:`traced` under ``host_schedule``): one reduction per gradient tells finite, Inf
+        and NaN apart, a skipped step is counted without a branch (a few ops on ``L`` values) and the
+        sample is in the trace only when ``sampling`` held while tracing: no ``cond`` holds the gradients."""
+        assert self.layout is not None
+        codes = device.bad_codes(dense)
+        flags = device.layer_flags(ops.minimum(codes, 1.0), ids, len(self.layout.layers))
+        finite = ops.equal(ops.sum(flags), 0.0)
+        nan = ops.equal(ops.max(codes), 2.0)
+        sampling = self.sampling
+
+        def update() -> device.Packed:
+            before = tally()
+            folded = device.join(device.fold_skip(self.split(before), flags, loss_bad, nan), before)
+            counted = device.Packed(*(ops.where(finite, b, f) for b, f in zip(before, folded, strict=True)))
+            if not sampling:
+                return counted
+            factor = state.scale if unscaled else ops.ones((), "float32")
+            taken = device.sample(self.split(counted), dense, ids, seen, factor, state.scale)
+            return device.join(taken, before)
+
+        return finite, None, update
+
+    def host_due(self, steps: int) -> bool:
+        """Whether one of the next ``steps`` steps takes the headroom sample, on the host's count (torch's
+        step and JAX's fit count here); counts them."""
+        first, self._host_steps = self._host_steps, self._host_steps + steps
+        return (-first) % self.every < steps
 
     def eager(self, grads: Sequence[Any], variables: Sequence[Any], skipped: bool,
               loss_bad: Callable[[], Any], scale: Any, unscaled: bool) -> None:
         """torch: count a step whose skip the host already knows; sample on the host's schedule."""
-        due = self._host_steps % self.every == 0
-        self._host_steps += 1
+        due = self.host_due(1)
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
         if not (skipped or due) or not pairs:
             return
         dense = [g for g, _ in pairs]
         ids, seen = self._constants([v for _, v in pairs])
-        tally = self.values()
+        before = self.values()
+        tally = self.split(before)
         if skipped:
             assert self.layout is not None
             flags = device.layer_flags(device.bad_flags(dense), ids, len(self.layout.layers))
@@ -216,7 +262,7 @@ class ForensicsWiring:
         if due:
             factor = scale if unscaled else ops.ones((), "float32")
             tally = device.sample(tally, dense, ids, seen, factor, scale)
-        self.assign(_like(tally, self.values()))
+        self.assign(device.join(tally, before))
 
     # ---------------------------------------------------------------------------- reading
 
@@ -227,8 +273,8 @@ class ForensicsWiring:
             return None
         assert self.layout is not None and self.variables is not None
         layers = self.layout.layers
-        tally = device.unpack(np.asarray(ops.convert_to_numpy(device.pack(self.values()))), len(layers),
-                              len(self.layout.sizes))
+        host = np.asarray(ops.convert_to_numpy(device.pack(self.values())))
+        tally = device.unpack(host, len(layers), len(self.layout.sizes))
         headroom: tuple[LayerHeadroom, ...] = ()
         histogram = headroom_scale = None
         if tally.sampled[0]:
@@ -237,9 +283,9 @@ class ForensicsWiring:
                                            totals[name]) for i, name in enumerate(layers) if name in totals)
             histogram = tuple(int(c) for c in tally.histogram)
             headroom_scale = float(tally.sample_scale[0])
-        for name in ("causes", "layer_skips", "origins", "sampled"):
-            variable = getattr(self.variables, name)
-            variable.assign(ops.zeros(variable.shape, variable.dtype))
+        counts = host[:self.variables.counts.shape[0]].astype(self.variables.counts.dtype)
+        counts[:device.reset_length(len(layers))] = 0  # the sample stays until the next one replaces it
+        self.variables.counts.assign(counts)
 
         def per_layer(counts: np.ndarray) -> dict[str, int]:
             return {name: int(c) for name, c in zip(layers, counts, strict=True) if c}
@@ -250,7 +296,3 @@ class ForensicsWiring:
             layer_skips=per_layer(tally.layer_skips), layer_origins=per_layer(tally.origins),
             layer_order=layers, headroom=headroom, histogram=histogram, headroom_scale=headroom_scale)
 
-
-def _like(new: device.Tally, old: device.Tally) -> device.Tally:
-    """``new`` in ``old``'s dtypes: the branches of a ``cond`` must agree exactly."""
-    return device.Tally(*(ops.cast(n, o.dtype) for n, o in zip(new, old, strict=True)))

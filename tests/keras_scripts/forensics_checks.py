@@ -203,6 +203,27 @@ def headroom() -> dict:
             "underflowing": sum(w.underflow for w in want)}
 
 
+def fit_samples() -> dict:
+    """The batches of ``fit`` whose read shows a headroom sample, with ``headroom_every=3`` (JAX's fit
+    decides them on the host, the other backends as in a custom loop: the same steps)."""
+    model = poisonable_model()
+    model.compile(optimizer="adam", loss="mse")
+    sampled = []
+
+    class Reader(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if BACKEND == "jax":
+                self.model.jax_state_sync()
+            found = self.model.optimizer.read_forensics()
+            if found.headroom:
+                sampled.append(batch)
+
+    callback = LossScaleCallback(log_every=100, diagnose=True, headroom_every=3, health=None)
+    model.fit(data(batches=8), np.zeros((8 * BATCH, 1)), batch_size=BATCH, epochs=1, verbose=0,
+              shuffle=False, callbacks=[Reader(), callback])  # read before the callback logs batch 0
+    return {"sampled": sampled}
+
+
 def torch_host_reads() -> dict:
     """The library's host reads in 6 torch steps (one skipped, samples included), forensics on and off."""
     import torch
@@ -245,7 +266,8 @@ def data_parallel() -> dict:
 def main() -> None:
     out = sys.argv[1]
     result = {"backend": BACKEND, "acceptance": acceptance(out), "origins": origins(),
-              "by_variable": by_variable(), "freeze": freeze_and_recompile(), "headroom": headroom()}
+              "by_variable": by_variable(), "freeze": freeze_and_recompile(), "headroom": headroom(),
+              "fit_samples": fit_samples()}
     if BACKEND == "torch":
         result["host_reads"] = torch_host_reads()
     if BACKEND == "jax":
