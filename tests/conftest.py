@@ -9,6 +9,12 @@ CUDA tests collected. ``pytest -m cuda`` selects them (``python3 dev.py gpu`` ru
 import os
 
 import pytest
+from hypothesis import settings
+
+# Property tests are judged on their examples, not their speed: a per-example deadline turns a busy
+# shared CI machine into flaky failures (DeadlineExceeded) that say nothing about the code.
+settings.register_profile("lossscale", deadline=None)
+settings.load_profile("lossscale")
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("WANDB_MODE", "offline")
