@@ -24,7 +24,7 @@ import sys
 import sysconfig
 import venv
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import tomllib
@@ -38,10 +38,9 @@ class InstallError(RuntimeError):
 
 @dataclass
 class Installed:
-    """What the install part did: the interpreter to run everything with, and the steps taken."""
+    """What the install part did: the interpreter to run everything with (its steps went to ``log``)."""
 
     python: Path
-    steps: list[str] = field(default_factory=list)
     keras: str | None = None  # the Keras version installed or found, None without Keras
 
 
@@ -171,23 +170,18 @@ def install(root: Path, venv_dir: Path | None, wheels: Path | None, log: Callabl
     """
     python = make_venv(venv_dir) if venv_dir is not None else Path(sys.executable)
     outcome = Installed(python)
-
-    def step(line: str) -> None:
-        outcome.steps.append(line)
-        log(line)
-
-    step(f"environment: {'virtual environment ' + str(venv_dir) if venv_dir else 'this interpreter'}, "
-         f"Python {sys.version.split()[0]}")
-    install_project(root, python, wheels, step)
+    log(f"environment: {'virtual environment ' + str(venv_dir) if venv_dir else 'this interpreter'}, "
+        f"Python {sys.version.split()[0]}")
+    install_project(root, python, wheels, log)
     outcome.keras = installed_version(python, "keras")
     keras_wheel = find_wheel(wheels, "keras")
     if outcome.keras is None and keras_wheel is not None:
         try:
-            pip_install(python, [str(keras_wheel)], wheels, step)
+            pip_install(python, [str(keras_wheel)], wheels, log)
             outcome.keras = installed_version(python, "keras")
-            step(f"keras {outcome.keras} installed from {keras_wheel.name}")
+            log(f"keras {outcome.keras} installed from {keras_wheel.name}")
         except InstallError as exc:  # the Keras parts are skipped; the rest runs
-            step(f"keras could not be installed from the carried wheels (its parts are skipped): {exc}")
+            log(f"keras could not be installed from the carried wheels (its parts are skipped): {exc}")
     elif outcome.keras is None:
-        step("no keras here and no keras wheel carried: the Keras parts are skipped")
+        log("no keras here and no keras wheel carried: the Keras parts are skipped")
     return outcome

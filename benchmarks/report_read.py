@@ -187,10 +187,11 @@ def _sweep(args: argparse.Namespace, folder: str) -> dict:
         write_sweep(folder, args.runs, args.intervals)
         print(f"wrote {args.runs} runs x {args.intervals} intervals in {time.perf_counter() - start:.0f} s")
     size_mib = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs) / 2**20
-    json_out = os.path.join(tempfile.mkdtemp(prefix="report_json_"), "report.json")
-    result = {"runs": args.runs, "intervals": args.intervals, "folder_mib": round(size_mib, 1),
-              "text": measure(OURS_TEXT, folder), "json": measure(OURS, folder, out=json_out),
-              "json_mib": round(os.path.getsize(json_out) / 2**20, 1)}
+    with tempfile.TemporaryDirectory(prefix="report_json_") as tmp:
+        json_out = os.path.join(tmp, "report.json")
+        result = {"runs": args.runs, "intervals": args.intervals, "folder_mib": round(size_mib, 1),
+                  "text": measure(OURS_TEXT, folder), "json": measure(OURS, folder, out=json_out),
+                  "json_mib": round(os.path.getsize(json_out) / 2**20, 1)}
     print(f"{args.runs} runs x {args.intervals} intervals, {size_mib:.0f} MiB")
     print(f"lossscale-callbacks report (text): {_figures(result['text'])}")
     print(f"lossscale-callbacks report --json > file ({result['json_mib']} MiB): {_figures(result['json'])}")

@@ -248,8 +248,10 @@ class ForensicsWiring:
               loss_bad: Callable[[], Any], scale: Any, unscaled: bool) -> None:
         """torch: count a step whose skip the host already knows; sample on the host's schedule."""
         due = self.host_due(1)
+        if not (skipped or due):  # an ordinary step: nothing to count, not even a pass over the grads
+            return
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
-        if not (skipped or due) or not pairs:
+        if not pairs:
             return
         dense = [g for g, _ in pairs]
         ids, seen = self._constants([v for _, v in pairs])

@@ -166,7 +166,6 @@ class FabricLossScaleMonitor:
                                 sinks=sinks, health=health, writer=writer)
         self.loop.start(sinks=[logger_sink(lg) for lg in fabric.loggers] if writer else [])
         self.loop.restart_interval(self.reader.steps)
-        self._started = False
 
     @property
     def scaler(self) -> Any:
@@ -187,13 +186,11 @@ class FabricLossScaleMonitor:
         Raises:
             RuntimeError: the scaler has not scaled a loss yet, so no optimizer step was taken.
         """
-        if not self._started:
-            if not self.reader.started:
-                raise RuntimeError(
-                    "FabricLossScaleMonitor.step() counts an optimizer step, but the loss scaler has not "
-                    "scaled any loss yet: call it after optimizer.step(), once fabric.setup(model, "
-                    "optimizer) and fabric.backward(loss) ran")
-            self._started = True
+        if not self.reader.started:  # a host-side check: no sync
+            raise RuntimeError(
+                "FabricLossScaleMonitor.step() counts an optimizer step, but the loss scaler has not "
+                "scaled any loss yet: call it after optimizer.step(), once fabric.setup(model, "
+                "optimizer) and fabric.backward(loss) ran")
         self.reader.after_optimizer_step()  # device ops only for a stock scaler, no host sync
         return self.loop.maybe_observe(self.reader.steps, self.reader.read,
                                        read_forensics=self.reader.read_forensics)

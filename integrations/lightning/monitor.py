@@ -320,5 +320,4 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             for param in had_no_grad:
                 param.grad = None
         self.alignment_report = report
-        if self.loop is not None:
-            self.loop.report_alignment(report.to_markdown())
+        self.loop.report_alignment(report.to_markdown())

@@ -18,8 +18,9 @@ is a bounded number of dispatched ops, whatever the number of parameter tensors:
   slower (see :meth:`GradForensics._analyse`).
 * **Loss non-finite**: three ops on the scaled loss in :meth:`LossScaler.scale` (``0 * loss``, summed
   into a probe that turns NaN once a loss value is Inf or NaN).
-* **End of the step**: about 13 ops fold the step's maxima into the interval's counts by cause, and
-  where the maxima were taken, 6 more count the step's **origin**: with the layers in forward order
+* **End of the step**: where the maxima were taken, about 13 ops fold them into the interval's counts
+  by cause and 6 more count the step's **origin** (a step the host knew was applied: one reset); with the
+  layers in forward order
   (the model's module registration order, from :meth:`GradForensics.watch`), the last flagged layer,
   one-hot.
 * **Headroom, underflow, histogram** every ``headroom_every`` optimizer steps (a host counter), or
@@ -397,13 +398,18 @@ class GradForensics:
         """End of the step: fold the step's per-layer maxima into the interval's counts, by cause.
 
         About 13 ops on 0-d and per-layer float32 tensors (exact counts up to 2**24 per interval): the
-        step's skip (``found_inf``, 0 or 1) is split by products instead of boolean logic.
+        step's skip (``found_inf``, 0 or 1) is split by products instead of boolean logic. A step whose
+        maxima were not taken (the host knew it was applied) has nothing to count: one op, the probe's reset.
         """
         self._steps += 1
         for pending in self._pending.values():  # checked but never stepped, or stepped by other means
             self._analyse(*pending)
         self._pending.clear()
         if self._device is None or self._step_max is None or self._counts is None:
+            return
+        if not self._analysed:  # applied, known on the host: every count below would add 0
+            self._loss_probe.zero_()
+            self._sample_now = False
             return
         skipped = found_inf.to(self._device)
         loss_ok = torch.nan_to_num(self._loss_probe + 1.0, nan=0.0)  # 1 while the loss was finite, else 0
@@ -416,9 +422,8 @@ class GradForensics:
         # Per layer: + grad_skip where the maximum is Inf or NaN (0 * either is NaN, 0 * a number 0).
         not_finite = torch.nan_to_num(self._step_max * 0.0, nan=1.0)
         self._counts.addcmul_(not_finite, grad_skip)
-        if self._analysed:  # else no layer is flagged: a step the host knows was applied costs nothing
-            self._count_origin(not_finite, grad_skip)
-            self._analysed = False
+        self._count_origin(not_finite, grad_skip)
+        self._analysed = False
         if self._sample is not None and self._sample["open"]:
             self._sample["max"] = self._step_max.clone()
             self._sample["open"] = False

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_int
+from lossscale_callbacks._validation import _INT64_MAX, check_int
 from lossscale_callbacks.forensics import IntervalForensics
 from lossscale_callbacks.policy import Policy
 from lossscale_callbacks.state import LossScaleState
@@ -25,7 +25,6 @@ from lossscale_callbacks.torch.stock import StockSkipCounter, check_stock_state
 
 __all__ = ["ScalerReader"]
 
-_INT64_MAX = 2**63 - 1
 
 
 class ScalerReader:
