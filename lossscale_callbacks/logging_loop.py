@@ -386,9 +386,7 @@ class LoggingLoop:
         self.sinks.write(at, metrics)
         self._last_at = at
         self._write_config_once()  # after the metrics: a text lands at their step
-        if self._restart_text is not None:
-            self.sinks.write_text(RESTART_TAG, self._restart_text)
-            self._restart_text = None
+        self._write_restart_text()
 
     def _add_forensics(self, forensics: IntervalForensics, at: int, metrics_written: bool = False) -> None:
         self.forensics.add(forensics)
@@ -422,6 +420,12 @@ class LoggingLoop:
             self.sinks.alert_verdicts(verdicts)
         assert self.health is not None
         self.health.apply(verdicts, stop=self.stop, warn=self.writer)
+
+    def _write_restart_text(self) -> None:
+        """The pending restart note, once (at the step of the metrics just written)."""
+        if self._restart_text is not None:
+            self.sinks.write_text(RESTART_TAG, self._restart_text)
+            self._restart_text = None
 
     def _write_config_once(self) -> None:
         if self._config_written or self._policy is None:
@@ -459,9 +463,7 @@ class LoggingLoop:
         text = self._summary_text(note)
         self.summary = text
         if self.writer:
-            if self._restart_text is not None:  # a restart seen by a baseline, never followed by a read
-                self.sinks.write_text(RESTART_TAG, self._restart_text)
-                self._restart_text = None
+            self._write_restart_text()  # a restart seen by a baseline, never followed by a read
             self.sinks.write_text(SUMMARY_TAG, text)
             self.sinks.flush()
             if self.echo is not None:

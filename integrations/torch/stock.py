@@ -20,12 +20,12 @@ import torch
 from lossscale_callbacks._validation import _INT64_MAX, check_int, validate_state
 from lossscale_callbacks.policy import DynamicPolicy
 from lossscale_callbacks.state import LossScaleState
+from lossscale_callbacks.torch.grad_scaler_compat import GRAD_SCALER_KEYS
 
 __all__ = ["GRAD_SCALER_STATE_KEYS", "StockSkipCounter", "check_stock_state"]
 
 # What GradScaler.state_dict() holds (ShardedGradScaler's is the same).
-GRAD_SCALER_STATE_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval",
-                                    "_growth_tracker"})
+GRAD_SCALER_STATE_KEYS = frozenset(GRAD_SCALER_KEYS)
 _COUNT_KEYS = frozenset({"steps", "skipped_steps"})
 # GradScaler has no bounds: any normal positive float32 scale is one it can hold and resume from.
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
