@@ -88,10 +88,22 @@ def _field(values: Any, name: str) -> Any:
 
 
 def host_number(value: Any) -> Any:
-    """A one-element array or tensor as its Python number (a device tensor is read); else ``value``."""
-    if hasattr(value, "item") and getattr(value, "size", 1) == 1 and not isinstance(value, (int, float)):
-        value = value.item()
-    return value
+    """A one-element array or tensor as its Python number (a device tensor is read); else ``value``.
+
+    NumPy and JAX arrays say their element count in ``size``; a torch tensor's ``size`` is a method
+    (its shape), so its count is ``numel()``. A torch ``GradScaler`` accepts ``scale`` as a tensor,
+    so every state door must too.
+
+    Example:
+        >>> host_number(np.array([2.0])), host_number(np.int64(3)), host_number("x")
+        (2.0, 3, 'x')
+    """
+    if isinstance(value, (int, float)) or not hasattr(value, "item"):
+        return value
+    size = getattr(value, "size", None)
+    if callable(size) and callable(getattr(value, "numel", None)):
+        size = value.numel()
+    return value.item() if size == 1 else value
 
 
 def validate_state(policy: Any, values: LossScaleState | Mapping[str, Any], *, source: str = "state"

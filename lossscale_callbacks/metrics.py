@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lossscale_callbacks._validation import check_int, check_number
+from lossscale_callbacks._validation import check_int, check_number, host_number
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
 
 SCALE = "loss_scale/scale"
@@ -151,13 +151,6 @@ def _raw_fields(state: Any) -> tuple[Any, ...]:
     return tuple(getattr(state, name) for name in STATE_FIELDS)
 
 
-def _host_number(value: Any) -> Any:
-    # 0-d arrays and tensors already copied to the host: their Python number.
-    if type(value) not in (int, float) and getattr(value, "size", None) == 1 and hasattr(value, "item"):
-        return value.item()
-    return value
-
-
 def observed_state(state: Any) -> LossScaleState:
     """A state read from a scaler, checked and as Python numbers: the input of every observation.
 
@@ -191,10 +184,10 @@ def observed_state(state: Any) -> LossScaleState:
     if not (type(growth) is int and type(hysteresis) is int and type(skipped) is int and type(steps) is int
             and 0 <= growth <= _INT64_MAX and 0 <= hysteresis <= _INT64_MAX and 0 <= steps <= _INT64_MAX):
         growth, hysteresis, skipped, steps = (
-            _count("state: ", name, _host_number(value))
+            _count("state: ", name, host_number(value))
             for name, value in zip(STATE_FIELDS[1:], (growth, hysteresis, skipped, steps), strict=True))
     if type(scale) is not float:
-        scale = _host_number(scale)
+        scale = host_number(scale)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise ValueError(f"state: scale must be a real number, got {scale!r} ({type(scale).__name__})")
     if not 0 <= skipped <= steps:

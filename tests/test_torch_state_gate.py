@@ -193,3 +193,24 @@ def test_a_fixed_policy_checkpoint_round_trips():
     other = LossScaler()
     other.load_state_dict(scaler.state_dict())
     assert other.policy == FixedPolicy(8.0) and other.get_state() == scaler.get_state()
+
+
+def test_numbers_held_as_tensors_load_as_they_do_into_a_grad_scaler():
+    # GradScaler.load_state_dict takes a 0-d tensor scale (fill_ reads it); a state dict converted by
+    # other tools (or one of ours with tensors in it) must load the same, not be refused as "not a number".
+    stock = {"scale": torch.tensor(512.0), "growth_factor": 2.0, "backoff_factor": 0.5,
+             "growth_interval": 2000, "_growth_tracker": torch.tensor(7)}
+    reference = torch.amp.GradScaler("cpu")
+    reference.load_state_dict(stock)
+    ours = LossScaler(policy=DynamicPolicy(), device="cpu")
+    ours.load_state_dict(stock)
+    assert ours.get_scale() == reference.get_scale() == 512.0
+    assert ours.get_state().growth_counter == 7
+    saved = _trained().state_dict()
+    tensors = {k: torch.tensor(v) if isinstance(v, (int, float)) else v for k, v in saved.items()}
+    other = LossScaler()
+    other.load_state_dict(tensors)
+    assert other.get_state() == _trained().get_state()
+    with pytest.raises(ValueError, match=r"scale must be a finite number"):
+        other.load_state_dict({**tensors, "scale": torch.tensor([512.0, 1.0])})  # two numbers, not one
+    assert other.get_state() == _trained().get_state()
