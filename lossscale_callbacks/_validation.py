@@ -1,8 +1,9 @@
 """One place for argument and state checks, so every way in refuses bad input with the same words.
 
-Arguments: :func:`check_int`, :func:`check_number`, :func:`check_bool`, :func:`check_choice`
-(a policy argument: :func:`lossscale_callbacks.policy.check_policy`). Each raises ``ValueError``
-naming the argument, the value and what is allowed.
+Arguments: :func:`check_int`, :func:`check_number`, :func:`check_bool`, :func:`check_choice`,
+:func:`check_known` (the keys of a dict, the names of a list; a policy argument:
+:func:`lossscale_callbacks.policy.check_policy`). Each raises ``ValueError`` naming the argument,
+the value and what is allowed.
 
 States: :func:`validate_state` is the one gate for a loss-scale state coming in from outside
 the update rule (a constructor, a checkpoint, ``load_state_dict``, ``assign_state``, a stock
@@ -13,7 +14,7 @@ caller that assigns only what it returns can never be left half-loaded.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,23 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
                                and type(value) is type(choice) and value == choice):
             return value
     raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_known(name: str, given: Iterable[Any], allowed: Sequence[Any], *, what: str = "key") -> None:
+    """Refuse every item of ``given`` (a dict's keys, a list's names) that is not in ``allowed``.
+
+    Raises:
+        ValueError: naming all the unknown items at once, and the allowed ones.
+
+    Example:
+        >>> check_known("state_dict", {"scale": 1.0, "scael": 2.0}, ("scale", "steps"))
+        Traceback (most recent call last):
+        ...
+        ValueError: state_dict: unknown key(s) ['scael']; allowed: ['scale', 'steps']
+    """
+    unknown = sorted({str(item) for item in given if item not in allowed})
+    if unknown:
+        raise ValueError(f"{name}: unknown {what}(s) {unknown}; allowed: {list(allowed)}")
 
 
 def _field(values: Any, name: str) -> Any:

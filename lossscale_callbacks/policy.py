@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lossscale_callbacks._validation import check_int, check_number
+from lossscale_callbacks._validation import check_int, check_known, check_number
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Below this a float32 scale is subnormal; XLA and some GPU kernels flush subnormals to
@@ -206,11 +206,7 @@ def _from_config(cls: type, type_name: str, config: Mapping[str, Any]) -> Any:
     if given_type != type_name:
         raise ValueError(f"config['type'] must be {type_name!r} for {cls.__name__}, got {given_type!r}")
     allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(config) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {unknown} in {cls.__name__} config; allowed keys are {allowed} (and 'type')"
-        )
+    check_known(f"{cls.__name__} config", config, [*allowed, "type"])
     return cls(**config)
 
 

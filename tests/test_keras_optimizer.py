@@ -436,6 +436,7 @@ BAD_KERAS_STATES = [
     ({"growth_counter": -1}, "growth_counter"),
     ({"skipped_steps": 9, "steps": 3}, "cannot exceed steps"),
     ({"steps": 2.5}, "steps"),
+    ({"scael": 8.0}, r"assign_state: unknown field\(s\) \['scael'\]; allowed: \['scale'"),
 ]
 
 

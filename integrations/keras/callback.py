@@ -11,7 +11,7 @@ from typing import Any
 
 import keras
 
-from lossscale_callbacks._validation import check_bool, check_int
+from lossscale_callbacks._validation import check_bool, check_int, check_known
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.keras.config import record_in_compile_config
 from lossscale_callbacks.keras.fit_sampling import FitSampling
@@ -329,7 +329,5 @@ def _chosen_metrics(log_metrics: bool | Iterable[str]) -> tuple[str, ...]:
         raise ValueError(f"log_metrics must be True, False or names from {list(METRIC_NAMES)}, "
                          f"got {log_metrics!r}")
     names = tuple(log_metrics)
-    unknown = [n for n in names if n not in METRIC_NAMES]
-    if unknown:
-        raise ValueError(f"log_metrics: unknown metric(s) {unknown}; allowed: {list(METRIC_NAMES)}")
+    check_known("log_metrics", names, METRIC_NAMES, what="metric")
     return names

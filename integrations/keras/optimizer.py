@@ -23,7 +23,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from lossscale_callbacks._validation import validate_state
+from lossscale_callbacks._validation import check_known, validate_state
 from lossscale_callbacks.keras import config
 from lossscale_callbacks.keras.arguments import (
     check_base_optimizer_kwargs,
@@ -192,9 +192,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         leaves fields out.
         """
         fields = state._asdict() if isinstance(state, LossScaleState) else dict(state)
-        unknown = sorted(set(fields) - set(STATE_FIELDS))
-        if unknown:
-            raise ValueError(f"unknown state field(s) {unknown}; allowed: {list(STATE_FIELDS)}")
+        check_known("assign_state", fields, STATE_FIELDS, what="field")
         current = {} if len(fields) == len(STATE_FIELDS) else self.read_state()._asdict()
         checked = validate_state(self._policy, {**current, **fields}, source="assign_state")
         self._state_variables.assign(checked)

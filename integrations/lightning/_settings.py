@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_choice
+from lossscale_callbacks._validation import check_choice, check_known
 from lossscale_callbacks.policy import FixedPolicy, Policy, check_policy, is_policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS
 from lossscale_callbacks.torch.grad_scaler_compat import GRAD_SCALER_KEYS
@@ -104,9 +104,7 @@ def split_plugin_state(owner: str, precision: str, state_dict: Any, own_keys: tu
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict must be a dict ({owner}.state_dict()), got {type(state_dict).__name__}")
     allowed = (*SCALER_STATE_KEYS, *own_keys)
-    unknown = [k for k in state_dict if k not in allowed]
-    if unknown:
-        raise ValueError(f"state_dict: unknown key(s) {unknown}; {owner} saves only {list(allowed)}")
+    check_known(f"{owner}.load_state_dict", state_dict, allowed)
     if precision == "bf16-mixed" and state_dict:
         saved = state_dict.get("policy")
         policy = policy_from_config(saved) if saved is not None else "a torch GradScaler's"

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_bool, check_choice, check_int, host_number, validate_state
+from lossscale_callbacks._validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_known,
+    host_number,
+    validate_state,
+)
 from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.policy import Policy, policy_from_config
 from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
@@ -32,12 +39,6 @@ _MIRRORS = ("growth_factor", "backoff_factor", "growth_interval", "_growth_track
 STATE_DICT_KEYS = ("policy", *STATE_FIELDS, *_MIRRORS)
 PICKLE_KEYS = ("enabled", "device", "policy", "state", "sync_found_inf", "process_group", "diagnose",
                "headroom_every")
-
-
-def _unknown(given: Mapping[str, Any], allowed: tuple[str, ...], source: str) -> None:
-    unknown = sorted(str(k) for k in given if k not in allowed)
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {unknown}; a LossScaler state has {list(allowed)}")
 
 
 def check_process_group(name: str, value: Any) -> Any:
@@ -108,7 +109,7 @@ def parse_state_dict(current: Policy, state_dict: Any) -> tuple[Policy, LossScal
         raise RuntimeError("The source state dict is empty, possibly because it was saved "
                            "from a disabled instance of GradScaler.")
     if "policy" in state_dict:
-        _unknown(state_dict, STATE_DICT_KEYS, "load_state_dict")
+        check_known("load_state_dict", state_dict, STATE_DICT_KEYS)
         policy = parse_policy(state_dict["policy"], "load_state_dict")
         values = {k: state_dict[k] for k in STATE_FIELDS if k in state_dict}
         host = validate_state(policy, values, source="load_state_dict")
@@ -120,7 +121,7 @@ def parse_state_dict(current: Policy, state_dict: Any) -> tuple[Policy, LossScal
                          f"LossScaler state dict has {list(STATE_DICT_KEYS)}, a torch.amp.GradScaler one "
                          f"{list(GRAD_SCALER_KEYS)}")
     if is_grad_scaler_state_dict(state_dict):
-        _unknown(state_dict, GRAD_SCALER_KEYS, "load_state_dict (torch.amp.GradScaler state dict)")
+        check_known("load_state_dict (torch.amp.GradScaler state dict)", state_dict, GRAD_SCALER_KEYS)
         return from_grad_scaler_state_dict(current, state_dict)
     raise ValueError("load_state_dict expects a LossScaler state dict (with 'policy' and "
                      f"{list(STATE_FIELDS)}) or a torch.amp.GradScaler one (with {list(GRAD_SCALER_KEYS)}); "
@@ -132,7 +133,7 @@ def parse_pickle(state: Any) -> dict[str, Any]:
     source = "unpickling"
     if not isinstance(state, Mapping):
         raise ValueError(f"{source}: a LossScaler pickle holds a dict, got {type(state).__name__}")
-    _unknown(state, PICKLE_KEYS, source)
+    check_known(source, state, PICKLE_KEYS)
     missing = [k for k in PICKLE_KEYS if k not in state]
     if missing:
         raise ValueError(f"{source}: the pickle lacks {missing}")
