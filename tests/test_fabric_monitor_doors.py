@@ -144,3 +144,17 @@ def test_monitor_arguments_are_checked_at_construction(tmp_path):
                           ({"health": "loud"}, "health")]:
         with pytest.raises(ValueError, match=match):
             FabricLossScaleMonitor(fabric, **kwargs)
+
+
+@pytest.mark.parametrize("stock", [False, True])
+def test_a_stop_rule_sets_should_stop_on_the_fabric_monitor(stock):
+    # The health rules' "stop" must reach the user's loop, as Lightning's should_stop does for a Trainer.
+    from lossscale_callbacks.health import ConsecutiveSkips
+
+    fabric = _fabric(_stock_plugin() if stock else LossScaleFabricPlugin(device="cpu", policy=POLICY))
+    monitor = FabricLossScaleMonitor(fabric, log_every=1, health=[ConsecutiveSkips(limit=2, action="stop")])
+    _run(fabric, monitor, 2, inject=(0,))
+    assert not monitor.should_stop
+    with pytest.warns(UserWarning, match="stopping training"):
+        _run(fabric, monitor, 3, inject=(0, 1))
+    assert monitor.should_stop

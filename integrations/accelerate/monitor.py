@@ -13,10 +13,9 @@ from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.accelerate.install import check_accelerator
 from lossscale_callbacks.accelerate.trackers import TrackerSink
 from lossscale_callbacks.health import HealthSpec
-from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import Snapshot
 from lossscale_callbacks.sinks import GuardedSink, Sink
-from lossscale_callbacks.torch.reader import ScalerReader
+from lossscale_callbacks.torch.step_monitor import ScalerStepMonitor
 
 __all__ = ["AccelerateLossScaleMonitor"]
 
@@ -26,7 +25,7 @@ _NO_SCALER = ("AccelerateLossScaleMonitor found no enabled loss scaler in the ac
               "accelerator.prepare")
 
 
-class AccelerateLossScaleMonitor:
+class AccelerateLossScaleMonitor(ScalerStepMonitor):
     """Reads the accelerator's loss scaler once per interval; metrics to its trackers and our sinks.
 
     Works with the scaler that :func:`~lossscale_callbacks.accelerate.install_loss_scaler` put in
@@ -84,6 +83,8 @@ class AccelerateLossScaleMonitor:
         'Loss scaling: 4 optimizer steps, 2 skipped (50.00%) for Inf/NaN gradients; final loss scale 16384...'
     """
 
+    _FIRST_STEP_NEEDS = "once accelerator.backward(loss) ran"
+
     def __init__(self, accelerator: Accelerator, *, log_every: int = 100, health: HealthSpec = "warn",
                  trackers: bool = True, tensorboard: str | os.PathLike[str] | None = None,
                  wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = (),
@@ -94,25 +95,12 @@ class AccelerateLossScaleMonitor:
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             raise ValueError(_NO_SCALER)
         self.accelerator = accelerator
-        self.reader = ScalerReader(scaler)
-        self.should_stop = False
-        self._started = False
-        self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
-                                sinks=sinks, health=health, writer=bool(accelerator.is_main_process),
-                                stop=self._stop, echo=echo)
-        if trackers:
-            # Accelerate's trackers join the run like a trainer's loggers: written and flushed, never
-            # closed by the loop (accelerator.end_training() closes them).
-            self.loop.start(sinks=[GuardedSink(TrackerSink(accelerator), name="Accelerate trackers")])
-        self.loop.restart_interval(self.reader.steps)
-
-    @property
-    def summary(self) -> str | None:
-        """The end-of-run summary (after :meth:`finish`)."""
-        return self.loop.summary
-
-    def _stop(self) -> None:
-        self.should_stop = True
+        # Accelerate's trackers join the run like a trainer's loggers: written and flushed, never
+        # closed by the loop (accelerator.end_training() closes them).
+        super().__init__(scaler, log_every=log_every, health=health, tensorboard=tensorboard, wandb=wandb,
+                         sinks=sinks, writer=bool(accelerator.is_main_process), echo=echo,
+                         run_sinks=[GuardedSink(TrackerSink(accelerator), name="Accelerate trackers")]
+                         if trackers else [])
 
     def step(self, log_step: int | None = None) -> Snapshot | None:
         """Call after each ``optimizer.step()``: counts the step, and reads the scaler when an interval ends.
@@ -131,17 +119,9 @@ class AccelerateLossScaleMonitor:
         """
         if log_step is not None:
             check_int("log_step", log_step, minimum=0)
-        if not self._started:
-            if not self.reader.started:
-                raise RuntimeError("AccelerateLossScaleMonitor.step() counts an optimizer step, but the loss "
-                                   "scaler has not scaled any loss yet: call it after optimizer.step(), once "
-                                   "accelerator.backward(loss) ran")
-            self._started = True
-        if not self.accelerator.sync_gradients:
+        if self.reader.started and not self.accelerator.sync_gradients:
             return None  # an accumulation step: the prepared optimizer did not step
-        self.reader.after_optimizer_step()  # device ops only for a stock scaler, no host read
-        return self.loop.maybe_observe(self.reader.steps, self.reader.read, sink_step=log_step,
-                                       read_forensics=self.reader.read_forensics)
+        return self._count_step(log_step)
 
     def finish(self) -> str:
         """End of training: one last read, the summary (printed on the main process, returned everywhere).
@@ -149,14 +129,7 @@ class AccelerateLossScaleMonitor:
         Closes the sinks made from ``tensorboard=``/``wandb=``; the trackers are Accelerate's to
         close (``accelerator.end_training()``).
         """
-        return self.loop.finish(self.reader.read())
-
-    # -------------------------------------------------------------------------------- checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state and the step count (and a stock scaler's skipped steps, which GradScaler does
-        not keep), for ``accelerator.register_for_checkpointing``. One host read."""
-        return self.reader.state_dict()
+        return super().finish()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`, checked whole (the core's state gate) before anything changes.
@@ -169,8 +142,4 @@ class AccelerateLossScaleMonitor:
         Raises:
             ValueError: naming the key or field; nothing was loaded.
         """
-        self.reader.load_state_dict(state)
-        self.loop.set_policy(self.reader.policy)
-        self.loop.restart_interval(self.reader.steps)
-        # One read now, not a step: the first interval after resuming covers only its own steps.
-        self.loop.baseline(self.reader.read())
+        super().load_state_dict(state)

@@ -18,12 +18,11 @@ import torch
 from lossscale_callbacks.health import HealthSpec
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.lightning._settings import default_device, resolve_scaling, split_plugin_state
-from lossscale_callbacks.logging_loop import LoggingLoop
 from lossscale_callbacks.metrics import Snapshot
 from lossscale_callbacks.policy import Policy
 from lossscale_callbacks.sinks import Sink
-from lossscale_callbacks.torch.reader import ScalerReader
 from lossscale_callbacks.torch.scaler import LossScaler
+from lossscale_callbacks.torch.step_monitor import ScalerStepMonitor
 
 try:
     from lightning.fabric.plugins.precision import FSDPPrecision as _FabricFSDPPrecision
@@ -114,7 +113,7 @@ class LossScaleFabricFSDPPlugin(_FabricLossScaling, _FabricFSDPPrecision):
         return torch.autocast(self.device, dtype=dtype)
 
 
-class FabricLossScaleMonitor:
+class FabricLossScaleMonitor(ScalerStepMonitor):
     """The loss scale of a Fabric run on the Fabric's loggers, like ``LossScaleMonitor`` for the Trainer.
 
     Reads the scaler of the Fabric's precision plugin (ours, or a stock ``GradScaler``/
@@ -131,7 +130,8 @@ class FabricLossScaleMonitor:
     Args:
         fabric: the launched ``lightning.fabric.Fabric``.
         log_every: optimizer steps between reads (>= 1); the library's one name for the interval.
-        health: the health rules (``"warn"``, ``"raise"``, rules, or ``None``).
+        health: the health rules (``"warn"``, ``"raise"``, ``"stop"``, rules, or ``None``); a
+            ``"stop"`` rule sets :attr:`should_stop` on every rank: break out of the loop then.
         tensorboard: a log directory: also write to a
             :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
         wandb: ``True``, or a dict of ``wandb.init`` arguments: also write to a
@@ -149,6 +149,8 @@ class FabricLossScaleMonitor:
         >>> monitor.finish()                                            # doctest: +SKIP
     """
 
+    _FIRST_STEP_NEEDS = "once fabric.setup(model, optimizer) and fabric.backward(loss) ran"
+
     def __init__(self, fabric: Any, log_every: int = 100, health: HealthSpec = "warn", *,
                  tensorboard: str | os.PathLike[str] | None = None,
                  wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = ()) -> None:
@@ -160,22 +162,10 @@ class FabricLossScaleMonitor:
                              f"on a GPU; got {type(fabric).__name__}")
         self.fabric = fabric
         self.precision = precision
-        self.reader = ScalerReader(scaler)
         writer = bool(fabric.is_global_zero)
-        self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
-                                sinks=sinks, health=health, writer=writer)
-        self.loop.start(sinks=[logger_sink(lg) for lg in fabric.loggers] if writer else [])
-        self.loop.restart_interval(self.reader.steps)
-
-    @property
-    def scaler(self) -> Any:
-        """The precision plugin's loss scaler."""
-        return self.reader.scaler
-
-    @property
-    def summary(self) -> str | None:
-        """The end-of-run summary (after :meth:`finish`)."""
-        return self.loop.summary
+        super().__init__(scaler, log_every=log_every, health=health, tensorboard=tensorboard, wandb=wandb,
+                         sinks=sinks, writer=writer,
+                         run_sinks=[logger_sink(lg) for lg in fabric.loggers] if writer else [])
 
     def step(self) -> Snapshot | None:
         """Call after each optimizer step: counts it, and reads the scaler when an interval ends.
@@ -186,14 +176,7 @@ class FabricLossScaleMonitor:
         Raises:
             RuntimeError: the scaler has not scaled a loss yet, so no optimizer step was taken.
         """
-        if not self.reader.started:  # a host-side check: no sync
-            raise RuntimeError(
-                "FabricLossScaleMonitor.step() counts an optimizer step, but the loss scaler has not "
-                "scaled any loss yet: call it after optimizer.step(), once fabric.setup(model, "
-                "optimizer) and fabric.backward(loss) ran")
-        self.reader.after_optimizer_step()  # device ops only for a stock scaler, no host sync
-        return self.loop.maybe_observe(self.reader.steps, self.reader.read,
-                                       read_forensics=self.reader.read_forensics)
+        return self._count_step()
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the step count, for ``fabric.save(path, {"loss_scale": monitor})``.
@@ -202,9 +185,9 @@ class FabricLossScaleMonitor:
         monitor is enough to resume the scale, its counters and the step count (a stock scaler's
         skipped steps too, under ``"stock"``). One host read.
         """
-        return self.reader.state_dict()
+        return super().state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; everything checked before anything changes.
 
         Pass ``fabric.load(path, {"model": ..., "optimizer": ...})["loss_scale"]``: Fabric's FSDP
@@ -218,11 +201,7 @@ class FabricLossScaleMonitor:
             ValueError: naming the key or field; nothing was loaded.
         """
         self._check_for_the_plugin(state)
-        self.reader.load_state_dict(state)
-        self.loop.set_policy(self.reader.policy)
-        self.loop.restart_interval(self.reader.steps)
-        # One read now, not a step: the first interval after resuming covers only its own steps.
-        self.loop.baseline(self.reader.read())
+        super().load_state_dict(state)
 
     def _check_for_the_plugin(self, state: Any) -> None:
         """The plugin's own checkpoint rules for the scaler's part: keys it never writes, and a scaling
@@ -230,10 +209,6 @@ class FabricLossScaleMonitor:
         saved = state.get("scaler") if isinstance(state, Mapping) else None
         if isinstance(saved, Mapping):
             split_plugin_state(type(self.precision).__name__, getattr(self.precision, "precision", ""), saved)
-
-    def finish(self) -> str:
-        """End of training: one last read, the summary (printed on rank 0, returned everywhere)."""
-        return self.loop.finish(self.reader.read())
 
 
 __all__ = ["FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"]

@@ -17,7 +17,7 @@ Example:
     >>> data = event_pb2.Event(step=300, summary=summary_pb2.Summary(value=[value])).SerializeToString()
     >>> layout = layout_of(data)
     >>> [(tag, dtype) for tag, _, dtype in layout.values], layout.step
-    [('loss_scale/scale', '<f4'), (5, 2)]
+    ([('loss_scale/scale', '<f4')], (1, 2))
 """
 
 from __future__ import annotations
