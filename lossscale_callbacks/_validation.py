@@ -109,14 +109,19 @@ def host_number(value: Any) -> Any:
     """A one-element array or tensor as its Python number (a device tensor is read); else ``value``.
 
     NumPy and JAX arrays say their element count in ``size``; a torch tensor's ``size`` is a method
-    (its shape), so its count is ``numel()``. A torch ``GradScaler`` accepts ``scale`` as a tensor,
-    so every state door must too.
+    (its shape), so its count is ``numel()``; a TensorFlow tensor or a Keras variable has no
+    ``item()``, its ``numpy()`` reads it. A torch ``GradScaler`` accepts ``scale`` as a tensor, so
+    every state door must too.
 
     Example:
         >>> host_number(np.array([2.0])), host_number(np.int64(3)), host_number("x")
         (2.0, 3, 'x')
     """
-    if isinstance(value, (int, float)) or not hasattr(value, "item"):
+    if isinstance(value, (int, float)):
+        return value
+    if not hasattr(value, "item") and callable(getattr(value, "numpy", None)):
+        value = value.numpy()
+    if not hasattr(value, "item"):
         return value
     size = getattr(value, "size", None)
     if callable(size) and callable(getattr(value, "numel", None)):

@@ -452,6 +452,18 @@ def test_assign_state_refuses_a_bad_state_and_assigns_nothing(change, match):
     assert opt.read_state() == before
 
 
+def test_assign_state_takes_tensors_and_variables_as_numbers():
+    # Copying a state from another optimizer's variables must not be refused as "not a number".
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), policy=DynamicPolicy(initial_scale=256.0))
+    opt.apply_gradients([(tf.constant([1.0]), tf.Variable([1.0]))])
+    for value, want in [(tf.constant(64.0), 64.0), (tf.Variable(32.0), 32.0), (keras.Variable(16.0), 16.0)]:
+        opt.assign_state({"scale": value, "growth_counter": tf.constant(1)})
+        assert opt.read_state().scale == want and opt.read_state().growth_counter == 1
+    with pytest.raises(ValueError, match="assign_state: scale must be a finite number"):
+        opt.assign_state({"scale": tf.constant([4.0, 2.0])})
+    assert opt.read_state().scale == 16.0
+
+
 def test_use_ema_is_the_inner_optimizers_and_fit_finalizes_it():
     inner = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5)
     opt = LossScaleOptimizer(inner)
