@@ -158,3 +158,12 @@ def test_a_stop_rule_sets_should_stop_on_the_fabric_monitor(stock):
     with pytest.warns(UserWarning, match="stopping training"):
         _run(fabric, monitor, 3, inject=(0, 1))
     assert monitor.should_stop
+
+
+def test_an_unknown_key_in_the_scalers_part_names_the_monitor_and_where():
+    fabric = _fabric(LossScaleFabricPlugin(device="cpu", policy=POLICY))
+    monitor = _run(fabric, FabricLossScaleMonitor(fabric, log_every=1, health=None), 2)
+    saved = monitor.state_dict()
+    with pytest.raises(ValueError, match=r"FabricLossScaleMonitor\.load_state_dict: state\['scaler'\]: "
+                                         r"unknown key\(s\) \['x'\]"):
+        monitor.load_state_dict({**saved, "scaler": {**saved["scaler"], "x": 1}})

@@ -214,3 +214,16 @@ def test_numbers_held_as_tensors_load_as_they_do_into_a_grad_scaler():
     with pytest.raises(ValueError, match=r"scale must be a finite number"):
         other.load_state_dict({**tensors, "scale": torch.tensor([512.0, 1.0])})  # two numbers, not one
     assert other.get_state() == _trained().get_state()
+
+
+def test_a_grad_scaler_dict_with_tensor_settings_loads_as_into_a_grad_scaler():
+    stock = {"scale": torch.tensor(256.0), "growth_factor": torch.tensor(4.0),
+             "backoff_factor": torch.tensor(0.25), "growth_interval": torch.tensor(50),
+             "_growth_tracker": torch.tensor(3)}
+    reference = torch.amp.GradScaler("cpu")
+    reference.load_state_dict(stock)
+    ours = LossScaler(policy=DynamicPolicy(), device="cpu")
+    ours.load_state_dict(stock)
+    c = ours.policy.constants
+    assert (c.growth_factor, c.backoff_factor, c.growth_interval) == (4.0, 0.25, 50)
+    assert ours.get_scale() == reference.get_scale() == 256.0

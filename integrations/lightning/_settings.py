@@ -75,8 +75,8 @@ def resolve_scaling(owner: str, precision: str, device: str | None, scaler: Any,
     return device, LossScaler(policy=policy, enabled=True, sync_found_inf=sync_found_inf)
 
 
-def split_plugin_state(owner: str, precision: str, state_dict: Any, own_keys: tuple[str, ...] = ()
-                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_plugin_state(owner: str, precision: str, state_dict: Any, own_keys: tuple[str, ...] = (), *,
+                       where: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check a plugin's checkpoint before anything loads; split it into the scaler's part and the plugin's.
 
     The scaler's part still goes through the scaler's own all-or-nothing state check when it is
@@ -88,6 +88,7 @@ def split_plugin_state(owner: str, precision: str, state_dict: Any, own_keys: tu
         precision: the plugin's precision.
         state_dict: what the plugin's ``state_dict()`` (or a ``torch.amp.GradScaler``'s) wrote.
         own_keys: the plugin's own keys besides the scaler's (``"lr_scheduler_lag"``).
+        where: what the messages say was called (default: ``<owner>.load_state_dict``).
 
     Returns:
         The scaler's part and the plugin's own part (the ``own_keys`` present).
@@ -104,7 +105,7 @@ def split_plugin_state(owner: str, precision: str, state_dict: Any, own_keys: tu
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict must be a dict ({owner}.state_dict()), got {type(state_dict).__name__}")
     allowed = (*SCALER_STATE_KEYS, *own_keys)
-    check_known(f"{owner}.load_state_dict", state_dict, allowed)
+    check_known(where or f"{owner}.load_state_dict", state_dict, allowed)
     if precision == "bf16-mixed" and state_dict:
         saved = state_dict.get("policy")
         policy = policy_from_config(saved) if saved is not None else "a torch GradScaler's"

@@ -208,7 +208,8 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
         (fp16) state offered to a ``"bf16-mixed"`` plugin, refused with what to do."""
         saved = state.get("scaler") if isinstance(state, Mapping) else None
         if isinstance(saved, Mapping):
-            split_plugin_state(type(self.precision).__name__, getattr(self.precision, "precision", ""), saved)
+            split_plugin_state(type(self.precision).__name__, getattr(self.precision, "precision", ""), saved,
+                               where=f"{type(self).__name__}.load_state_dict: state['scaler']")
 
 
 __all__ = ["FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"]

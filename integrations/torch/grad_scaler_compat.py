@@ -91,9 +91,9 @@ def from_grad_scaler_state_dict(base: Policy, state_dict: Mapping[str, Any]) -> 
     if not base.dynamic:
         raise ValueError(f"a torch.amp.GradScaler checkpoint holds a dynamic scale, but this scaler's policy "
                          f"is {base!r}; load it into a LossScaler with a DynamicPolicy")
-    policy = base.replace(growth_factor=state_dict["growth_factor"],
-                          backoff_factor=state_dict["backoff_factor"],
-                          growth_interval=state_dict["growth_interval"])
+    policy = base.replace(growth_factor=host_number(state_dict["growth_factor"]),
+                          backoff_factor=host_number(state_dict["backoff_factor"]),
+                          growth_interval=host_number(state_dict["growth_interval"]))
     raw = host_number(state_dict["scale"])
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
         raise ValueError("load_state_dict (torch.amp.GradScaler checkpoint): scale must be a finite number "
