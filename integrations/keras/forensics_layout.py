@@ -9,10 +9,11 @@ optimizer), and each gradient still lands on its own layer.
 
 Example:
     >>> import keras
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="hidden"),
+    ...                           keras.layers.Dense(2, name="out")])
     >>> layout = ForensicsLayout.of(model.trainable_variables, model)
     >>> layout.layers
-    ('dense', 'dense_1')
+    ('hidden', 'out')
     >>> layout.positions(model.trainable_variables[::-1])  # by variable: reversed order, reversed ids
     ((1, 1, 0, 0), (3, 2, 1, 0))
 """
