@@ -208,7 +208,8 @@ def implied(extras: set[str]) -> set[str]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the dist checks and the first path only")
-    parser.add_argument("--only", action="append", default=[], help="run the paths whose name contains this")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run the paths whose heading or install line contains this (any case)")
     parser.add_argument("--readme", type=Path, default=README, help="read the blocks from another file")
     args = parser.parse_args(argv)
     paths = readme_paths(args.readme.read_text())
@@ -218,7 +219,14 @@ def main(argv: list[str]) -> int:
     if args.smoke:
         paths = paths[:1]
     if args.only:
-        paths = [p for p in paths if any(word in p.name for word in args.only)]
+        # Case-insensitive, against the heading and the install line: two snippets may share a heading.
+        def words_of(path: ReadmePath) -> str:
+            return " ".join([path.heading, *path.install]).lower()
+
+        paths = [p for p in paths if any(word.lower() in words_of(p) for word in args.only)]
+        if not paths:
+            print(f"no README path matches --only {args.only}", file=sys.stderr)
+            return 1
     failures = 0
     with tempfile.TemporaryDirectory(prefix="lossscale-wheel-") as tmp:
         wheel, sdist = build(Path(tmp) / "dist")
