@@ -227,3 +227,12 @@ def test_a_grad_scaler_dict_with_tensor_settings_loads_as_into_a_grad_scaler():
     c = ours.policy.constants
     assert (c.growth_factor, c.backoff_factor, c.growth_interval) == (4.0, 0.25, 50)
     assert ours.get_scale() == reference.get_scale() == 256.0
+
+
+def test_grad_scaler_settings_given_as_tensors_are_taken_as_numbers():
+    scaler = LossScaler(device="cpu", init_scale=torch.tensor(512.0), growth_interval=torch.tensor(100),
+                        growth_factor=torch.tensor(4.0), backoff_factor=torch.tensor(0.25))
+    assert scaler.policy == DynamicPolicy(initial_scale=512.0, growth_interval=100, growth_factor=4.0,
+                                          backoff_factor=0.25)
+    with pytest.raises(ValueError, match="init_scale"):
+        LossScaler(device="cpu", init_scale=torch.tensor([512.0, 2.0]))

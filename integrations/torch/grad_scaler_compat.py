@@ -54,7 +54,8 @@ def policy_from_grad_scaler_settings(init_scale: Any = None, growth_factor: Any 
         DynamicPolicy(initial_scale=1024.0, growth_interval=100, growth_factor=2.0, backoff_factor=0.5,
                       hysteresis=1, min_scale=1.0, max_scale=16777216.0)
     """
-    settings = {k: GRAD_SCALER_DEFAULTS[k] if v is None else v for k, v in (
+    # host_number: GradScaler takes these as one-element tensors too.
+    settings = {k: GRAD_SCALER_DEFAULTS[k] if v is None else host_number(v) for k, v in (
         ("init_scale", init_scale), ("growth_factor", growth_factor),
         ("backoff_factor", backoff_factor), ("growth_interval", growth_interval))}
     init = check_number("init_scale", settings["init_scale"], 0.0, math.inf, low_open=True)
