@@ -96,7 +96,8 @@ class LoggingLoop:
         writer: whether this process writes to the sinks and prints (default: global rank 0,
             looked up when first needed).
         clock: the time source for ``every_seconds`` (``time.monotonic``; tests pass a fake one).
-        stop: called when a ``"stop"`` rule fires (a trainer's ``should_stop``).
+        stop: called when a ``"stop"`` rule fires (a trainer's ``should_stop``); the loop's own
+            :attr:`should_stop` turns true then too, for a hand-written loop to break on.
         echo: prints the end-of-run summary on the writer (default ``print``; ``None`` is silent).
 
     Example:
@@ -194,6 +195,7 @@ class LoggingLoop:
         self.restarts: list[tuple[int, int]] = []
         self._restart_text: str | None = None
         self._loss_verdict_given = False
+        self.should_stop = False  # a "stop" rule fired in this run
         self._config_written = False
         self._mark = 0
         self._last_read_time = self.clock()
@@ -419,7 +421,8 @@ class LoggingLoop:
         if self.writer:
             self.sinks.alert_verdicts(verdicts)
         assert self.health is not None
-        self.health.apply(verdicts, stop=self.stop, warn=self.writer)
+        if self.health.apply(verdicts, stop=self.stop, warn=self.writer):
+            self.should_stop = True
 
     def _write_restart_text(self) -> None:
         """The pending restart note, once (at the step of the metrics just written)."""

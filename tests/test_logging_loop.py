@@ -96,6 +96,16 @@ def test_rank_rules_are_the_same_everywhere():
             raising.observe(_host(step, step, scale=1.0))
 
 
+def test_a_stop_rule_sets_should_stop_for_a_hand_written_loop_and_a_new_run_clears_it():
+    loop = LoggingLoop(DynamicPolicy(), health="stop", writer=False, echo=None)  # no stop= callback
+    assert not loop.should_stop
+    for step in range(100, 1600, 100):
+        loop.observe(_host(step, step, scale=1.0))  # every step skipped, scale at the minimum
+    assert loop.should_stop
+    loop.start()
+    assert not loop.should_stop
+
+
 def test_the_writer_warns_and_alerts_sinks_that_take_verdicts():
     class AlertingSink(InMemorySink):
         def __init__(self):

@@ -60,9 +60,8 @@ class ScalerStepMonitor:
                  tensorboard: Any = None, wandb: Any = None, sinks: Iterable[Sink] = (),
                  writer: bool = True, echo: Any = print, run_sinks: Iterable[Sink] = ()) -> None:
         self.reader = ScalerReader(scaler)
-        self.should_stop = False
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
-                                sinks=sinks, health=health, writer=writer, stop=self._stop, echo=echo)
+                                sinks=sinks, health=health, writer=writer, echo=echo)
         self.loop.start(sinks=run_sinks)
         self.loop.restart_interval(self.reader.steps)
 
@@ -79,8 +78,10 @@ class ScalerStepMonitor:
         """The end-of-run summary (after :meth:`finish`)."""
         return self.loop.summary
 
-    def _stop(self) -> None:
-        self.should_stop = True
+    @property
+    def should_stop(self) -> bool:
+        """Whether a ``"stop"`` health rule fired (on every process alike): break out of the loop then."""
+        return self.loop.should_stop
 
     def _count_step(self, log_step: int | None = None) -> Snapshot | None:
         """Count one optimizer step; read the scaler when an interval ends (else no host read)."""
