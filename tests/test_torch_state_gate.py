@@ -236,3 +236,15 @@ def test_grad_scaler_settings_given_as_tensors_are_taken_as_numbers():
                                           backoff_factor=0.25)
     with pytest.raises(ValueError, match="init_scale"):
         LossScaler(device="cpu", init_scale=torch.tensor([512.0, 2.0]))
+
+
+def test_the_setters_take_tensors_as_the_constructor_does():
+    scaler = LossScaler(device="cpu")
+    scaler.set_growth_factor(torch.tensor(4.0))
+    scaler.set_backoff_factor(torch.tensor(0.25))
+    scaler.set_growth_interval(torch.tensor(7))
+    got = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+    assert got == (4.0, 0.25, 7)
+    with pytest.raises(ValueError, match="growth_interval"):
+        scaler.set_growth_interval(torch.tensor([7, 8]))
+    assert scaler.get_growth_interval() == 7

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._validation import check_bool, check_choice, check_int, validate_state
+from lossscale_callbacks._validation import check_bool, check_choice, check_int, host_number, validate_state
 from lossscale_callbacks.forensics import IntervalForensics, check_diagnose
 from lossscale_callbacks.policy import Policy, check_policy, is_policy
 from lossscale_callbacks.state import LossScaleState
@@ -582,7 +582,8 @@ class LossScaler(torch.amp.GradScaler):
         4 aten ops (policies without hysteresis) or 6 (any policy) on the CPU, and two launches
         (a CUDA graph replayed) on CUDA; each further optimizer adds one op to merge its flag.
         ``new_scale`` (a float or a 1-element tensor) replaces the resulting scale, as in
-        ``GradScaler.update(new_scale)``; the step is still counted. ``new_scale`` must lie inside
+        ``GradScaler.update(new_scale)``; the step is still counted and the rule still moves the
+        growth counter (GradScaler leaves its counter untouched then). ``new_scale`` must lie inside
         the policy's bounds (``ValueError`` otherwise, and nothing changes); a tensor ``new_scale``
         is read once to check it (one host sync, only when you pass one).
         """
@@ -677,14 +678,22 @@ class LossScaler(torch.amp.GradScaler):
         return self._policy.constants.growth_interval
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._replace_policy(self._policy.replace(growth_factor=new_factor))
+        """GradScaler's setter (a number or a one-element tensor); the factor is rounded to float32 as
+        the scale is."""
+        self._replace_policy(self._policy.replace(growth_factor=host_number(new_factor)))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._replace_policy(self._policy.replace(backoff_factor=new_factor))
+        """GradScaler's setter (a number or a one-element tensor); rounded to float32 as the scale is."""
+        self._replace_policy(self._policy.replace(backoff_factor=host_number(new_factor)))
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """GradScaler's setter; a growth counter at or above the new interval is capped (same trajectory)."""
-        self._replace_policy(self._policy.replace(growth_interval=new_interval))
+        """GradScaler's setter (a number or a one-element tensor).
+
+        A growth counter at or above the new interval is capped just below it, so the scale grows at
+        the next clean step. GradScaler's counter runs past a shrunk interval instead, and its scale
+        does not grow again until an overflow resets the counter.
+        """
+        self._replace_policy(self._policy.replace(growth_interval=host_number(new_interval)))
 
     # -------------------------------------------------------------------------- checkpoints
 
