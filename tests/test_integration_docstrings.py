@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "integrations"
 # The package a folder's examples need, where it is not the folder's own name.
-NEEDS = {"keras": "tensorflow", "tensorboard": "tensorboard", "wandb": "wandb"}
+NEEDS = {"keras": "tensorflow"}
 
 
 def _runs(text: str) -> bool:

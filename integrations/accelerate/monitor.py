@@ -45,6 +45,10 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
     ``save_state``/``load_state`` then carry its state (the scaler's state and step count, and a
     stock scaler's skipped steps, which ``GradScaler`` does not checkpoint), checked through the
     core's state gate, and the first interval after a resume counts only its own steps.
+    ``load_state`` loads the scaler (``scaler.pt``) before the registered objects, so the monitor's
+    scaler part is the same state again; a ``steps`` that disagrees with it is refused. The trackers
+    are Accelerate's to close (``accelerator.end_training()``); :meth:`finish` closes only the sinks
+    made from ``tensorboard=``/``wandb=``.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose scaler is read.
@@ -122,24 +126,3 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
         if self.reader.started and not self.accelerator.sync_gradients:
             return None  # an accumulation step: the prepared optimizer did not step
         return self._count_step(log_step)
-
-    def finish(self) -> str:
-        """End of training: one last read, the summary (printed on the main process, returned everywhere).
-
-        Closes the sinks made from ``tensorboard=``/``wandb=``; the trackers are Accelerate's to
-        close (``accelerator.end_training()``).
-        """
-        return super().finish()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`, checked whole (the core's state gate) before anything changes.
-
-        ``accelerator.load_state`` loads the scaler (``scaler.pt``) before the registered objects, so
-        the scaler part loaded here is the same state again; a ``steps`` that disagrees with it, or
-        a state saved with the other kind of scaler, is refused. The logging loop then judges
-        against the loaded policy, from the loaded step on.
-
-        Raises:
-            ValueError: naming the key or field; nothing was loaded.
-        """
-        super().load_state_dict(state)

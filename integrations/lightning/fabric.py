@@ -125,7 +125,9 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
     Its step count is the scaler's: our scaler counts its own steps, and a stock scaler's count is
     kept here and saved beside its state; :meth:`step` before the scaler has scaled any loss (before
     ``fabric.setup`` and ``fabric.backward``) is an error, not a phantom step, and a checkpoint whose
-    count disagrees with its scaler's is refused.
+    count disagrees with its scaler's is refused. Fabric does not checkpoint its precision plugin,
+    so :meth:`state_dict` carries the scaler too: ``fabric.save(path, {"loss_scale": monitor})``
+    resumes the scale, its counters and the step count (a stock scaler's skipped steps too).
 
     Args:
         fabric: the launched ``lightning.fabric.Fabric``.
@@ -177,15 +179,6 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
             RuntimeError: the scaler has not scaled a loss yet, so no optimizer step was taken.
         """
         return self._count_step()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state and the step count, for ``fabric.save(path, {"loss_scale": monitor})``.
-
-        Fabric does not checkpoint its precision plugin, so this carries the scaler too: saving the
-        monitor is enough to resume the scale, its counters and the step count (a stock scaler's
-        skipped steps too, under ``"stock"``). One host read.
-        """
-        return super().state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; everything checked before anything changes.

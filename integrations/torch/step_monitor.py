@@ -56,6 +56,9 @@ class ScalerStepMonitor:
         (65536.0, [(1, 1.0)])
     """
 
+    # What must have happened before the first step() (the framework's words), for its error.
+    _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated"
+
     def __init__(self, scaler: Any, *, log_every: int = 100, health: HealthSpec = "warn",
                  tensorboard: Any = None, wandb: Any = None, sinks: Iterable[Sink] = (),
                  writer: bool = True, echo: Any = print, run_sinks: Iterable[Sink] = ()) -> None:
@@ -64,9 +67,6 @@ class ScalerStepMonitor:
                                 sinks=sinks, health=health, writer=writer, echo=echo)
         self.loop.start(sinks=run_sinks)
         self.loop.restart_interval(self.reader.steps)
-
-    # What must have happened before the first step() (the framework's words), for its error.
-    _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated"
 
     @property
     def scaler(self) -> Any:
