@@ -23,7 +23,7 @@ import sys
 import torch
 from _quick import parse_args
 
-from lossscale_callbacks.torch.alignment import check_alignment
+from lossscale_callbacks.torch._alignment import check_alignment
 
 
 def shapes(size: int) -> list[tuple[str, int, int, int]]:

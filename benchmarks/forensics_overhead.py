@@ -63,8 +63,8 @@ def torch_rounds(rounds: int, steps: int, fused: bool, width: int = 2048, batch:
                  shape: str = "wide") -> dict[str, list[float]]:
     import torch
 
-    from lossscale_callbacks.policy import DynamicPolicy
-    from lossscale_callbacks.torch.scaler import LossScaler
+    from lossscale_callbacks._policy import DynamicPolicy
+    from lossscale_callbacks.torch._scaler import LossScaler
 
     arms = {}
     for name in ARMS:

@@ -45,7 +45,7 @@ def write_event_file(folder: str, events: int, every: int) -> str:
     import tensorflow as tf
     from tensorboard.compat.proto import event_pb2, summary_pb2
 
-    from lossscale_callbacks import metrics as m
+    from lossscale_callbacks import _metrics as m
 
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "events.out.tfevents.0.bench")
@@ -96,13 +96,13 @@ def measure(code: str, folder: str, out: str = os.devnull) -> dict[str, float]:
 
 OURS = """
 import sys
-from lossscale_callbacks.cli import main
+from lossscale_callbacks._cli import main
 assert main(["report", sys.argv[1], "--json"]) == 0
 """
 
 OURS_TEXT = """
 import sys
-from lossscale_callbacks.cli import main
+from lossscale_callbacks._cli import main
 assert main(["report", sys.argv[1]]) == 0
 """
 
@@ -142,9 +142,9 @@ def simulated_states(intervals: int, every: int, p_overflow: float, seed: int) -
 
 def write_sweep(root: str, runs: int, intervals: int) -> None:
     """``runs`` run folders below ``root``, each written by the real logging loop and TensorBoard sink."""
-    from lossscale_callbacks.logging_loop import LoggingLoop
-    from lossscale_callbacks.policy import DynamicPolicy
-    from lossscale_callbacks.tensorboard.sink import TensorBoardSink
+    from lossscale_callbacks._logging_loop import LoggingLoop
+    from lossscale_callbacks._policy import DynamicPolicy
+    from lossscale_callbacks.tensorboard._sink import TensorBoardSink
 
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=2000)
     for run in range(runs):

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 from _quick import parse_args
 
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.sinks import GuardedSink, InMemorySink, Sink
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._sinks import GuardedSink, InMemorySink, Sink
 
 
 def _metrics(i: int) -> dict[str, float]:

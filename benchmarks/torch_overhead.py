@@ -310,8 +310,8 @@ def _lightning_fit(arm: str, module: Any, loader: Any, steps: int) -> list[float
     """Per-step times of one ``fit`` of ``steps + 1`` steps (the first, with the lazy setup, left out)."""
     import lightning.pytorch as pl
 
-    from lossscale_callbacks.lightning.monitor import LossScaleMonitor
-    from lossscale_callbacks.lightning.plugin import LossScalePlugin
+    from lossscale_callbacks.lightning._monitor import LossScaleMonitor
+    from lossscale_callbacks.lightning._plugin import LossScalePlugin
 
     marks: list[float] = []
 

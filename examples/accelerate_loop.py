@@ -30,8 +30,8 @@ import os
 import torch
 from accelerate import Accelerator
 
+from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks.accelerate import AccelerateLossScaleMonitor, install_loss_scaler
-from lossscale_callbacks.policy import DynamicPolicy
 
 
 def main(argv: list[str] | None = None) -> AccelerateLossScaleMonitor:

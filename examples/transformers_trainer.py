@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from lossscale_callbacks.policy import DynamicPolicy
+from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks.transformers import LossScaleTrainerCallback
 
 

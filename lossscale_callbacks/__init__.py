@@ -3,9 +3,9 @@
 The core (this package) never imports a framework. Framework callbacks live in
 ``lossscale_callbacks.keras``, ``lossscale_callbacks.torch`` and ``lossscale_callbacks.lightning``; sinks in
 ``lossscale_callbacks.tensorboard`` and ``lossscale_callbacks.wandb``; the Tensor Core checker in
-``lossscale_callbacks.alignment``. Each package exports what users type; everything else is imported
-from the module that defines it (``lossscale_callbacks.health.HealthMonitor``,
-``lossscale_callbacks.metrics.MetricsTracker``, ``lossscale_callbacks.policy.policy_from_config``...).
+``lossscale_callbacks.alignment``. Each package exports what users type; what a user needs to write a
+sink, a health rule, a run reader or an integration is in :mod:`lossscale_callbacks.extend`, the test
+oracles a backend proves itself with in :mod:`lossscale_callbacks.testing`. Every other module is private.
 
 Example:
     >>> from lossscale_callbacks import DynamicPolicy, initial_state, next_state
@@ -15,14 +15,14 @@ Example:
     (16384.0, 1)
 """
 
+from lossscale_callbacks._health import LossScaleHealthError, LossScaleHealthWarning
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._metrics import METRIC_NAMES
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy
+from lossscale_callbacks._sinks import InMemorySink, Sink
+from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks._update import initial_state, next_state
 from lossscale_callbacks._version import __version__
-from lossscale_callbacks.health import LossScaleHealthError, LossScaleHealthWarning
-from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.metrics import METRIC_NAMES
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy
-from lossscale_callbacks.sinks import InMemorySink, Sink
-from lossscale_callbacks.state import LossScaleState
-from lossscale_callbacks.update import initial_state, next_state
 
 __all__ = [
     "METRIC_NAMES",
@@ -38,3 +38,8 @@ __all__ = [
     "initial_state",
     "next_state",
 ]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

@@ -2,7 +2,7 @@
 
 Arguments: :func:`check_int`, :func:`check_number`, :func:`check_bool`, :func:`check_choice`,
 :func:`check_known` (the keys of a dict, the names of a list; a policy argument:
-:func:`lossscale_callbacks.policy.check_policy`). Each raises ``ValueError`` naming the argument,
+:func:`lossscale_callbacks._policy.check_policy`). Each raises ``ValueError`` naming the argument,
 the value and what is allowed.
 
 States: :func:`validate_state` is the one gate for a loss-scale state coming in from outside
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
+from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
 
 _INT64_MAX = 2**63 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -11,7 +11,7 @@ library never imports it. It imports NumPy and the core only, never a framework.
   integrations' ``diagnose=True`` computes on the device.
 
 Example:
-    >>> from lossscale_callbacks.update import initial_state, next_state
+    >>> from lossscale_callbacks import initial_state, next_state
     >>> def run_numpy(case):
     ...     state, states = initial_state(case.policy), []
     ...     for finite in case.finite:
@@ -32,10 +32,20 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lossscale_callbacks.forensics import FP16_MIN_SUBNORMAL, HISTOGRAM_EXPONENTS, LayerHeadroom
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, Policy
-from lossscale_callbacks.state import STATE_FIELDS, LossScaleState
-from lossscale_callbacks.update import initial_state, next_state
+from lossscale_callbacks._forensics import FP16_MIN_SUBNORMAL, HISTOGRAM_EXPONENTS, LayerHeadroom
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, Policy
+from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
+from lossscale_callbacks._update import initial_state, next_state
+
+__all__ = [
+    "ConformanceCase",
+    "assert_conforms",
+    "conformance_cases",
+    "reference_headroom",
+    "reference_histogram",
+    "reference_run",
+    "stack_states",
+]
 
 
 @dataclasses.dataclass(frozen=True)

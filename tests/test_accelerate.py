@@ -28,14 +28,14 @@ from report_json import the_read_run  # noqa: E402
 import lossscale_callbacks  # noqa: E402
 import lossscale_callbacks.accelerate  # noqa: E402
 import lossscale_callbacks.torch  # noqa: E402
-from lossscale_callbacks.accelerate.install import install_loss_scaler  # noqa: E402
-from lossscale_callbacks.accelerate.monitor import AccelerateLossScaleMonitor  # noqa: E402
-from lossscale_callbacks.cli import main as cli_main  # noqa: E402
-from lossscale_callbacks.health import ConsecutiveSkips, LossScaleHealthError  # noqa: E402
-from lossscale_callbacks.metrics import METRIC_NAMES  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.sinks import InMemorySink  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks._cli import main as cli_main  # noqa: E402
+from lossscale_callbacks._health import ConsecutiveSkips, LossScaleHealthError  # noqa: E402
+from lossscale_callbacks._metrics import METRIC_NAMES  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
+from lossscale_callbacks._sinks import InMemorySink  # noqa: E402
+from lossscale_callbacks.accelerate._install import install_loss_scaler  # noqa: E402
+from lossscale_callbacks.accelerate._monitor import AccelerateLossScaleMonitor  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 LIBRARY = tuple(os.path.dirname(m.__file__) for m in (lossscale_callbacks, lossscale_callbacks.accelerate,
                                                         lossscale_callbacks.torch))
@@ -313,7 +313,7 @@ def test_the_scaler_is_read_once_per_interval_and_never_in_a_step(kind):
             optimizer.step()
             optimizer.zero_grad()
             monitor.step()
-    where = "stock.py" if kind == "stock" else "update_paths.py"
+    where = "_stock.py" if kind == "stock" else "_update_paths.py"
     read = [("cpu", where), ("tolist", where)]
     assert counter.reads == read * 2
     assert monitor.loop.last.skipped_steps == 1 and monitor.loop.last.step == 8

@@ -10,9 +10,9 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from lossscale_callbacks.alignment import checkers
-from lossscale_callbacks.alignment.audit import LayerPrecision, PrecisionInfo
-from lossscale_callbacks.alignment.records import (
+from lossscale_callbacks.alignment import _checkers as checkers
+from lossscale_callbacks.alignment._audit import LayerPrecision, PrecisionInfo
+from lossscale_callbacks.alignment._records import (
     Capture,
     FrameworkAdvice,
     GemmDim,
@@ -23,7 +23,7 @@ from lossscale_callbacks.alignment.records import (
     Pass,
     Role,
 )
-from lossscale_callbacks.alignment.rules import analyze
+from lossscale_callbacks.alignment._rules import analyze
 
 # Words that only a framework's API would use: the engine must say none of them by itself.
 FRAMEWORK_WORDS = ("torch", "keras", "autocast", "tf.", "model.half", "mixed_float16", "dtype_policy",
@@ -127,7 +127,7 @@ def _nchw_torch_model():
 
 
 def test_torch_advice_is_torch_s():
-    from lossscale_callbacks.torch.alignment import check_alignment
+    from lossscale_callbacks.torch._alignment import check_alignment
 
     model, sample = _nchw_torch_model()
     layout = next(f for f in check_alignment(model, sample, dtype="float16").findings
@@ -140,7 +140,7 @@ def test_keras_advice_is_keras_s_and_never_torch_s():
     pytest.importorskip("tensorflow")
     import keras
 
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("mixed_float16")
@@ -160,7 +160,7 @@ def test_keras_advice_is_keras_s_and_never_torch_s():
 
 def test_check_alignment_dispatches_to_the_model_s_framework():
     from lossscale_callbacks.alignment import check_alignment
-    from lossscale_callbacks.torch.alignment import check_alignment as torch_check
+    from lossscale_callbacks.torch._alignment import check_alignment as torch_check
 
     model, sample = _nchw_torch_model()
     ours = check_alignment(model, sample, dtype="float16")

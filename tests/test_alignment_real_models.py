@@ -37,7 +37,7 @@ def mixed_float16():
 
 def test_keras_default_names_put_the_finding_on_the_layer_whose_units_change(mixed_float16):
     keras = mixed_float16
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     # The issue's model, built as tutorials build it: every name is Keras' own (dense, dense_1, ...).
     model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1001), keras.layers.Dense(1024),
@@ -55,7 +55,7 @@ def test_keras_default_names_put_the_finding_on_the_layer_whose_units_change(mix
 
 def test_keras_default_names_conv_then_conv(mixed_float16):
     keras = mixed_float16
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(30, 3),
                               keras.layers.Conv2D(64, 3), keras.layers.GlobalAveragePooling2D(),
@@ -71,7 +71,7 @@ def test_keras_default_names_conv_then_conv(mixed_float16):
 
 def test_keras_one_dimension_is_one_row_even_across_precisions(mixed_float16):
     keras = mixed_float16
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     # 1001 is a float16 N of `dense` and a TF32 K of the float32 head: one row, the stricter multiple.
     model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1001),
@@ -82,7 +82,7 @@ def test_keras_one_dimension_is_one_row_even_across_precisions(mixed_float16):
 
 
 def test_targets_include_current_gpus():
-    from lossscale_callbacks.alignment.targets import get_target
+    from lossscale_callbacks.alignment._targets import get_target
 
     assert {name: get_target(name).sm_count for name in ("l4", "RTX 4090", "h200", "B200")} == {
         "l4": 58, "RTX 4090": 128, "h200": 132, "B200": 148}
@@ -92,7 +92,7 @@ def test_targets_include_current_gpus():
 
 def test_keras_nested_and_shared_layers_are_named_by_identity(mixed_float16):
     keras = mixed_float16
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     inner = keras.Sequential([keras.layers.Dense(1001), keras.layers.Dense(256)])
     shared = keras.layers.Dense(100)
@@ -113,7 +113,7 @@ def test_keras_nested_and_shared_layers_are_named_by_identity(mixed_float16):
 
 def test_torch_default_names_match_keras():
     torch = pytest.importorskip("torch")
-    from lossscale_callbacks.torch.alignment import check_alignment
+    from lossscale_callbacks.torch._alignment import check_alignment
 
     nn = torch.nn
     mlp = nn.Sequential(nn.Linear(1024, 1001), nn.ReLU(), nn.Linear(1001, 1024), nn.Linear(1024, 10))
@@ -146,7 +146,7 @@ KERAS_APPLICATIONS = {
 @pytest.mark.parametrize("name", sorted(KERAS_APPLICATIONS))
 def test_keras_applications(name, mixed_float16):
     keras = mixed_float16
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     model = getattr(keras.applications, name)(weights=None)
     report = check_alignment(model, batch_size=32)
@@ -180,7 +180,7 @@ def test_torch_real_models(name):
     pytest.importorskip("torch")
     from alignment_models.torch_real import build
 
-    from lossscale_callbacks.torch.alignment import check_alignment
+    from lossscale_callbacks.torch._alignment import check_alignment
 
     model, sample = build(name, batch=8)  # on the meta device: shapes only
     report = check_alignment(model, sample, dtype="float16")
@@ -206,7 +206,7 @@ def test_check_on_a_billion_batch_is_fast_and_small(tmp_path):
     subprocess.run([sys.executable, "-c", build], cwd=tmp_path, env=env, check=True, timeout=120,
                    capture_output=True)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lossscale_callbacks.cli", "check", "m.keras",
+    proc = subprocess.run([sys.executable, "-m", "lossscale_callbacks._cli", "check", "m.keras",
                            "--batch-size", "1000000000"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
     elapsed = time.perf_counter() - start

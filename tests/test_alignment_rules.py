@@ -8,18 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale_callbacks.alignment.audit import (
+from lossscale_callbacks.alignment._audit import (
     LayerPrecision,
     OpPrecision,
     PrecisionInfo,
     categorize,
     run_audit,
 )
-from lossscale_callbacks.alignment.gemm import einsum_gemm, matmul_gemm
-from lossscale_callbacks.alignment.records import Capture, LayerInfo, ModelDim, OpRecord, Pass, Role
-from lossscale_callbacks.alignment.report import AlignmentReport, Finding
-from lossscale_callbacks.alignment.rules import analyze
-from lossscale_callbacks.alignment.targets import (
+from lossscale_callbacks.alignment._gemm import einsum_gemm, matmul_gemm
+from lossscale_callbacks.alignment._records import Capture, LayerInfo, ModelDim, OpRecord, Pass, Role
+from lossscale_callbacks.alignment._report import AlignmentReport, Finding
+from lossscale_callbacks.alignment._rules import analyze
+from lossscale_callbacks.alignment._targets import (
     next_multiple,
     recommended_multiple,
     required_multiple,

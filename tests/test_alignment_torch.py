@@ -10,8 +10,8 @@ from alignment_models.expected import CASES, finding_keys, note_keys  # noqa: E4
 from alignment_models.reports import torch_report  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lossscale_callbacks.alignment.records import Pass  # noqa: E402
-from lossscale_callbacks.torch.alignment import capture, check_alignment  # noqa: E402
+from lossscale_callbacks.alignment._records import Pass  # noqa: E402
+from lossscale_callbacks.torch._alignment import capture, check_alignment  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

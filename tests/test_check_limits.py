@@ -18,8 +18,8 @@ import zipfile
 
 import pytest
 
-from lossscale_callbacks.alignment_cli import add_check_parser, run_check
-from lossscale_callbacks.check_limits import (
+from lossscale_callbacks._alignment_cli import add_check_parser, run_check
+from lossscale_callbacks._check_limits import (
     MAX_BATCH_SIZE,
     ArchiveTooLargeError,
     ModelTooDeepError,
@@ -27,7 +27,7 @@ from lossscale_callbacks.check_limits import (
     check_batch_size,
     run_deep,
 )
-from lossscale_callbacks.cli import build_parser
+from lossscale_callbacks._cli import build_parser
 
 PIP_KERAS = 'pip install "lossscale-callbacks[keras]" tensorflow'
 
@@ -119,7 +119,7 @@ def test_a_batch_size_tensorflow_cannot_trace_is_refused_by_name(capsys):
 
 def test_check_model_file_refuses_the_batch_size_by_name(tmp_path):
     pytest.importorskip("tensorflow")
-    from lossscale_callbacks.keras.alignment import check_model_file
+    from lossscale_callbacks.keras._alignment import check_model_file
 
     with pytest.raises(ValueError, match="batch_size must be an integer from 1 to 2147483647"):
         check_model_file(str(tmp_path / "m.keras"), batch_size=10**14)
@@ -174,7 +174,8 @@ def test_a_1000_layer_chain_is_checked_and_a_deeper_one_named_as_such(chain):
 
 def _check_without(packages, *argv, entry="console"):
     hide = "".join(f"sys.modules[{p!r}] = None; " for p in packages)
-    code = f"import sys; {hide}from lossscale_callbacks import cli; sys.exit(cli.{entry}(sys.argv[1:]))"
+    code = (f"import sys; {hide}from lossscale_callbacks import _cli as cli; "
+            f"sys.exit(cli.{entry}(sys.argv[1:]))")
     return subprocess.run([sys.executable, "-c", code, "check", *argv], capture_output=True, text=True,
                           timeout=120)
 

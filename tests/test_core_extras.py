@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lossscale_callbacks.extras import EXTRAS, MissingExtraError, install_hint, require
+from lossscale_callbacks._extras import EXTRAS, MissingExtraError, install_hint, require
 
 
 def test_require_returns_the_module():

@@ -10,9 +10,9 @@ from lossscale_callbacks import (
     initial_state,
     next_state,
 )
-from lossscale_callbacks.health import ConsecutiveSkips, HealthMonitor, SkipRate, StuckAtMinScale, evaluate
-from lossscale_callbacks.metrics import MetricsTracker
-from lossscale_callbacks.summary import summarize
+from lossscale_callbacks._health import ConsecutiveSkips, HealthMonitor, SkipRate, StuckAtMinScale, evaluate
+from lossscale_callbacks._metrics import MetricsTracker
+from lossscale_callbacks._summary import summarize
 
 
 def run(policy, flags, tracker, every):
@@ -175,7 +175,7 @@ def test_a_second_read_at_the_same_step_keeps_the_runs():
 
 
 def test_raise_comes_after_the_other_verdicts_are_warned():
-    from lossscale_callbacks.health import Verdict
+    from lossscale_callbacks._health import Verdict
 
     monitor = HealthMonitor([])
     with pytest.warns(LossScaleHealthWarning, match="first"), \

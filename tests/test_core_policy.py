@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy
-from lossscale_callbacks.policy import policy_from_config
+from lossscale_callbacks._policy import policy_from_config
 
 INVALID_DYNAMIC = [
     ("initial_scale", float("inf")),

@@ -1,4 +1,4 @@
-"""One answer to "is this a policy?": ``lossscale_callbacks.policy.is_policy``, asked everywhere."""
+"""One answer to "is this a policy?": ``lossscale_callbacks._policy.is_policy``, asked everywhere."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, check_policy, is_policy
-from lossscale_callbacks.update import initial_state, next_state
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, check_policy, is_policy
+from lossscale_callbacks._update import initial_state, next_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_the_core_refuses_a_look_alike_everywhere():
 
 def test_torch_refuses_a_look_alike_as_policy_and_as_device():
     pytest.importorskip("torch")
-    from lossscale_callbacks.torch.scaler import LossScaler
+    from lossscale_callbacks.torch._scaler import LossScaler
 
     with pytest.raises(ValueError, match="policy must be"):
         LossScaler("cpu", policy=LookAlike())

@@ -3,7 +3,7 @@ import warnings
 import pytest
 
 from lossscale_callbacks import InMemorySink, Sink
-from lossscale_callbacks.sinks import GuardedSink, SinkFailureWarning, SinkGroup
+from lossscale_callbacks._sinks import GuardedSink, SinkFailureWarning, SinkGroup
 
 
 class Exploding(InMemorySink):

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy, LossScaleState
+from lossscale_callbacks._policy import rule_constants
 from lossscale_callbacks._validation import check_choice, check_int, check_number, validate_state
-from lossscale_callbacks.policy import rule_constants
 
 GOOD = {"scale": 1024.0, "growth_counter": 3, "hysteresis_left": 1, "skipped_steps": 2, "steps": 10}
 

@@ -23,8 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -192,8 +192,8 @@ def _cuda_loader(steps: int) -> torch.utils.data.DataLoader:
 @pytest.mark.parametrize("diagnose", [False, True])
 def test_lightning_plugin_and_monitor_make_no_host_sync_in_the_step(diagnose):
     pl = pytest.importorskip("lightning.pytorch")
-    from lossscale_callbacks.lightning.monitor import LossScaleMonitor
-    from lossscale_callbacks.lightning.plugin import LossScalePlugin
+    from lossscale_callbacks.lightning._monitor import LossScaleMonitor
+    from lossscale_callbacks.lightning._plugin import LossScalePlugin
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

@@ -152,7 +152,7 @@ def _scalars(base: str, run: str, tag: str, expected_points: int | None = None, 
 
 @pytest.mark.parametrize("kind", list(RUNS))
 def test_stock_tensorboard_with_default_flags_serves_the_loss_scale(tensorboard, logdir, kind):
-    from lossscale_callbacks.tensorboard.reader import read_run
+    from lossscale_callbacks.tensorboard._reader import read_run
 
     expected = read_run(str(logdir / RUNS[kind]))["loss_scale/scale"]
     assert expected, f"the {kind} run wrote no loss_scale/scale"

@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.torch.deepspeed_reader import DeepSpeedScalerReader  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader  # noqa: E402
 
 # DynamicLossScaler(init_scale=1024, scale_window=3, min_scale=1, delayed_shift=2,
 # consecutive_hysteresis=False) after update_scale(overflow) for each overflow below, recorded from

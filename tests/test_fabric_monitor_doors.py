@@ -18,9 +18,9 @@ pytest.importorskip("lightning")
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 
+from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
+from lossscale_callbacks._sinks import InMemorySink  # noqa: E402
 from lossscale_callbacks.lightning.fabric import FabricLossScaleMonitor, LossScaleFabricPlugin  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.sinks import InMemorySink  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=2.0**10, growth_interval=3)
 
@@ -149,7 +149,7 @@ def test_monitor_arguments_are_checked_at_construction(tmp_path):
 @pytest.mark.parametrize("stock", [False, True])
 def test_a_stop_rule_sets_should_stop_on_the_fabric_monitor(stock):
     # The health rules' "stop" must reach the user's loop, as Lightning's should_stop does for a Trainer.
-    from lossscale_callbacks.health import ConsecutiveSkips
+    from lossscale_callbacks._health import ConsecutiveSkips
 
     fabric = _fabric(_stock_plugin() if stock else LossScaleFabricPlugin(device="cpu", policy=POLICY))
     monitor = FabricLossScaleMonitor(fabric, log_every=1, health=[ConsecutiveSkips(limit=2, action="stop")])

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossscale_callbacks import DynamicPolicy, InMemorySink, LoggingLoop
-from lossscale_callbacks.forensics import (
+from lossscale_callbacks._forensics import (
     FORENSICS_TAG,
     HISTOGRAM_TAG,
     ForensicsTotals,
@@ -28,7 +28,7 @@ from lossscale_callbacks.forensics import (
     LayerHeadroom,
     check_diagnose,
 )
-from lossscale_callbacks.forensics_words import FP16_MAX_LOG2, findings
+from lossscale_callbacks._forensics_words import FP16_MAX_LOG2, findings
 from lossscale_callbacks.testing import reference_headroom, reference_histogram
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,8 +128,8 @@ def test_tensorboard_gets_no_single_point_layer_series_and_the_report_says_the_s
     """Issue 23: a layer flagged in one interval only was a one-point series, an empty TensorBoard chart."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lossscale_callbacks.forensics import totals_from_series
-    from lossscale_callbacks.tensorboard.reader import read_run
+    from lossscale_callbacks._forensics import totals_from_series
+    from lossscale_callbacks.tensorboard._reader import read_run
 
     loop = LoggingLoop(DynamicPolicy(initial_scale=2.0**10), tensorboard=str(tmp_path / "tb"), log_every=8,
                        echo=None, health=None)
@@ -264,7 +264,7 @@ def test_torch_loop_names_the_layer_and_the_causes(tmp_path, fused):
     assert "Layers with non-finite gradients in skipped steps: `decoder.0` (2)" in report
     assert "1 non-finite loss" in report
     if not fused:  # W&B: the same series, and the interval's report as a Table
-        from lossscale_callbacks.wandb.reader import read_run, read_tables, wait_until_finished
+        from lossscale_callbacks.wandb._reader import read_run, read_tables, wait_until_finished
 
         wait_until_finished(str(tmp_path / "wb"))
         series = read_run(str(tmp_path / "wb"))
@@ -276,7 +276,7 @@ def test_torch_loop_names_the_layer_and_the_causes(tmp_path, fused):
 
 
 def _report(path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "lossscale_callbacks.cli", "report", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "lossscale_callbacks._cli", "report", str(path)],
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     assert proc.returncode == 0, proc.stderr[-2000:]

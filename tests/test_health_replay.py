@@ -11,9 +11,9 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale_callbacks import health
-from lossscale_callbacks.health import HealthMonitor, ScaleOnlyDecreases, default_rules
-from lossscale_callbacks.metrics import MetricsTracker
+from lossscale_callbacks import _health as health
+from lossscale_callbacks._health import HealthMonitor, ScaleOnlyDecreases, default_rules
+from lossscale_callbacks._metrics import MetricsTracker
 
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("append"), st.integers(0, 3), st.sampled_from([0.5, 1.0, 2.0])),

@@ -14,7 +14,7 @@ from hf_scripts import tiny_accelerate
 from repo_scripts import load_script
 from report_json import the_read_run
 
-from lossscale_callbacks.cli import main as cli_main
+from lossscale_callbacks._cli import main as cli_main
 
 
 @pytest.fixture(autouse=True)

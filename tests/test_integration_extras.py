@@ -68,7 +68,7 @@ def test_a_missing_package_names_the_extra_at_import(face, hidden, extra):
 def test_lightning_needs_one_of_its_namespaces(monkeypatch, installed, error):
     pytest.importorskip("lightning")
     import lossscale_callbacks.lightning as face
-    from lossscale_callbacks.extras import MissingExtraError
+    from lossscale_callbacks._extras import MissingExtraError
 
     asked = []
 

@@ -25,7 +25,7 @@ from lossscale_callbacks import (  # noqa: E402
     InMemorySink,
     LossScaleHealthWarning,
 )
-from lossscale_callbacks.health import ConsecutiveSkips  # noqa: E402
+from lossscale_callbacks._health import ConsecutiveSkips  # noqa: E402
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=256.0, growth_interval=4, max_scale=4096.0)
@@ -295,7 +295,7 @@ def test_health_stop_sets_stop_training():
 
 @pytest.mark.slow
 def test_tensorboard_and_wandb_sinks(tmp_path, monkeypatch):
-    wandb_reader = pytest.importorskip("lossscale_callbacks.wandb.reader")
+    wandb_reader = pytest.importorskip("lossscale_callbacks.wandb._reader")
     monkeypatch.setenv("WANDB_MODE", "offline")
     log_dir = tmp_path / "tb_sink"
     wandb_kwargs = {"dir": str(tmp_path), "project": "lossscale-tests", "mode": "offline"}
@@ -326,7 +326,7 @@ def test_tensorboard_and_wandb_sinks(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_check_alignment_report_goes_to_sinks_and_stdout(capsys):
-    pytest.importorskip("lossscale_callbacks.keras.alignment")
+    pytest.importorskip("lossscale_callbacks.keras._alignment")
     sink = InMemorySink()
     callback = LossScaleCallback(log_every=4, policy=POLICY, sinks=[sink], check_alignment=True)
     _fit(_compiled(), 1, [callback])
@@ -342,7 +342,7 @@ def test_check_alignment_report_goes_to_sinks_and_stdout(capsys):
 def test_wandb_metrics_logger_after_the_callback_logs_the_metrics(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     keras_integration = pytest.importorskip("wandb.integration.keras")
-    reader = pytest.importorskip("lossscale_callbacks.wandb.reader")
+    reader = pytest.importorskip("lossscale_callbacks.wandb._reader")
     monkeypatch.setenv("WANDB_MODE", "offline")
     recorder = StateRecorder(weights=False)
     run = wandb.init(project="lossscale-tests", dir=str(tmp_path), mode="offline")

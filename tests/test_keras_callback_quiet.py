@@ -12,10 +12,10 @@ keras = pytest.importorskip("keras")
 
 from keras_scripts.toy import build_model, make_data  # noqa: E402
 
-from lossscale_callbacks.keras.callback import LossScaleCallback  # noqa: E402
-from lossscale_callbacks.metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.sinks import InMemorySink  # noqa: E402
+from lossscale_callbacks._metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
+from lossscale_callbacks._sinks import InMemorySink  # noqa: E402
+from lossscale_callbacks.keras._callback import LossScaleCallback  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=256.0, growth_interval=4, max_scale=4096.0)
 
@@ -76,7 +76,7 @@ class Refuse:
         if name.split(".")[0] == "tensorboard":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Refuse())
-from lossscale_callbacks.keras.callback import LossScaleCallback
+from lossscale_callbacks.keras._callback import LossScaleCallback
 try:
     LossScaleCallback(tensorboard="runs/x")
 except ImportError as exc:
@@ -100,7 +100,7 @@ class _Crash(keras.callbacks.Callback):
 
 @pytest.mark.slow
 def test_a_crashed_fit_has_its_wandb_run_finished_before_the_next_fit_opens_its_own(tmp_path, monkeypatch):
-    wandb_reader = pytest.importorskip("lossscale_callbacks.wandb.reader")
+    wandb_reader = pytest.importorskip("lossscale_callbacks.wandb._reader")
     monkeypatch.setenv("WANDB_MODE", "offline")
     callback = LossScaleCallback(log_every=1, policy=POLICY, health=None,
                                  wandb={"dir": str(tmp_path), "project": "t", "mode": "offline"})

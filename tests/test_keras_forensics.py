@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from lossscale_callbacks.forensics import FORENSICS_TAG
+from lossscale_callbacks._forensics import FORENSICS_TAG
 
 pytest.importorskip("keras")
 pytest.importorskip("tensorboard")
@@ -73,7 +73,7 @@ def test_fit_names_the_layer_and_the_causes_in_the_summary_tensorboard_and_repor
     assert sum(series["loss_scale/layer_skips/poisonable"]) == 2  # a point at every interval, 2 in all
     assert sum(series["loss_scale/layer_origins/poisonable"]) == 2
     assert any("The overflow started in layer `poisonable`" in t for t in texts)
-    proc = subprocess.run([sys.executable, "-m", "lossscale_callbacks.cli", "report", tb],
+    proc = subprocess.run([sys.executable, "-m", "lossscale_callbacks._cli", "report", tb],
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     assert proc.returncode == 0, proc.stderr[-2000:]

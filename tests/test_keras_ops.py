@@ -6,8 +6,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from lossscale_callbacks import DynamicPolicy, initial_state, next_state  # noqa: E402
-from lossscale_callbacks.keras.tf_ops import TF_OPS, all_finite, unscale  # noqa: E402
-from lossscale_callbacks.state import LossScaleState  # noqa: E402
+from lossscale_callbacks._state import LossScaleState  # noqa: E402
+from lossscale_callbacks.keras._tf_ops import TF_OPS, all_finite, unscale  # noqa: E402
 from lossscale_callbacks.testing import assert_conforms, conformance_cases  # noqa: E402
 
 CASES = conformance_cases()

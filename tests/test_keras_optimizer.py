@@ -16,7 +16,7 @@ from keras_scripts.toy import (  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
 from lossscale_callbacks.keras import DynamicLossScale, LossScaleOptimizer  # noqa: E402
-from lossscale_callbacks.keras.wrapping import wrap  # noqa: E402
+from lossscale_callbacks.keras._wrapping import wrap  # noqa: E402
 
 
 @pytest.fixture
@@ -365,13 +365,13 @@ def test_import_loads_no_sink_integration_or_alignment():
     import sys
 
     lazy = ["wandb", "lossscale_callbacks.tensorboard", "lossscale_callbacks.wandb",
-            "lossscale_callbacks.keras.alignment"]
+            "lossscale_callbacks.keras._alignment"]
     code = (f"import sys, lossscale_callbacks.keras; print([m for m in {lazy!r} if m in sys.modules]); "
-            "import lossscale_callbacks.keras.alignment as a; print(a.check_alignment.__module__)")
+            "import lossscale_callbacks.keras._alignment as a; print(a.check_alignment.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["[]", "lossscale_callbacks.keras.alignment"]
+    assert out.stdout.split() == ["[]", "lossscale_callbacks.keras._alignment"]
 
 
 # ---- no state can corrupt a run ----
@@ -523,4 +523,4 @@ def test_load_model_in_a_fresh_process(tmp_path):
     fresh = subprocess.run([sys.executable, "-c", "import lossscale_callbacks.keras; " + load],
                            capture_output=True, text=True, timeout=180, env=env)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
-    assert fresh.stdout.split() == ["lossscale_callbacks.keras.optimizer", "2", "4"]
+    assert fresh.stdout.split() == ["lossscale_callbacks.keras._optimizer", "2", "4"]

@@ -27,10 +27,10 @@ h5py = pytest.importorskip("h5py")
 
 from tensorflow.python.framework import ops as tf_framework_ops  # noqa: E402
 
-from lossscale_callbacks.keras.callback import LossScaleCallback  # noqa: E402
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.state import LossScaleState  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks._state import LossScaleState  # noqa: E402
+from lossscale_callbacks.keras._callback import LossScaleCallback  # noqa: E402
+from lossscale_callbacks.keras._optimizer import LossScaleOptimizer  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=2.0**10, growth_interval=50, hysteresis=2)
 STATE = {"scale": 1234.5678, "growth_counter": 7, "hysteresis_left": 1, "skipped_steps": 3,
@@ -288,7 +288,7 @@ def test_a_model_saved_after_fit_with_the_callback_loads_without_the_library(tmp
 
 def test_the_compile_config_names_keras_class_only_for_a_policy_it_can_run():
     for policy, module in ((DynamicPolicy(initial_scale=64.0, growth_interval=7), "keras.optimizers"),
-                           (DynamicPolicy(hysteresis=3), "lossscale_callbacks.keras.optimizer")):
+                           (DynamicPolicy(hysteresis=3), "lossscale_callbacks.keras._optimizer")):
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
         callback = LossScaleCallback(policy=policy, health=None)

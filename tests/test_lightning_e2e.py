@@ -48,7 +48,7 @@ def test_fp16_run_with_injected_infs_read_back_from_tensorboard_and_wandb(tmp_pa
     wandb = pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lossscale_callbacks.wandb.reader import read_run, read_run_info, read_tables, wait_until_finished
+    from lossscale_callbacks.wandb._reader import read_run, read_run_info, read_tables, wait_until_finished
 
     tb = pl.loggers.TensorBoardLogger(str(tmp_path / "tb"), name="run", version=0)
     wb = pl.loggers.WandbLogger(offline=True, save_dir=str(tmp_path), project="lossscale-test")

@@ -19,9 +19,9 @@ import lossscale_callbacks  # noqa: E402
 import lossscale_callbacks.lightning  # noqa: E402
 import lossscale_callbacks.torch  # noqa: E402
 from lossscale_callbacks import DynamicPolicy, LossScaleHealthWarning  # noqa: E402
-from lossscale_callbacks.health import ConsecutiveSkips  # noqa: E402
+from lossscale_callbacks._health import ConsecutiveSkips  # noqa: E402
+from lossscale_callbacks._metrics import METRIC_NAMES  # noqa: E402
 from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin  # noqa: E402
-from lossscale_callbacks.metrics import METRIC_NAMES  # noqa: E402
 
 LIBRARY = tuple(os.path.dirname(m.__file__) for m in (lossscale_callbacks, lossscale_callbacks.lightning,
                                                         lossscale_callbacks.torch))
@@ -152,7 +152,7 @@ def test_reads_the_stock_mixed_precision_grad_scaler(pl):
     assert trainer.callback_metrics["loss_scale/growth_counter"] == scaler._get_growth_tracker()
 
 
-@pytest.mark.parametrize("optimizer, per_step", [("adam_fused", []), ("sgd", [("item", "scaler.py")])])
+@pytest.mark.parametrize("optimizer, per_step", [("adam_fused", []), ("sgd", [("item", "_scaler.py")])])
 def test_the_library_reads_the_device_only_at_the_log_interval(optimizer, per_step):
     """Every host read the library makes in a real run: the skip decision of a non-fused optimizer
     per step, and one copy of the state per log interval (``.cpu().tolist()``: one sync)."""
@@ -162,7 +162,7 @@ def test_the_library_reads_the_device_only_at_the_log_interval(optimizer, per_st
     with HostReadCounter(only_under=LIBRARY) as counter:
         trainer, loggers = _fit(pl, LossScaleMonitor(), model=model, max_steps=8, log_every_n_steps=4)
     assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [3, 7]
-    interval = [("cpu", "update_paths.py"), ("tolist", "update_paths.py")]  # the state, one copy
+    interval = [("cpu", "_update_paths.py"), ("tolist", "_update_paths.py")]  # the state, one copy
     assert counter.reads == (per_step * 4 + interval) * 2
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 1
 
@@ -175,7 +175,7 @@ def test_the_stock_scaler_is_read_only_at_the_log_interval():
     with HostReadCounter(only_under=LIBRARY) as counter:
         _, loggers = _fit(pl, LossScaleMonitor(), plugin=plugin, model=model, max_steps=8,
                           log_every_n_steps=4)
-    assert counter.reads == [("cpu", "stock.py"), ("tolist", "stock.py")] * 2
+    assert counter.reads == [("cpu", "_stock.py"), ("tolist", "_stock.py")] * 2
     assert loggers[0].series("loss_scale/skipped_steps") == [(3, 1), (7, 1)]
 
 
@@ -267,9 +267,9 @@ def test_alignment_report_is_written_once_on_the_first_batch(pl, monkeypatch):
         model(sample).sum().backward()  # a check may run backward; grads must not leak
         return Report()
 
-    fake = types.ModuleType("lossscale_callbacks.torch.alignment")
+    fake = types.ModuleType("lossscale_callbacks.torch._alignment")
     fake.check_alignment = check_alignment
-    monkeypatch.setitem(sys.modules, "lossscale_callbacks.torch.alignment", fake)
+    monkeypatch.setitem(sys.modules, "lossscale_callbacks.torch._alignment", fake)
     monitor = LossScaleMonitor(check_alignment=True, alignment_kwargs={"dtype": "float16"})
     texts = []
     monkeypatch.setattr("lossscale_callbacks.lightning._loggers.LoggerSink.write_text",
@@ -285,7 +285,7 @@ def test_real_alignment_report_reaches_tensorboard(tmp_path):
     import lightning.pytorch as pl
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    pytest.importorskip("lossscale_callbacks.torch.alignment")
+    pytest.importorskip("lossscale_callbacks.torch._alignment")
     tb = pl.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
     model = tiny.module_class(pl)(width=12, snapshots=False)
     monitor = LossScaleMonitor(check_alignment=True)
@@ -301,7 +301,7 @@ def test_real_alignment_report_reaches_tensorboard(tmp_path):
 def test_missing_alignment_module_warns(monkeypatch):
     import lightning.pytorch as pl
 
-    monkeypatch.setitem(sys.modules, "lossscale_callbacks.torch.alignment", None)
+    monkeypatch.setitem(sys.modules, "lossscale_callbacks.torch._alignment", None)
     with pytest.warns(UserWarning, match="alignment checker could not be imported"):
         _fit(pl, LossScaleMonitor(check_alignment=True), max_steps=1)
 

@@ -19,10 +19,10 @@ pytest.importorskip("lightning")
 from lightning_scripts import tiny  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.lightning.held_schedulers import HeldLRScheduler  # noqa: E402
-from lossscale_callbacks.lightning.monitor import LossScaleMonitor  # noqa: E402
-from lossscale_callbacks.lightning.plugin import LossScalePlugin  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks.lightning._held_schedulers import HeldLRScheduler  # noqa: E402
+from lossscale_callbacks.lightning._monitor import LossScaleMonitor  # noqa: E402
+from lossscale_callbacks.lightning._plugin import LossScalePlugin  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "lightning_scripts"
 tiny.quiet_lightning_warnings()

@@ -19,11 +19,11 @@ from hypothesis import strategies as st  # noqa: E402
 from lightning_scripts import tiny  # noqa: E402
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.lightning._fsdp import LossScaleFSDPPlugin  # noqa: E402
+from lossscale_callbacks.lightning._plugin import LossScalePlugin  # noqa: E402
 from lossscale_callbacks.lightning.fabric import LossScaleFabricFSDPPlugin, LossScaleFabricPlugin  # noqa: E402
-from lossscale_callbacks.lightning.fsdp import LossScaleFSDPPlugin  # noqa: E402
-from lossscale_callbacks.lightning.plugin import LossScalePlugin  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 tiny.quiet_lightning_warnings()
 

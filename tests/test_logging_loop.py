@@ -16,7 +16,7 @@ from lossscale_callbacks import (
     initial_state,
     next_state,
 )
-from lossscale_callbacks import metrics as m
+from lossscale_callbacks import _metrics as m
 
 
 class FakeClock:

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.extras import MissingExtraError
-from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy
-from lossscale_callbacks.sinks import InMemorySink
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._extras import MissingExtraError
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy
+from lossscale_callbacks._sinks import InMemorySink
 
 
 def _host(steps, skipped, scale=1024.0, growth=0):
@@ -58,8 +58,8 @@ class Refuse:
         if name.split('.')[0] == {package!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Refuse())
-from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.extras import MissingExtraError
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._extras import MissingExtraError
 try:
     LoggingLoop(**{kwargs!r})
 except MissingExtraError as exc:
@@ -84,7 +84,7 @@ def test_a_missing_extra_is_reported_at_construction_with_the_pip_command(packag
 # ------------------------------------------------------------------ owned sinks and runs
 
 def test_owned_sinks_are_opened_per_run_and_closed_at_its_end(tmp_path):
-    from lossscale_callbacks.tensorboard.reader import read_run
+    from lossscale_callbacks.tensorboard._reader import read_run
 
     memory = InMemorySink()
     loop = LoggingLoop(DynamicPolicy(), tensorboard=tmp_path / "tb", sinks=[memory], echo=None, health=None)
@@ -125,7 +125,7 @@ def test_run_sinks_join_one_run_and_a_non_writer_opens_no_owned_sink(tmp_path):
 
 def test_each_run_of_a_wandb_loop_is_its_own_wandb_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from lossscale_callbacks.wandb.reader import read_run, wait_until_finished
+    from lossscale_callbacks.wandb._reader import read_run, wait_until_finished
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     loop = LoggingLoop(DynamicPolicy(), wandb={"dir": str(tmp_path), "project": "t", "mode": "offline"},
@@ -279,6 +279,6 @@ def test_a_loop_that_has_not_written_holds_no_file_or_run_and_pickles(tmp_path):
     copy = pickle.loads(pickle.dumps(loop))
     assert copy.log_every is None and not (tmp_path / "tb").exists()
     pytest.importorskip("lightning")
-    from lossscale_callbacks.lightning.monitor import LossScaleMonitor
+    from lossscale_callbacks.lightning._monitor import LossScaleMonitor
 
     pickle.dumps(LossScaleMonitor(tensorboard=str(tmp_path / "tb")))

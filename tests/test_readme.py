@@ -52,7 +52,7 @@ def test_keras_block(tmp_path, monkeypatch):
         exec(block_after("Keras"), namespace)
     finally:
         keras.mixed_precision.set_global_policy(previous)
-    assert type(namespace["model"].optimizer).__module__ == "lossscale_callbacks.keras.optimizer"
+    assert type(namespace["model"].optimizer).__module__ == "lossscale_callbacks.keras._optimizer"
     header, *rows = (tmp_path / "log.csv").read_text().splitlines()
     columns = header.split(",")
     # The two metrics asked for, in History/CSV; with validation data no NA val_loss_scale/* columns.
@@ -72,7 +72,7 @@ def test_lightning_block(tmp_path, monkeypatch):
     exec(block_after("PyTorch Lightning"), namespace)
     trainer = namespace["trainer"]
     from lossscale_callbacks.lightning import LossScaleMonitor, LossScalePlugin
-    from lossscale_callbacks.tensorboard.reader import read_run
+    from lossscale_callbacks.tensorboard._reader import read_run
 
     assert isinstance(trainer.precision_plugin, LossScalePlugin)
     assert trainer.precision_plugin.scaler.policy.hysteresis == 2
@@ -95,7 +95,7 @@ def test_accelerate_block(tmp_path, monkeypatch):
         exec(block_after("Hugging Face Accelerate and Transformers"), namespace)
     finally:
         reset_accelerate()
-    from lossscale_callbacks.tensorboard.reader import read_run
+    from lossscale_callbacks.tensorboard._reader import read_run
 
     assert namespace["monitor"].summary.startswith("Loss scaling: 16 optimizer steps")
     (run,) = {path.parent for path in (tmp_path / "runs").rglob("events.out.tfevents.*")}
@@ -121,7 +121,7 @@ def test_dashboards_block(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     exec(block_after("Dashboards and reports"), {})
-    from lossscale_callbacks.tensorboard.reader import read_run
+    from lossscale_callbacks.tensorboard._reader import read_run
 
     assert read_run(str(tmp_path / "runs" / "exp1"))["loss_scale/scale"] == [(1, 1024.0)]
 

@@ -15,14 +15,14 @@ from repo_scripts import load_script
 from report_json import the_read_run
 
 from lossscale_callbacks import DynamicPolicy
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.cli import main
-from lossscale_callbacks.run_picture import write_png
-from lossscale_callbacks.run_readers import available_readers
-from lossscale_callbacks.run_report import build_report
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._cli import main
+from lossscale_callbacks._run_picture import write_png
+from lossscale_callbacks._run_readers import available_readers
+from lossscale_callbacks._run_report import build_report
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.wandb import WandbSink
-from lossscale_callbacks.wandb.reader import wait_until_finished
+from lossscale_callbacks.wandb._reader import wait_until_finished
 
 CLI = Path(sys.executable).with_name("lossscale-callbacks")
 
@@ -252,9 +252,9 @@ def test_report_on_a_keras_run(tmp_path, capsys):
     pytest.importorskip("tensorflow")
     import numpy as np
 
+    from lossscale_callbacks._sinks import InMemorySink
     from lossscale_callbacks.keras import LossScaleCallback
-    from lossscale_callbacks.sinks import InMemorySink
-    from lossscale_callbacks.tensorboard.reader import read_run
+    from lossscale_callbacks.tensorboard._reader import read_run
 
     log_dir = tmp_path / "logs"
     memory = InMemorySink()

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import wandb
 
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.cli import main
-from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.policy import DynamicPolicy
-from lossscale_callbacks.run_report import build_report, split_segments
-from lossscale_callbacks.tensorboard.sink import TensorBoardSink
-from lossscale_callbacks.update import initial_state, next_state
-from lossscale_callbacks.wandb.reader import wait_until_finished
-from lossscale_callbacks.wandb.sink import WandbSink
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._cli import main
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._policy import DynamicPolicy
+from lossscale_callbacks._run_report import build_report, split_segments
+from lossscale_callbacks._update import initial_state, next_state
+from lossscale_callbacks.tensorboard._sink import TensorBoardSink
+from lossscale_callbacks.wandb._reader import wait_until_finished
+from lossscale_callbacks.wandb._sink import WandbSink
 
 
 def _steps(loop, policy, state, steps, p_inf, rng, every=10):

@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 import wandb
 
-from lossscale_callbacks.cli import main
-from lossscale_callbacks.logging_loop import LoggingLoop
-from lossscale_callbacks.policy import DynamicPolicy
-from lossscale_callbacks.run_discovery import FoundRun, discover_runs
-from lossscale_callbacks.tensorboard.sink import TensorBoardSink
-from lossscale_callbacks.update import initial_state, next_state
-from lossscale_callbacks.wandb.reader import wait_until_finished
-from lossscale_callbacks.wandb.sink import WandbSink
+from lossscale_callbacks._cli import main
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._policy import DynamicPolicy
+from lossscale_callbacks._run_discovery import FoundRun, discover_runs
+from lossscale_callbacks._update import initial_state, next_state
+from lossscale_callbacks.tensorboard._sink import TensorBoardSink
+from lossscale_callbacks.wandb._reader import wait_until_finished
+from lossscale_callbacks.wandb._sink import WandbSink
 
 PIP_WANDB = 'pip install "lossscale-callbacks[wandb]"'
 PIP_TENSORBOARD = 'pip install "lossscale-callbacks[tensorboard]"'
@@ -133,7 +133,7 @@ def _hidden(*packages: str) -> str:
 
 def _report_without(packages, *argv, cwd=None):
     code = (f"import sys; {_hidden(*packages)}"
-            "from lossscale_callbacks.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from lossscale_callbacks._cli import main; sys.exit(main(sys.argv[1:]))")
     return subprocess.run([sys.executable, "-c", code, "report", *map(str, argv)], capture_output=True,
                           text=True, timeout=120, cwd=cwd)
 
@@ -191,14 +191,14 @@ def test_no_reader_at_all_names_the_pip_commands(mixed, tmp_path):
 
 def test_png_without_the_plot_extra_is_refused_before_anything_is_read(tmp_path):
     hide = _hidden("matplotlib")
-    code = (f"import sys; {hide}from lossscale_callbacks.cli import main\n"
+    code = (f"import sys; {hide}from lossscale_callbacks._cli import main\n"
             "try:\n    main(['report', 'nowhere', '--png', 'x.png'])\n"
             "except ImportError as exc:\n    print(f'{type(exc).__name__}: {exc}')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert done.stdout.startswith("MissingExtraError: report --png needs the 'matplotlib' package")
     assert 'pip install "lossscale-callbacks[plot]"' in done.stdout
-    code = f"import sys; {hide}from lossscale_callbacks.cli import console; sys.exit(console(sys.argv[1:]))"
+    code = f"import sys; {hide}from lossscale_callbacks._cli import console; sys.exit(console(sys.argv[1:]))"
     done = subprocess.run([sys.executable, "-c", code, "report", "nowhere", "--png", "x.png"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     (line,) = done.stderr.strip().splitlines()
@@ -237,7 +237,7 @@ def test_a_file_the_user_may_not_read_does_not_abort_the_folder(mixed):
         os.chmod(event_file, 0o000)
         os.chmod(copy / "locked_folder", 0o000)
         as_root = os.geteuid() == 0
-        command = [sys.executable, "-m", "lossscale_callbacks.cli", "report", str(copy), "--json"]
+        command = [sys.executable, "-m", "lossscale_callbacks._cli", "report", str(copy), "--json"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=copy,
                                   preexec_fn=_drop_to_nobody if as_root else None)

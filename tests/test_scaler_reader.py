@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.torch.reader import ScalerReader  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
-from lossscale_callbacks.torch.stock import check_stock_state  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
+from lossscale_callbacks.torch._reader import ScalerReader  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
+from lossscale_callbacks.torch._stock import check_stock_state  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=2.0**10, growth_interval=3)
 

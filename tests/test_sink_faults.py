@@ -8,13 +8,13 @@ import pytest
 import wandb
 from repo_scripts import load_script
 
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.sinks import InMemorySink, SinkFailureWarning
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._sinks import InMemorySink, SinkFailureWarning
 from lossscale_callbacks.tensorboard import TensorBoardSink
-from lossscale_callbacks.tensorboard.reader import read_run as read_tensorboard
+from lossscale_callbacks.tensorboard._reader import read_run as read_tensorboard
 from lossscale_callbacks.wandb import WandbSink
-from lossscale_callbacks.wandb.reader import read_run as read_wandb
-from lossscale_callbacks.wandb.reader import wait_until_finished
+from lossscale_callbacks.wandb._reader import read_run as read_wandb
+from lossscale_callbacks.wandb._reader import wait_until_finished
 
 STEPS, LOG_EVERY = 1000, 50
 

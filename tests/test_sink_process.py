@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from lossscale_callbacks.ranks import process_rank
-from lossscale_callbacks.sinks import InMemorySink, ManagedSink, SinkFailureWarning
+from lossscale_callbacks._ranks import process_rank
+from lossscale_callbacks._sinks import InMemorySink, ManagedSink, SinkFailureWarning
 
 RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "JSM_NAMESPACE_RANK",
              "LOCAL_RANK", "TF_CONFIG")
@@ -82,10 +82,10 @@ def test_a_disabled_sink_still_closes_its_backend_quietly(clean_env):
 def test_the_core_report_and_cli_import_no_framework_or_dashboard_package():
     code = (
         "import sys\n"
-        "import lossscale_callbacks.cli, lossscale_callbacks.report_cli, lossscale_callbacks.run_report\n"
-        "import lossscale_callbacks.run_readers, lossscale_callbacks.run_discovery\n"
-        "import lossscale_callbacks.run_picture\n"
-        "import lossscale_callbacks.ranks, lossscale_callbacks.sinks, lossscale_callbacks.at_exit\n"
+        "import lossscale_callbacks._cli, lossscale_callbacks._report_cli, lossscale_callbacks._run_report\n"
+        "import lossscale_callbacks._run_readers, lossscale_callbacks._run_discovery\n"
+        "import lossscale_callbacks._run_picture\n"
+        "import lossscale_callbacks._ranks, lossscale_callbacks._sinks, lossscale_callbacks._at_exit\n"
         "heavy = ('tensorflow', 'torch', 'keras', 'lightning', 'pytorch_lightning', 'wandb', 'tensorboard',"
         " 'matplotlib')\n"
         "print(sorted({k.split('.')[0] for k in sys.modules} & set(heavy)))\n"

@@ -15,12 +15,12 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.run_readers import RunReadError
-from lossscale_callbacks.tensorboard.event_layouts import layout_of
-from lossscale_callbacks.tensorboard.reader import read_run
-from lossscale_callbacks.tensorboard.records import FileReading, iter_record_batches, masked_crc32c_rows
-from lossscale_callbacks.tensorboard.sink import TensorBoardSink
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._run_readers import RunReadError
+from lossscale_callbacks.tensorboard._event_layouts import layout_of
+from lossscale_callbacks.tensorboard._reader import read_run
+from lossscale_callbacks.tensorboard._records import FileReading, iter_record_batches, masked_crc32c_rows
+from lossscale_callbacks.tensorboard._sink import TensorBoardSink
 
 
 @given(st.lists(st.binary(min_size=0, max_size=70), min_size=1, max_size=20), st.integers(0, 69))
@@ -111,9 +111,9 @@ def test_records_of_one_layout_share_everything_but_their_numbers():
 
 @pytest.fixture
 def run(tmp_path):
-    from lossscale_callbacks.logging_loop import LoggingLoop
-    from lossscale_callbacks.policy import DynamicPolicy
-    from lossscale_callbacks.update import initial_state, next_state
+    from lossscale_callbacks._logging_loop import LoggingLoop
+    from lossscale_callbacks._policy import DynamicPolicy
+    from lossscale_callbacks._update import initial_state, next_state
 
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=1000)
     loop = LoggingLoop(policy, sinks=[TensorBoardSink(tmp_path / "run")], health=None, echo=None)

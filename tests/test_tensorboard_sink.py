@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from repo_scripts import load_script
 
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.sinks import SinkFailureWarning
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._sinks import SinkFailureWarning
 from lossscale_callbacks.tensorboard import TensorBoardSink
-from lossscale_callbacks.tensorboard.reader import RunReadError, iter_events, read_run, read_texts
-from lossscale_callbacks.tensorboard.sink import LAYOUT_CATEGORY
+from lossscale_callbacks.tensorboard._reader import RunReadError, iter_events, read_run, read_texts
+from lossscale_callbacks.tensorboard._sink import LAYOUT_CATEGORY
 
 PYTHON = sys.executable
 
@@ -90,7 +90,7 @@ def test_a_fifo_named_like_an_event_file_is_skipped_not_opened(tmp_path):
     os.mkfifo(tmp_path / "events.out.tfevents.fifo")
     (tmp_path / "deep").mkdir()
     os.mkfifo(tmp_path / "deep" / "events.out.tfevents.fifo")
-    code = f"from lossscale_callbacks.tensorboard.reader import read_run; print(read_run({str(tmp_path)!r}))"
+    code = f"from lossscale_callbacks.tensorboard._reader import read_run; print(read_run({str(tmp_path)!r}))"
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "loss_scale/scale" in out.stdout
@@ -223,7 +223,7 @@ def test_importing_the_sink_imports_neither_tensorflow_nor_torch(tmp_path):
     code = (
         "import sys\n"
         "from lossscale_callbacks.tensorboard import TensorBoardSink\n"
-        "from lossscale_callbacks.tensorboard.reader import read_run\n"
+        "from lossscale_callbacks.tensorboard._reader import read_run\n"
         f"s = TensorBoardSink({str(tmp_path)!r})\n"
         "s.write(1, {'loss_scale/scale': 2.0}); s.write_text('t', 'x'); s.close()\n"
         f"assert read_run({str(tmp_path)!r})['loss_scale/scale'] == [(1, 2.0)]\n"
@@ -289,7 +289,7 @@ def test_a_log_directory_deleted_mid_run_warns_once_and_the_rest_of_the_run_is_k
     """Issue 24: on main the later writes went to the unlinked file, without a word."""
     import shutil
 
-    from lossscale_callbacks.tensorboard.sink import LogDirRemovedWarning
+    from lossscale_callbacks.tensorboard._sink import LogDirRemovedWarning
 
     run = tmp_path / "run"
     sink = TensorBoardSink(run, flush_secs=0)

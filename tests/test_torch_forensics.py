@@ -15,9 +15,9 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import lossscale_callbacks  # noqa: E402
 import lossscale_callbacks.torch  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.torch.forensics import MAX_PLANS, unwrap  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
+from lossscale_callbacks.torch._forensics import MAX_PLANS, unwrap  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 
 def _mlp(n_layers: int) -> torch.nn.Module:

@@ -11,8 +11,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from update_strategies import dynamic_policies, fixed_policies  # noqa: E402
 
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 
 def _model(n_layers: int = 2, width: int = 4) -> torch.nn.Module:

@@ -7,10 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lossscale_callbacks.state import STATE_FIELDS, LossScaleState  # noqa: E402
+from lossscale_callbacks._state import STATE_FIELDS, LossScaleState  # noqa: E402
+from lossscale_callbacks._update import initial_state, next_state  # noqa: E402
 from lossscale_callbacks.testing import assert_conforms, conformance_cases  # noqa: E402
-from lossscale_callbacks.torch.ops import TorchOps  # noqa: E402
-from lossscale_callbacks.update import initial_state, next_state  # noqa: E402
+from lossscale_callbacks.torch._ops import TorchOps  # noqa: E402
 
 
 def _run_torch(case, device: str = "cpu") -> LossScaleState:

@@ -13,7 +13,7 @@ from lightning_scripts.host_reads import HostReadCounter  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy, initial_state, next_state  # noqa: E402
 from lossscale_callbacks.torch import LossScaler  # noqa: E402
-from lossscale_callbacks.torch.scaler import _is_sharded  # noqa: E402
+from lossscale_callbacks.torch._scaler import _is_sharded  # noqa: E402
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

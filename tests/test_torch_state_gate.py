@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, policy_from_config  # noqa: E402
+from lossscale_callbacks._state import LossScaleState  # noqa: E402
 from lossscale_callbacks._validation import validate_state  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy, policy_from_config  # noqa: E402
-from lossscale_callbacks.state import LossScaleState  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 POLICY = DynamicPolicy(initial_scale=1024.0, growth_interval=20, hysteresis=3)
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from update_strategies import dynamic_policies, expand, fixed_policies, runs  # noqa: E402
 
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks._update import initial_state  # noqa: E402
 from lossscale_callbacks.testing import (  # noqa: E402
     ConformanceCase,
     assert_conforms,
@@ -20,7 +21,7 @@ from lossscale_callbacks.testing import (  # noqa: E402
     reference_run,
     stack_states,
 )
-from lossscale_callbacks.torch.update_paths import (  # noqa: E402
+from lossscale_callbacks.torch._update_paths import (  # noqa: E402
     AmpPath,
     PathState,
     RulePath,
@@ -28,7 +29,6 @@ from lossscale_callbacks.torch.update_paths import (  # noqa: E402
     make_path,
     path_class,
 )
-from lossscale_callbacks.update import initial_state  # noqa: E402
 
 CPU = torch.device("cpu")
 PATHS = {"amp": AmpPath, "table": TablePath, "rule": RulePath}
@@ -197,7 +197,7 @@ def test_on_cuda_a_captured_graph_conforms_in_two_launches(policy):
 def test_the_float32_skip_count_is_folded_into_the_exact_count_in_time(cls, monkeypatch):
     """Skips are summed in float32 (exact to 2**24) and folded into float64 every 2**20 steps; here
     every 3 steps, on a sequence of 50 overflows and finite steps, with the count read in between."""
-    from lossscale_callbacks.torch import update_paths
+    from lossscale_callbacks.torch import _update_paths as update_paths
 
     monkeypatch.setattr(update_paths, "_FOLD_EVERY", 3)
     policy = DynamicPolicy(growth_interval=4)

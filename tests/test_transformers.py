@@ -28,13 +28,13 @@ import lossscale_callbacks  # noqa: E402
 import lossscale_callbacks.accelerate  # noqa: E402
 import lossscale_callbacks.torch  # noqa: E402
 import lossscale_callbacks.transformers  # noqa: E402
-from lossscale_callbacks.cli import main as cli_main  # noqa: E402
-from lossscale_callbacks.health import ConsecutiveSkips  # noqa: E402
-from lossscale_callbacks.metrics import METRIC_NAMES  # noqa: E402
-from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
-from lossscale_callbacks.transformers.callback import LossScaleTrainerCallback  # noqa: E402
-from lossscale_callbacks.update import initial_state, next_state  # noqa: E402
+from lossscale_callbacks._cli import main as cli_main  # noqa: E402
+from lossscale_callbacks._health import ConsecutiveSkips  # noqa: E402
+from lossscale_callbacks._metrics import METRIC_NAMES  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
+from lossscale_callbacks._update import initial_state, next_state  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
+from lossscale_callbacks.transformers._callback import LossScaleTrainerCallback  # noqa: E402
 
 PACKAGES = (lossscale_callbacks, lossscale_callbacks.accelerate, lossscale_callbacks.torch,
             lossscale_callbacks.transformers)
@@ -122,8 +122,8 @@ def test_the_trainers_tensorboard_files_hold_the_scale_and_the_skips(tmp_path, k
 
 
 def test_no_host_read_in_a_step_only_at_the_trainers_log_steps(tmp_path):
-    for kind, read in (("ours", [("cpu", "update_paths.py"), ("tolist", "update_paths.py")]),
-                       ("stock", [("cpu", "stock.py"), ("tolist", "stock.py")])):
+    for kind, read in (("ours", [("cpu", "_update_paths.py"), ("tolist", "_update_paths.py")]),
+                       ("stock", [("cpu", "_stock.py"), ("tolist", "_stock.py")])):
         tiny_accelerate.reset_accelerate()
         # The Trainer's default optimizer (fused AdamW) decides the skip on the device for both scalers.
         trainer = tiny.trainer(str(tmp_path / kind), inject_at=(1,), max_steps=8, report_to=[])

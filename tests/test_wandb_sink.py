@@ -14,17 +14,17 @@ import wandb
 from repo_scripts import load_script
 
 from lossscale_callbacks import DynamicPolicy
-from lossscale_callbacks import metrics as m
-from lossscale_callbacks.health import Verdict
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._health import Verdict
 from lossscale_callbacks.wandb import WandbSink
-from lossscale_callbacks.wandb.reader import (
+from lossscale_callbacks.wandb._reader import (
     RunReadError,
     read_run,
     read_run_info,
     read_tables,
     wait_until_finished,
 )
-from lossscale_callbacks.wandb.sink import (
+from lossscale_callbacks.wandb._sink import (
     FINAL_SCALE,
     OVERALL_SKIP_RATE,
     STEP_METRIC,
@@ -146,7 +146,7 @@ def test_an_unreachable_server_means_offline_at_once(tmp_path, no_credentials, m
 
 def test_online_init_failure_falls_back_offline(tmp_path, no_credentials, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    monkeypatch.setattr("lossscale_callbacks.wandb.sink._unreachable_server", lambda timeout: None)
+    monkeypatch.setattr("lossscale_callbacks.wandb._sink._unreachable_server", lambda timeout: None)
     real_init, modes = wandb.init, []
 
     def init(**kwargs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from lossscale_callbacks.policy import DynamicPolicy, FixedPolicy
+from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy
 
 SHORT_INTERVALS = st.integers(1, 60)
 HYSTERESIS = st.integers(1, 6)

@@ -49,7 +49,7 @@ PROBES = {
     "keras": "import lossscale_callbacks.keras",
     "accelerate": "import lossscale_callbacks.accelerate",
     "transformers": "import lossscale_callbacks.transformers",
-    "plot": "from lossscale_callbacks.cli import main\nmain(['report', '.', '--png', 'x.png'])",
+    "plot": "from lossscale_callbacks._cli import main\nmain(['report', '.', '--png', 'x.png'])",
 }
 
 PROBE_RUNNER = textwrap.dedent("""

@@ -15,11 +15,16 @@ Example:
 
 from __future__ import annotations
 
-from lossscale_callbacks.extras import require
+from lossscale_callbacks._extras import require
 
 require("accelerate", "accelerate", feature="lossscale_callbacks.accelerate")
 
-from lossscale_callbacks.accelerate.install import install_loss_scaler  # noqa: E402
-from lossscale_callbacks.accelerate.monitor import AccelerateLossScaleMonitor  # noqa: E402
+from lossscale_callbacks.accelerate._install import install_loss_scaler  # noqa: E402
+from lossscale_callbacks.accelerate._monitor import AccelerateLossScaleMonitor  # noqa: E402
 
 __all__ = ["AccelerateLossScaleMonitor", "install_loss_scaler"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

@@ -2,8 +2,7 @@
 shared core, and ``DynamicLossScale`` (the ``tf.train.experimental`` seed API, TensorFlow only).
 
 TensorFlow is imported only on the TensorFlow backend, or when ``DynamicLossScale`` is asked for. The
-rest is imported from its module: ``wrap`` and ``resolve_policy`` (``lossscale_callbacks.keras.optimizer``),
-the ops (``.keras_ops``, ``.tf_ops``), the alignment capture (``.alignment``).
+ops, the optimizer wrapping and the alignment capture are private modules behind this face.
 
 Example:
     >>> from lossscale_callbacks.keras import LossScaleCallback  # doctest: +SKIP
@@ -13,7 +12,7 @@ Example:
 import importlib
 from typing import Any
 
-from lossscale_callbacks.extras import MissingExtraError, require
+from lossscale_callbacks._extras import MissingExtraError, require
 
 _BACKENDS = ("Keras 3 runs on a backend you install yourself: tensorflow (or tensorflow-cpu), jax or torch; "
              "choose it with the KERAS_BACKEND environment variable (tensorflow, jax or torch; Keras' "
@@ -40,8 +39,8 @@ def _require_keras() -> None:
 
 _require_keras()
 
-from lossscale_callbacks.keras.callback import LossScaleCallback  # noqa: E402
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer  # noqa: E402
+from lossscale_callbacks.keras._callback import LossScaleCallback  # noqa: E402
+from lossscale_callbacks.keras._optimizer import LossScaleOptimizer  # noqa: E402
 
 __all__ = ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"]
 
@@ -50,9 +49,14 @@ def __getattr__(name: str) -> Any:
     if name == "DynamicLossScale":
         # The seed's TensorFlow API: TensorFlow is imported only when it is asked for.
         try:
-            return importlib.import_module("lossscale_callbacks.keras.loss_scale").DynamicLossScale
+            return importlib.import_module("lossscale_callbacks.keras._loss_scale").DynamicLossScale
         except ModuleNotFoundError as exc:
             if (exc.name or "").split(".")[0] != "tensorflow":
                 raise
             raise ImportError(f"{_NEEDS_TENSORFLOW} ({exc}); {_WITHOUT_TENSORFLOW}", name=exc.name) from exc
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

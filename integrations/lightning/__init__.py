@@ -11,7 +11,7 @@ Example:
     65536.0
 """
 
-from lossscale_callbacks.extras import MissingExtraError, require
+from lossscale_callbacks._extras import MissingExtraError, require
 
 _FEATURE = "lossscale_callbacks.lightning"
 
@@ -30,8 +30,13 @@ def _require_lightning() -> None:
 
 _require_lightning()
 
-from lossscale_callbacks.lightning.fsdp import LossScaleFSDPPlugin  # noqa: E402
-from lossscale_callbacks.lightning.monitor import LossScaleMonitor  # noqa: E402
-from lossscale_callbacks.lightning.plugin import LossScalePlugin  # noqa: E402
+from lossscale_callbacks.lightning._fsdp import LossScaleFSDPPlugin  # noqa: E402
+from lossscale_callbacks.lightning._monitor import LossScaleMonitor  # noqa: E402
+from lossscale_callbacks.lightning._plugin import LossScalePlugin  # noqa: E402
 
 __all__ = ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

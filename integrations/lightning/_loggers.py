@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lossscale_callbacks.metrics import DASHBOARD_CHARTS, DASHBOARD_SECTION
-from lossscale_callbacks.sinks import Sink
+from lossscale_callbacks._metrics import DASHBOARD_CHARTS, DASHBOARD_SECTION
+from lossscale_callbacks._sinks import Sink
 
 
 def _is(obj: Any, class_name: str) -> bool:

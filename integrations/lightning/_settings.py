@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
+from lossscale_callbacks._policy import FixedPolicy, Policy, check_policy, is_policy, policy_from_config
+from lossscale_callbacks._state import STATE_FIELDS
 from lossscale_callbacks._validation import check_choice, check_known
-from lossscale_callbacks.policy import FixedPolicy, Policy, check_policy, is_policy, policy_from_config
-from lossscale_callbacks.state import STATE_FIELDS
-from lossscale_callbacks.torch.grad_scaler_compat import GRAD_SCALER_KEYS
-from lossscale_callbacks.torch.scaler import LossScaler
+from lossscale_callbacks.torch._grad_scaler_compat import GRAD_SCALER_KEYS
+from lossscale_callbacks.torch._scaler import LossScaler
 
 PRECISIONS = ("16-mixed", "bf16-mixed")
 BF16_POLICY = FixedPolicy(1.0)

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks.health import HealthSpec
+from lossscale_callbacks._health import HealthSpec
+from lossscale_callbacks._metrics import Snapshot
+from lossscale_callbacks._policy import Policy
+from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.lightning._settings import default_device, resolve_scaling, split_plugin_state
-from lossscale_callbacks.metrics import Snapshot
-from lossscale_callbacks.policy import Policy
-from lossscale_callbacks.sinks import Sink
-from lossscale_callbacks.torch.scaler import LossScaler
-from lossscale_callbacks.torch.step_monitor import ScalerStepMonitor
+from lossscale_callbacks.torch._scaler import LossScaler
+from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
 
 try:
     from lightning.fabric.plugins.precision import FSDPPrecision as _FabricFSDPPrecision
@@ -118,8 +118,8 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
 
     Reads the scaler of the Fabric's precision plugin (ours, or a stock ``GradScaler``/
     ``ShardedGradScaler``, whose skipped steps it counts on the device) through
-    :class:`~lossscale_callbacks.torch.reader.ScalerReader`, once every ``log_every`` optimizer
-    steps, and runs the core's :class:`~lossscale_callbacks.logging_loop.LoggingLoop`: metrics to
+    :class:`~lossscale_callbacks.torch.ScalerReader`, once every ``log_every`` optimizer
+    steps, and runs the core's :class:`~lossscale_callbacks.LoggingLoop`: metrics to
     ``fabric.loggers`` and the sinks (from rank 0), health rules on every rank, the summary at the end.
 
     Its step count is the scaler's: our scaler counts its own steps, and a stock scaler's count is
@@ -138,7 +138,7 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
             :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
         wandb: ``True``, or a dict of ``wandb.init`` arguments: also write to a
             :class:`~lossscale_callbacks.wandb.WandbSink`.
-        sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
+        sinks: more :class:`~lossscale_callbacks.Sink` objects.
 
     Raises:
         ValueError: ``fabric`` is not a Fabric with an enabled loss scaler; an argument is invalid.
@@ -172,7 +172,7 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
     def step(self) -> Snapshot | None:
         """Call after each optimizer step: counts it, and reads the scaler when an interval ends.
 
-        Returns the interval's :class:`~lossscale_callbacks.metrics.Snapshot` when it read the
+        Returns the interval's :class:`~lossscale_callbacks.extend.Snapshot` when it read the
         scaler (one host sync), else ``None`` (no sync).
 
         Raises:
@@ -206,3 +206,8 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
 
 
 __all__ = ["FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

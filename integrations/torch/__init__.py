@@ -3,9 +3,8 @@
 ``ShardedGradScaler`` or DeepSpeed's) that every monitor uses.
 
 Needs only ``torch`` (``pip install "lossscale-callbacks[torch]"``); the Lightning plugins and monitor
-live in :mod:`lossscale_callbacks.lightning`. The rest is imported from its module: the torch ops
-(``lossscale_callbacks.torch.ops``), what the reader uses for a stock ``GradScaler`` (``.stock``) and
-for DeepSpeed's scaler (``.deepspeed_reader``), the alignment capture (``.alignment``).
+live in :mod:`lossscale_callbacks.lightning`. The torch ops, the stock and DeepSpeed scaler readers and
+the alignment capture are private modules behind this face.
 
 Example:
     >>> from lossscale_callbacks.torch import LossScaler
@@ -13,11 +12,16 @@ Example:
     65536.0
 """
 
-from lossscale_callbacks.extras import require
+from lossscale_callbacks._extras import require
 
 require("torch", "torch", feature="lossscale_callbacks.torch")
 
-from lossscale_callbacks.torch.reader import ScalerReader  # noqa: E402
-from lossscale_callbacks.torch.scaler import LossScaler  # noqa: E402
+from lossscale_callbacks.torch._reader import ScalerReader  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 __all__ = ["LossScaler", "ScalerReader"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

@@ -12,11 +12,16 @@ Example:
 
 from __future__ import annotations
 
-from lossscale_callbacks.extras import require
+from lossscale_callbacks._extras import require
 
 require("transformers", "transformers", feature="lossscale_callbacks.transformers")
 require("accelerate", "transformers", feature="lossscale_callbacks.transformers")  # the Trainer runs on it
 
-from lossscale_callbacks.transformers.callback import LossScaleTrainerCallback  # noqa: E402
+from lossscale_callbacks.transformers._callback import LossScaleTrainerCallback  # noqa: E402
 
 __all__ = ["LossScaleTrainerCallback"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

@@ -1,21 +1,24 @@
 """Weights & Biases for lossscale-callbacks: ``WandbSink``, a sink that logs to a W&B run.
 
-Needs the ``wandb`` package (``pip install "lossscale-callbacks[wandb]"``). The offline-run reader
-behind the ``report`` command is :mod:`lossscale_callbacks.wandb.reader`.
+Needs the ``wandb`` package (``pip install "lossscale-callbacks[wandb]"``). ``lossscale-callbacks report
+/tmp/wandb`` reads an offline run back (its reader is found through the ``lossscale_callbacks.readers``
+entry point).
 
 Example:
     >>> from lossscale_callbacks.wandb import WandbSink
-    >>> from lossscale_callbacks.wandb.reader import read_run
     >>> sink = WandbSink(project="fp16", mode="offline", dir="/tmp")    # doctest: +SKIP
     >>> sink.write(100, {"loss_scale/scale": 32768.0}); sink.close()   # doctest: +SKIP
-    >>> read_run("/tmp/wandb")["loss_scale/scale"]                      # doctest: +SKIP
-    [(100, 32768.0)]
 """
 
-from lossscale_callbacks.extras import require
+from lossscale_callbacks._extras import require
 
 require("wandb", "wandb", feature="lossscale_callbacks.wandb")
 
-from lossscale_callbacks.wandb.sink import WandbSink  # noqa: E402
+from lossscale_callbacks.wandb._sink import WandbSink  # noqa: E402
 
 __all__ = ["WandbSink"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

@@ -5,10 +5,8 @@
 is checked): the GEMMs and convolutions of one forward and backward pass, handed to :func:`analyze`,
 the framework-free rules engine. Both return an :class:`AlignmentReport` of :class:`Finding` s.
 
-The pieces live in their modules: the records a capture hands over (``.records``: ``OpRecord``,
-``ModelDim``, the ``Role``/``Pass``/``OpKind`` enums, ``FrameworkAdvice``), the GPU targets (``.targets``),
-the audit (``.audit``), and each framework's capture (``lossscale_callbacks.keras.alignment``,
-``lossscale_callbacks.torch.alignment``).
+The records a capture hands over, the GPU targets, the audit and each framework's capture are private
+modules behind this face.
 
 Example:
     >>> import torch
@@ -18,8 +16,13 @@ Example:
     [('0', 'features_in', 50, 56)]
 """
 
-from lossscale_callbacks.alignment.checkers import check_alignment
-from lossscale_callbacks.alignment.report import AlignmentReport, Finding
-from lossscale_callbacks.alignment.rules import NoRuleAppliedWarning, analyze
+from lossscale_callbacks.alignment._checkers import check_alignment
+from lossscale_callbacks.alignment._report import AlignmentReport, Finding
+from lossscale_callbacks.alignment._rules import NoRuleAppliedWarning, analyze
 
 __all__ = ["AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

@@ -9,7 +9,7 @@ from .expected import CASES
 
 @functools.cache
 def torch_report(name: str):
-    from lossscale_callbacks.torch.alignment import check_alignment
+    from lossscale_callbacks.torch._alignment import check_alignment
 
     from . import torch_zoo
 
@@ -22,7 +22,7 @@ def torch_report(name: str):
 def keras_report(name: str):
     import keras
 
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     from . import keras_zoo
 

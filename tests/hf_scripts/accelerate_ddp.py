@@ -35,8 +35,8 @@ from hf_scripts import tiny_accelerate as tiny  # noqa: E402
 from hf_scripts import tiny_trainer  # noqa: E402
 from lightning_scripts.tiny import exit_cleanly  # noqa: E402
 
-from lossscale_callbacks.policy import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.transformers.callback import LossScaleTrainerCallback  # noqa: E402
+from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
+from lossscale_callbacks.transformers._callback import LossScaleTrainerCallback  # noqa: E402
 
 INJECT = (2, 5)
 
@@ -54,7 +54,7 @@ def accelerate_run(kind: str, out: str, steps: int) -> dict:
     accelerator = tiny.make_accelerator(setup, log_with="tensorboard", project_dir=os.path.join(out, kind))
     accelerator.init_trackers("tracker")
     model, optimizer, scheduler, data = accelerator.prepare(*tiny.model_and_data())
-    from lossscale_callbacks.accelerate.monitor import AccelerateLossScaleMonitor
+    from lossscale_callbacks.accelerate._monitor import AccelerateLossScaleMonitor
 
     monitor = AccelerateLossScaleMonitor(accelerator, log_every=2, **setup.monitor_kwargs)
     scales, skipped = [], []

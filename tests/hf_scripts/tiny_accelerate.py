@@ -18,9 +18,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from lossscale_callbacks.accelerate.install import install_loss_scaler
-from lossscale_callbacks.accelerate.monitor import AccelerateLossScaleMonitor
-from lossscale_callbacks.policy import DynamicPolicy
+from lossscale_callbacks._policy import DynamicPolicy
+from lossscale_callbacks.accelerate._install import install_loss_scaler
+from lossscale_callbacks.accelerate._monitor import AccelerateLossScaleMonitor
 
 INITIAL_SCALE = 2.0**10
 GROWTH_INTERVAL = 3

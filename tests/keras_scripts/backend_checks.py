@@ -22,11 +22,11 @@ import keras
 import numpy as np
 from keras import ops
 
+from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks._update import initial_state, next_state
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
-from lossscale_callbacks.keras.keras_ops import KERAS_OPS
-from lossscale_callbacks.state import LossScaleState
+from lossscale_callbacks.keras._keras_ops import KERAS_OPS
 from lossscale_callbacks.testing import assert_conforms, conformance_cases
-from lossscale_callbacks.update import initial_state, next_state
 
 BACKEND = keras.backend.backend()
 
@@ -225,7 +225,7 @@ def diagnose() -> str:
 
 
 def alignment() -> str:
-    from lossscale_callbacks.keras.alignment import check_alignment
+    from lossscale_callbacks.keras._alignment import check_alignment
 
     model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1001), keras.layers.Dense(10)])
     try:

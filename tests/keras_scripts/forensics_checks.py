@@ -23,8 +23,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks.keras.callback import LossScaleCallback
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
+from lossscale_callbacks.keras._callback import LossScaleCallback
+from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
 from lossscale_callbacks.testing import reference_headroom, reference_histogram
 
 BACKEND = keras.backend.backend()

@@ -22,7 +22,7 @@ tf.config.set_logical_device_configuration(
 
 import keras  # noqa: E402
 
-from lossscale_callbacks.keras.optimizer import LossScaleOptimizer  # noqa: E402
+from lossscale_callbacks.keras._optimizer import LossScaleOptimizer  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import tiny
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lossscale_callbacks.lightning.plugin import LossScalePlugin
+from lossscale_callbacks.lightning._plugin import LossScalePlugin
 
 
 class Recorder(pl.Callback):

@@ -1,0 +1,128 @@
+"""``AccelerateLossScaleMonitor``: the loss scale of a plain Accelerate loop on its trackers and our sinks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from lossscale_callbacks._health import HealthSpec
+from lossscale_callbacks._metrics import Snapshot
+from lossscale_callbacks._sinks import GuardedSink, Sink
+from lossscale_callbacks._validation import check_bool, check_int
+from lossscale_callbacks.accelerate._install import check_accelerator
+from lossscale_callbacks.accelerate._trackers import TrackerSink
+from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
+
+__all__ = ["AccelerateLossScaleMonitor"]
+
+_NO_SCALER = ("AccelerateLossScaleMonitor found no enabled loss scaler in the accelerator: on a GPU, "
+              "Accelerator(mixed_precision='fp16') makes one; on the CPU Accelerate makes none (and trains "
+              "in float32): call lossscale_callbacks.accelerate.install_loss_scaler(accelerator) before "
+              "accelerator.prepare")
+
+
+class AccelerateLossScaleMonitor(ScalerStepMonitor):
+    """Reads the accelerator's loss scaler once per interval; metrics to its trackers and our sinks.
+
+    Works with the scaler that :func:`~lossscale_callbacks.accelerate.install_loss_scaler` put in
+    (ours) and with Accelerate's own ``torch.amp.GradScaler`` (``mixed_precision="fp16"`` on a GPU),
+    whose skipped steps it counts on the device after each optimizer step; both are read through
+    :class:`~lossscale_callbacks.torch.ScalerReader`, whose step count is the scaler's. Call
+    :meth:`step` after every ``optimizer.step()``; in an ``accelerator.accumulate`` loop the calls
+    of the accumulation steps are not counted (``accelerator.sync_gradients`` is false there), so
+    the count is the optimizer steps attempted, skipped ones included. The state is read from the
+    device once every ``log_every`` of those (never per step) and once in :meth:`finish`, and runs
+    through the core's :class:`~lossscale_callbacks.LoggingLoop`: metrics to the trackers (through
+    ``accelerator.log``) and the sinks from the main process only, health rules on every process
+    (each holds the same state, so a ``"stop"`` rule sets :attr:`should_stop` on all alike; break
+    out of the loop when it is true), the summary printed at the end.
+
+    To resume, register the monitor with ``accelerator.register_for_checkpointing(monitor)``:
+    ``save_state``/``load_state`` then carry its state (the scaler's state and step count, and a
+    stock scaler's skipped steps, which ``GradScaler`` does not checkpoint), checked through the
+    core's state gate, and the first interval after a resume counts only its own steps.
+    ``load_state`` loads the scaler (``scaler.pt``) before the registered objects, so the monitor's
+    scaler part is the same state again; a ``steps`` that disagrees with it is refused. The trackers
+    are Accelerate's to close (``accelerator.end_training()``); :meth:`finish` closes only the sinks
+    made from ``tensorboard=``/``wandb=``.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` whose scaler is read.
+        log_every: optimizer steps between reads (>= 1).
+        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
+            for the default rules with that action, or rule objects).
+        trackers: also write through ``accelerator.log`` to the trackers of ``init_trackers``.
+        tensorboard: a log directory: also write to a
+            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
+        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
+            :class:`~lossscale_callbacks.wandb.WandbSink` (the active run if there is one).
+        sinks: more :class:`~lossscale_callbacks.Sink` objects.
+        echo: prints the end-of-run summary on the main process (``None``: silent).
+
+    Raises:
+        ValueError: a bad argument (naming it), or an accelerator without an enabled scaler.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> from lossscale_callbacks.accelerate import install_loss_scaler
+        >>> accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+        >>> _ = install_loss_scaler(accelerator)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model, optimizer = accelerator.prepare(model, optimizer)
+        >>> monitor = AccelerateLossScaleMonitor(accelerator, log_every=2, echo=None)
+        >>> for _ in range(4):
+        ...     accelerator.backward(model(torch.ones(2, 4)).sum())
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
+        ...     snapshot = monitor.step()
+        >>> # 65536 overflows these float16 gradients twice; the scale backs off to 16384
+        >>> snapshot.step, snapshot.scale, snapshot.skipped_steps
+        (4, 16384.0, 2)
+        >>> monitor.finish().splitlines()[0]  # doctest: +ELLIPSIS
+        'Loss scaling: 4 optimizer steps, 2 skipped (50.00%) for Inf/NaN gradients; final loss scale 16384...'
+    """
+
+    _FIRST_STEP_NEEDS = "once accelerator.backward(loss) ran"
+
+    def __init__(self, accelerator: Accelerator, *, log_every: int = 100, health: HealthSpec = "warn",
+                 trackers: bool = True, tensorboard: str | os.PathLike[str] | None = None,
+                 wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = (),
+                 echo: Any = print) -> None:
+        check_accelerator(accelerator)
+        check_bool("trackers", trackers)
+        scaler = accelerator.scaler
+        if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+            raise ValueError(_NO_SCALER)
+        self.accelerator = accelerator
+        # Accelerate's trackers join the run like a trainer's loggers: written and flushed, never
+        # closed by the loop (accelerator.end_training() closes them).
+        super().__init__(scaler, log_every=log_every, health=health, tensorboard=tensorboard, wandb=wandb,
+                         sinks=sinks, writer=bool(accelerator.is_main_process), echo=echo,
+                         run_sinks=[GuardedSink(TrackerSink(accelerator), name="Accelerate trackers")]
+                         if trackers else [])
+
+    def step(self, log_step: int | None = None) -> Snapshot | None:
+        """Call after each ``optimizer.step()``: counts the step, and reads the scaler when an interval ends.
+
+        Args:
+            log_step: the step the trackers and sinks write at (default: the optimizer steps
+                attempted); pass the step your own ``accelerator.log`` calls use if it counts
+                something else.
+
+        Returns:
+            The interval's :class:`~lossscale_callbacks.extend.Snapshot` when it read the scaler
+            (one host read), else ``None`` (no host read).
+
+        Raises:
+            RuntimeError: the scaler has not scaled a loss yet, so no optimizer step was taken.
+        """
+        if log_step is not None:
+            check_int("log_step", log_step, minimum=0)
+        if self.reader.started and not self.accelerator.sync_gradients:
+            return None  # an accumulation step: the prepared optimizer did not step
+        return self._count_step(log_step)

@@ -1,0 +1,323 @@
+"""``LossScaleMonitor``: the loss-scale metrics on every Lightning logger, like ``LearningRateMonitor``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from lossscale_callbacks._forensics import check_diagnose
+from lossscale_callbacks._health import HealthSpec
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._metrics import SCALE, SKIPPED_STEPS, Snapshot
+from lossscale_callbacks._sinks import Sink
+from lossscale_callbacks._validation import check_bool
+from lossscale_callbacks.lightning._compat import bases
+from lossscale_callbacks.lightning._loggers import logger_sink
+from lossscale_callbacks.torch._deepspeed_reader import has_deepspeed_scaler
+from lossscale_callbacks.torch._reader import ScalerReader
+from lossscale_callbacks.torch._scaler import LossScaler
+
+_INTERVALS = (None, "step", "epoch")
+
+
+def _find_scaler(trainer: Any) -> Any:
+    plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+    scaler = getattr(plugin, "scaler", None)
+    if isinstance(scaler, (LossScaler, torch.amp.GradScaler)) and scaler.is_enabled():
+        return scaler
+    return None
+
+
+def _deepspeed_fp16(trainer: Any) -> Any:
+    """Lightning's DeepSpeedStrategy with fp16 (DeepSpeed scales the loss itself), else None."""
+    strategy = getattr(trainer, "strategy", None)
+    if not hasattr(type(strategy), "deepspeed_engine"):
+        return None
+    precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", ""))
+    return strategy if precision.startswith("16") else None
+
+
+def _lightning_logs_now(trainer: Any) -> bool:
+    """Whether Lightning itself logs at this batch end (``log_every_n_steps``), as ``self.log`` does."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "should_update_logs"):
+        return bool(connector.should_update_logs)
+    every = trainer.log_every_n_steps
+    return bool(every) and trainer.global_step % every == 0
+
+
+class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
+    """Logs ``loss_scale/*`` through every trainer logger and into ``trainer.callback_metrics``.
+
+    Works with :class:`~lossscale_callbacks.lightning.LossScalePlugin` and
+    :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`, with Lightning's stock
+    ``MixedPrecision`` and ``FSDPPrecision`` plugins (``precision="16-mixed"`` on a GPU), whose
+    skipped steps it counts on the device, and with ``DeepSpeedStrategy`` in fp16, whose own loss
+    scaler and skipped-step count it reads from the engine: all through
+    :class:`~lossscale_callbacks.torch.ScalerReader`. The state is read from the device
+    once per log interval (never per step), once more at the end of training, and once when
+    training resumes from a checkpoint (so the first interval counts only its own steps), and
+    handed to the core's :class:`~lossscale_callbacks.LoggingLoop`, the same loop the
+    Keras callback runs, which also opens and closes the sinks of ``tensorboard=``/``wandb=``.
+
+    What goes where: every logger of the trainer (``TensorBoardLogger`` also gets the "Loss
+    scale" Custom Scalars section and the reports in its Text tab; ``WandbLogger`` gets what a
+    :class:`~lossscale_callbacks.wandb.WandbSink` run gets: the ``loss_scale/step`` axis, the
+    summary, report Tables, the policy in the config and alerts; ``CSVLogger`` rows), plus the
+    sinks of ``tensorboard=``, ``wandb=`` and ``sinks=``. Loggers write at Lightning's own logging
+    step, so their rows line up with the metrics of ``self.log``. Counts are ints. The
+    end-of-training summary (with an honest health verdict) and the alignment report are printed.
+    Loggers and sinks are written from rank 0 only, while ``callback_metrics`` and the health
+    rules run on every rank (the state is the same on all ranks), so
+    ``EarlyStopping(monitor="loss_scale/skip_rate")`` and a ``"stop"`` rule behave the same on
+    every rank.
+
+    Args:
+        log_every: ``None`` or ``"step"``: at the trainer's ``log_every_n_steps``; ``"epoch"``: at the
+            end of each training epoch; an integer ``n >= 1``: at the end of every batch that took
+            the optimizer step count past a multiple of ``n``. The library's one name for the
+            interval (the Keras callback, the Fabric monitor and ``LoggingLoop`` use it too); it
+            takes the values of ``LearningRateMonitor(logging_interval=)`` and an integer, which
+            ``logging_interval`` does not.
+        prog_bar: also show the scale and the skipped steps in the progress bar.
+        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
+            for the default rules, or rules); ``"stop"`` sets ``trainer.should_stop``.
+        tensorboard: a log directory: also write to a
+            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
+        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
+            :class:`~lossscale_callbacks.wandb.WandbSink` (uses the active run if there is one).
+        sinks: more :class:`~lossscale_callbacks.Sink` objects.
+        check_alignment: run the Tensor Core alignment check
+            (``lossscale_callbacks.torch._alignment.check_alignment``) once, on the first training
+            batch; print its report and write it to the loggers and sinks. The model input is
+            ``alignment_kwargs["sample"]`` if given, else the module's ``example_input_array``,
+            else the first element of an ``(inputs, targets)`` batch, else the batch itself;
+            ``dtype`` defaults to the trainer's precision (``"16-mixed"``...).
+        alignment_kwargs: more keyword arguments for ``check_alignment`` (``sample``, ``dtype``,
+            ``target``, ``forward``, ``loss_fn``...).
+        diagnose: overflow forensics (``True`` or ``"every_step"``; see
+            :mod:`lossscale_callbacks._forensics`): switches them on in the plugin's
+            :class:`~lossscale_callbacks.torch.LossScaler` (``LossScalePlugin`` or
+            ``LossScaleFSDPPlugin``; a stock scaler has none, and the monitor warns), which names
+            the layers after the LightningModule's modules. Each interval then also logs the skip
+            causes, writes the report and the gradient histogram, and the summary says which layer
+            overflowed and why. No host read is added to the training step.
+
+    Raises:
+        ValueError: an argument is invalid (checked here, with ``tensorboard=``/``wandb=``).
+        MissingExtraError: ``tensorboard=``/``wandb=`` without their extra installed.
+
+    Example:
+        >>> monitor = LossScaleMonitor(log_every=50, health="stop")
+        >>> monitor.log_every
+        50
+    """
+
+    def __init__(
+        self,
+        log_every: int | str | None = None,
+        prog_bar: bool = False,
+        health: HealthSpec = "warn",
+        check_alignment: bool = False,
+        alignment_kwargs: dict[str, Any] | None = None,
+        *,
+        tensorboard: str | os.PathLike[str] | None = None,
+        wandb: bool | Mapping[str, Any] | None = None,
+        sinks: Iterable[Sink] = (),
+        diagnose: bool | str = False,
+    ) -> None:
+        is_count = isinstance(log_every, int) and not isinstance(log_every, bool)
+        if log_every not in _INTERVALS and not (is_count and log_every >= 1):
+            raise ValueError(f"log_every must be None, 'step', 'epoch' or an integer >= 1, got {log_every!r}")
+        check_bool("prog_bar", prog_bar)
+        check_bool("check_alignment", check_alignment)
+        if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
+            raise ValueError(f"alignment_kwargs must be None or a dict, got {alignment_kwargs!r}")
+        self.diagnose = check_diagnose(diagnose)
+        self.log_every = log_every
+        self.loop = LoggingLoop(None, log_every=log_every if is_count else None, tensorboard=tensorboard,
+                                wandb=wandb, sinks=sinks, health=health, stop=self._stop)
+        self.prog_bar = prog_bar
+        self.check_alignment = check_alignment
+        self.alignment_kwargs = dict(alignment_kwargs or {})
+        self.reader: ScalerReader | None = None
+        self.alignment_report: Any = None
+        self._scaler: Any = None
+        self._deepspeed: Any = None
+        self._trainer: Any = None
+        self._last_global_step = 0  # the trainer's step when steps were last counted
+        self._read_at = -1  # ... and when the state was last read
+        self._alignment_done = False
+
+    @property
+    def summary(self) -> str | None:
+        """The end-of-training summary (``None`` before it)."""
+        return self.loop.summary
+
+    def _stop(self) -> None:
+        self._trainer.should_stop = True
+
+    # ------------------------------------------------------------------------------- setup
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        self._scaler = _find_scaler(trainer)
+        self._deepspeed = _deepspeed_fp16(trainer) if self._scaler is None else None
+        self.reader = None
+        if self._scaler is None and self._deepspeed is None:
+            self._warn_no_scaler(trainer)
+        elif self.diagnose and isinstance(self._scaler, LossScaler):
+            if self._scaler.forensics is None or self._scaler.forensics.mode != self.diagnose:
+                self._scaler.set_diagnose(self.diagnose)
+        elif self.diagnose and trainer.is_global_zero:
+            warnings.warn("[lossscale-callbacks] LossScaleMonitor(diagnose=...) needs the "
+                          "lossscale-callbacks scaler (plugins=[LossScalePlugin()]); Lightning's own "
+                          "scaler has no forensics. Logging goes on without them.", UserWarning, stacklevel=2)
+
+    @staticmethod
+    def _warn_no_scaler(trainer: Any) -> None:
+        if trainer.is_global_zero:
+            warnings.warn(
+                "[lossscale-callbacks] LossScaleMonitor found no loss scaler: use "
+                "plugins=[LossScalePlugin(...)], precision='16-mixed' on a GPU, or DeepSpeed with fp16. "
+                "Nothing will be logged.",
+                UserWarning, stacklevel=3)
+
+    def _make_reader(self, trainer: Any) -> ScalerReader | None:
+        """The reader, made when training starts: after a checkpoint restored the scaler, and after
+        DeepSpeed made its engine."""
+        if self._deepspeed is not None:
+            engine = getattr(self._deepspeed, "deepspeed_engine", None)
+            if engine is None or not has_deepspeed_scaler(engine):
+                self._warn_no_scaler(trainer)
+                return None
+            return ScalerReader(engine)
+        return ScalerReader(self._scaler) if self._scaler is not None else None
+
+    # ---------------------------------------------------------------------------- training
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # After a checkpoint was restored: count steps from here.
+        self._last_global_step = trainer.global_step
+        self._read_at = trainer.global_step
+        self.reader = self._make_reader(trainer)
+        if self.reader is None:
+            return
+        # A stock GradScaler does not checkpoint its steps or skips: they are counted from here on.
+        self.reader.count_from(trainer.global_step)
+        writer = bool(trainer.is_global_zero)
+        self.loop.start(policy=self.reader.policy, writer=writer,
+                        sinks=[logger_sink(lg) for lg in trainer.loggers] if writer else [])
+        self.loop.restart_interval(trainer.global_step)
+        if trainer.global_step > 0:
+            # Resumed: one read now (not a step), so the first interval covers only its own steps.
+            self.loop.baseline(self.reader.read())
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.check_alignment and not self._alignment_done:
+            self._alignment_done = True
+            self._run_alignment(trainer, pl_module, batch)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.reader is None:
+            return
+        self._count_steps(trainer)
+        if self._due(trainer):
+            self._observe(trainer)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Several optimizer steps in one batch (manual optimization): the stock GradScaler's state
+        # after the previous step is visible only until the next update.
+        self._count_steps(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.reader is not None and self.log_every == "epoch":
+            self._observe(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.reader is None:
+            return
+        last = self.loop.last
+        lag = getattr(getattr(trainer.strategy, "precision_plugin", None), "lr_scheduler_lag", 0)
+        note = (f"The LR schedulers were held on skipped steps: the schedule is {lag} scheduler step(s) "
+                "behind the optimizer steps attempted." if lag else "")
+        # One last read so the final values and the summary describe the whole run (host counts
+        # say whether anything happened since the last read: no device read to find out).
+        if last is None or last.step != self.reader.steps:
+            self._observe(trainer)
+        self.loop.finish(note=note)
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _count_steps(self, trainer: Any) -> None:
+        """Host-side step count; a stock scaler's overflow is also counted here, on the device."""
+        stepped = trainer.global_step - self._last_global_step
+        if stepped > 0 and self.reader is not None:
+            self._last_global_step = trainer.global_step
+            self.reader.after_optimizer_step(stepped)
+
+    def _due(self, trainer: Any) -> bool:
+        step = trainer.global_step
+        if isinstance(self.log_every, int):
+            return self.loop.due(step)
+        if self.log_every == "epoch" or step == self._read_at:
+            return False
+        return _lightning_logs_now(trainer)
+
+    def _observe(self, trainer: Any) -> Snapshot | None:
+        assert self.reader is not None
+        self._read_at = trainer.global_step
+        # Lightning's own logging step: rows line up with the metrics of self.log.
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
+        snapshot = self.loop.observe(self.reader.read(), sink_step=sink_step,
+                                     forensics=self.reader.read_forensics())
+        metrics = snapshot.metrics()
+        callback_metrics = trainer.callback_metrics
+        for name, value in metrics.items():
+            callback_metrics[name] = torch.tensor(value)
+        if self.prog_bar:
+            progress = trainer.progress_bar_metrics
+            progress[SCALE] = metrics[SCALE]
+            progress[SKIPPED_STEPS] = metrics[SKIPPED_STEPS]
+        return snapshot
+
+    def _run_alignment(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        try:
+            module = importlib.import_module("lossscale_callbacks.torch._alignment")
+        except ImportError as exc:
+            warnings.warn(f"[lossscale-callbacks] check_alignment=True but the alignment checker could not "
+                          f"be imported ({exc}); skipping it.", UserWarning, stacklevel=2)
+            return
+        kwargs = dict(self.alignment_kwargs)
+        sample = kwargs.pop("sample", None)
+        if sample is None:
+            sample = getattr(pl_module, "example_input_array", None)
+        if sample is None:
+            sample = batch[0] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else batch
+        precision = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+        if "dtype" not in kwargs:  # the Trainer's precision is the one the model trains in
+            name = str(getattr(precision, "precision", "auto"))
+            kwargs["dtype"] = name if name in ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "32-true",
+                                               "32") else "auto"
+        had_no_grad = [p for p in pl_module.parameters() if p.grad is None]
+        try:
+            report = module.check_alignment(pl_module, sample, **kwargs)
+        except Exception as exc:  # a diagnostic must never stop training
+            warnings.warn(f"[lossscale-callbacks] the alignment check failed and was skipped: "
+                          f"{type(exc).__name__}: {exc}", UserWarning, stacklevel=2)
+            return
+        finally:
+            # The check may run a backward pass; leave the gradients as training expects them.
+            for param in had_no_grad:
+                param.grad = None
+        self.alignment_report = report
+        self.loop.report_alignment(report.to_markdown())

@@ -1,0 +1,323 @@
+"""``LossScalePlugin``: a Lightning precision plugin that scales with :class:`LossScaler`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.optim import LBFGS
+
+from lossscale_callbacks._policy import Policy
+from lossscale_callbacks._validation import check_bool, check_int
+from lossscale_callbacks.lightning import _held_schedulers as held_schedulers
+from lossscale_callbacks.lightning._compat import bases, lightning_module_in, namespace_of, precision_base
+from lossscale_callbacks.lightning._settings import (
+    autocast_available,
+    default_device,
+    resolve_scaling,
+    split_plugin_state,
+)
+from lossscale_callbacks.torch._grad_scaler_compat import GRAD_SCALER_KEYS
+from lossscale_callbacks.torch._scaler import LossScaler
+
+_SHARDED_STRATEGIES = ("ModelParallelStrategy",)
+
+
+def _handles_unscaling(optimizer: Any) -> bool:
+    """Fused optimizers unscale inside their kernel (they read ``grad_scale``/``found_inf``)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _holdable(config: Any) -> bool:
+    """A scheduler Lightning steps after every optimizer step, of an optimizer whose skip decision
+    reaches the host (a fused optimizer's stays on the device: its schedulers step as usual)."""
+    optimizer = getattr(config.scheduler, "optimizer", None)
+    return config.interval == "step" and optimizer is not None and not _handles_unscaling(optimizer)
+
+
+class _LossScaling:
+    """What every precision plugin of this package does: the core's scaler, autocast on any device,
+    unscaling before clipping, held LR schedulers, checkpoints. Mixed in before Lightning's class."""
+
+    _STOCK_KEY = "MixedPrecision"  # where the stock plugin of the same strategy checkpoints its scaler
+
+    def _init_scaling(self, precision: str, device: str | None, scaler: LossScaler | None,
+                      policy: Policy | None, sync_found_inf: bool | str, hold_lr_schedulers: bool) -> None:
+        """Validate the arguments and set what Lightning's base ``__init__`` would (it is not called:
+        ``MixedPrecision``'s would build a torch GradScaler, ``FSDPPrecision``'s a ShardedGradScaler)."""
+        hold_lr_schedulers = check_bool("hold_lr_schedulers", hold_lr_schedulers)
+        device, scaler = resolve_scaling(type(self).__name__, precision, device, scaler, policy,
+                                         sync_found_inf)
+        # None: follow the Trainer's device once it is known (see ``connect``).
+        self._device_from_trainer = device is None
+        self.precision = precision
+        self.device = default_device(device)
+        self.scaler = scaler
+        self.hold_lr_schedulers = hold_lr_schedulers
+        self.lr_scheduler_lag = 0
+        # Settled in connect for one run, undone in teardown.
+        self._held_schedulers: list[tuple[Any, held_schedulers.HeldLRScheduler]] = []
+        self._sync_turned_on = False
+
+    @property
+    def policy(self) -> Policy:
+        return self.scaler.policy
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+
+    def autocast_context_manager(self) -> torch.autocast:
+        return torch.autocast(self.device, dtype=self.autocast_dtype, cache_enabled=False)
+
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Autocast on the plugin's device type (``FSDPPrecision``'s own always says ``"cuda"``)."""
+        with self.autocast_context_manager():
+            yield
+
+    # The base hooks call into their own namespace's trainer internals: dispatch them by the
+    # namespace of the Trainer in use.
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        tensor = self.scaler.scale(tensor)
+        return precision_base(module.trainer).pre_backward(self, tensor, module)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        return precision_base(module.trainer).post_backward(self, tensor, module)
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        precision_base(model.trainer)._after_closure(self, model, optimizer)
+
+    def _clip_gradients(self, model: Any, optimizer: Any, clip_val: Any = None,
+                        gradient_clip_algorithm: Any = None) -> None:
+        trainer = getattr(model, "trainer", None)
+        base = precision_base(trainer) if trainer is not None else precision_base(model)
+        base._clip_gradients(self, model, optimizer, clip_val, gradient_clip_algorithm)
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
+                       gradient_clip_algorithm: Any = "norm") -> None:
+        """Clip the (already unscaled) gradients.
+
+        Refused for fused optimizers, as in Lightning, unless the scale is fixed at 1 (bf16): they
+        unscale inside their kernel, after clipping would have seen scaled gradients.
+        """
+        constants = self.scaler.policy.constants
+        unscaled_anyway = constants.min_scale == constants.max_scale == 1.0
+        if clip_val > 0 and _handles_unscaling(optimizer) and not unscaled_anyway:
+            raise RuntimeError(
+                f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
+                " because it performs unscaling of gradients internally. HINT: Are you using a 'fused' "
+                "optimizer?"
+            )
+        # Lightning's base Precision clips; MixedPrecision's override would refuse fused optimizers
+        # even at a scale fixed at 1 (Lightning 2.6 does; later releases don't).
+        base = next(k for k in type(self).__mro__ if k.__name__ == "Precision")
+        base.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+    def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
+        """Settle everything about the run, once: Lightning calls this when it sets training up.
+
+        It comes after the model was moved to its device and before the first forward pass. The
+        autocast device follows the model's (unless one was given); ``sync_found_inf="auto"`` is
+        turned on under a sharded strategy; with ``hold_lr_schedulers`` the step-interval schedulers
+        are handed back wrapped (see :mod:`lossscale_callbacks.lightning._held_schedulers`). Nothing
+        of this changes while training runs; :meth:`teardown` undoes it.
+        """
+        if self._device_from_trainer:
+            param = next(iter(model.parameters()), None)
+            if param is not None and autocast_available(param.device.type):
+                self.device = param.device.type
+        if isinstance(self.scaler, LossScaler):  # names the layers for LossScaleMonitor(diagnose=True)
+            self.scaler.watch(model)
+        module = lightning_module_in(model)
+        self._settle_sync(module.trainer.strategy if module is not None else None)
+        if self.hold_lr_schedulers and module is not None and module.automatic_optimization:
+            lr_schedulers, self._held_schedulers = held_schedulers.wrap(
+                lr_schedulers, _holdable, self._count_held_step)
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def _settle_sync(self, strategy: Any) -> None:
+        # A sharded strategy: each rank checks only its own shards, and the scaler's "auto" recognises
+        # FSDP (v1) flat parameters only; all-reduce the overflow flag for this run.
+        sharded = any(k.__name__ in _SHARDED_STRATEGIES for k in type(strategy).__mro__)
+        if sharded and getattr(self.scaler, "sync_found_inf", None) == "auto":
+            self.scaler.sync_found_inf = True
+            self._sync_turned_on = True
+
+    def _count_held_step(self) -> None:
+        self.lr_scheduler_lag += 1
+
+    def teardown(self) -> None:
+        """Lightning calls this when training ends: the user's schedulers and ``sync_found_inf`` back."""
+        held_schedulers.release(self._held_schedulers)
+        self._held_schedulers = []
+        if self._sync_turned_on:
+            self.scaler.sync_found_inf = "auto"
+            self._sync_turned_on = False
+        super().teardown()
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (forward + scaled backward), unscale, hooks and clipping, then step and update."""
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("optimizer: LBFGS is not compatible with loss scaling (AMP); use another "
+                             "optimizer")
+        closure_result = closure()
+        # Automatic optimization skips backward when training_step returns None: nothing to step.
+        skip = closure_result is None and model.automatic_optimization
+        if not skip and not _handles_unscaling(optimizer):
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        # The skip decision is on the host already for the optimizers whose schedulers are held.
+        if self._held_schedulers and self.scaler.last_step_skipped() is True:
+            for _, held in self._held_schedulers:
+                if held.optimizer is optimizer:
+                    held.hold()
+        return output
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (one host sync) and the LR-schedule lag, for Lightning's checkpoint."""
+        state = self.scaler.state_dict()
+        if self.hold_lr_schedulers:
+            state["lr_scheduler_lag"] = self.lr_scheduler_lag
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (or a ``GradScaler``'s, see :meth:`LossScaler.load_state_dict`).
+
+        All or nothing: the keys, ``lr_scheduler_lag`` (an integer >= 0) and the precision are
+        checked before the scaler loads its part, which passes the scaler's own state check.
+
+        Raises:
+            ValueError: naming the field: not a dict, an unknown key, a bad ``lr_scheduler_lag``, an
+                invalid scaler state, or a ``"bf16-mixed"`` plugin given a checkpoint whose policy
+                scales (one saved by a ``"16-mixed"`` run). Nothing has changed then.
+        """
+        scaler_state, own = split_plugin_state(type(self).__name__, self.precision, state_dict,
+                                               ("lr_scheduler_lag",))
+        lag = check_int("load_state_dict: lr_scheduler_lag", own.get("lr_scheduler_lag", 0), 0, 2**63 - 1)
+        self.scaler.load_state_dict(scaler_state)
+        self.lr_scheduler_lag = lag
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also write the scale where Lightning's own plugin reads it: removing this library keeps it.
+
+        Lightning saves :meth:`state_dict` under this class's name, and its stock ``MixedPrecision``
+        (``FSDPPrecision`` for :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`) restores
+        only the entry under its own name. That entry gets what its ``GradScaler`` loads: the scale,
+        the growth tracker, the growth and backoff factors and the growth interval. What a GradScaler
+        cannot hold (hysteresis, the bounds, the skip counts, the LR-schedule lag) stays in ours,
+        which this plugin prefers when resuming. Not for ``"bf16-mixed"``: nothing was scaled, and a
+        stock fp16 run should start from its own initial scale, not from 1.
+        """
+        ours = checkpoint.get(type(self).__qualname__) or {}
+        # A disabled scaler saves no state (the entry then holds the lag alone, if anything).
+        if self.precision == "16-mixed" and all(key in ours for key in GRAD_SCALER_KEYS):
+            checkpoint[self._STOCK_KEY] = {key: ours[key] for key in GRAD_SCALER_KEYS}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resuming a run of Lightning's own plugin: start from its ``GradScaler``.
+
+        Lightning restores this plugin from the checkpoint's entry under this class's name; a
+        checkpoint written with the stock plugin has only ``"MixedPrecision"`` (or
+        ``"FSDPPrecision"``), whose scale and growth tracker are taken over here (see
+        :meth:`LossScaler.load_state_dict`; a collapsed scale is refused with what to do). A
+        checkpoint of ours has both (see :meth:`on_save_checkpoint`): ours is the one loaded.
+        """
+        if type(self).__qualname__ not in checkpoint and checkpoint.get(self._STOCK_KEY):
+            self.load_state_dict(checkpoint[self._STOCK_KEY])
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(precision={self.precision!r}, device={self.device!r}, "
+                f"policy={self.policy!r})")
+
+
+class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision")):  # type: ignore[misc]
+    """Mixed-precision training whose loss scale follows the core's rule, for ``Trainer(plugins=[...])``.
+
+    It is a subclass of Lightning's ``MixedPrecision`` plugin in every installed namespace
+    (``lightning.pytorch`` and ``pytorch_lightning``), so either Trainer accepts it.
+
+    * ``"16-mixed"`` runs ``torch.autocast(device, dtype=torch.float16)``, also on CPU (where
+      ``Trainer(precision="16-mixed")`` would switch to bfloat16), with a dynamic loss scale.
+    * ``"bf16-mixed"`` runs bfloat16 autocast with the scale fixed at 1: no scaling, but
+      non-finite steps are still skipped and counted.
+
+    Gradients are unscaled right after the backward pass (before ``on_before_optimizer_step`` and
+    gradient clipping), except for fused optimizers, which unscale in their own kernel (clipping
+    is then refused, as in Lightning). Host syncs: none per step with fused optimizers (except
+    before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
+    otherwise; see :mod:`lossscale_callbacks.torch._scaler`.
+
+    Checkpoints: the scaler's whole state (and :attr:`lr_scheduler_lag`) is saved under
+    ``"LossScalePlugin"``, and what Lightning's own ``MixedPrecision`` reads under
+    ``"MixedPrecision"`` (:meth:`on_save_checkpoint`), so a run resumed with the stock plugin keeps
+    its scale; a checkpoint of the stock plugin resumes here too (:meth:`on_load_checkpoint`).
+
+    The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
+    optimization and several optimizers, give each optimizer its own ``manual_backward`` before
+    its ``step()``: gradients from one backward stepped by two optimizers would be unscaled by
+    two different scales when the first step changed it.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: the autocast device type (``"cpu"``, ``"cuda"``); default: the type of the device
+            the Trainer puts the model on (until the Trainer has set it up: ``"cuda"`` when
+            available, else ``"cpu"``).
+        scaler: a :class:`~lossscale_callbacks.torch.LossScaler` to use (as
+            ``MixedPrecision(scaler=...)`` takes a GradScaler); default: a new one with ``policy``.
+        policy: the loss-scale policy of the scaler the plugin makes (default: GradScaler's
+            settings, ``DynamicPolicy(initial_scale=2**16)`` in ``[1, 2**24]``; bf16 only allows
+            ``None`` or ``FixedPolicy(1.0)``). Not together with ``scaler``.
+        sync_found_inf: passed to :class:`LossScaler`. ``"auto"`` also turns it on under
+            Lightning's ``ModelParallelStrategy``, decided once when the Trainer sets the run up
+            (:meth:`connect`) and put back when it ends. (``strategy="fsdp"`` accepts only
+            ``FSDPPrecision`` plugins: use :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`
+            there.)
+        hold_lr_schedulers: do not advance step-interval LR schedulers on a skipped step, so the
+            schedule follows the updates actually applied. Only where the skip decision is
+            already on the host (non-fused optimizers): no extra sync is ever added, and with a
+            fused optimizer schedulers step as usual. Only the schedulers Lightning steps itself
+            (automatic optimization; with manual optimization you call ``scheduler.step()``
+            and can ask ``plugin.scaler.last_step_skipped()``). Lightning has no way to skip a
+            scheduler step, so while the Trainer fits, those schedulers are wrapped in a
+            :class:`~lossscale_callbacks.lightning._held_schedulers.HeldLRScheduler` (what
+            ``trainer.lr_scheduler_configs``, ``self.lr_schedulers()`` and your
+            ``lr_scheduler_step`` hook see; your scheduler is its ``.scheduler``, and its state is
+            what checkpoints hold); your objects are back when ``fit`` ends.
+            :attr:`lr_scheduler_lag` counts the scheduler steps held back (how far the schedule
+            lags the steps attempted); it is saved in checkpoints with the scaler.
+
+    Example:
+        >>> from lossscale_callbacks import DynamicPolicy
+        >>> plugin = LossScalePlugin(policy=DynamicPolicy(hysteresis=2), device="cpu")
+        >>> plugin.precision, plugin.autocast_dtype
+        ('16-mixed', torch.float16)
+    """
+
+    def __init__(
+        self,
+        precision: str = "16-mixed",
+        device: str | None = None,
+        scaler: LossScaler | None = None,
+        policy: Policy | None = None,
+        *,
+        sync_found_inf: bool | str = "auto",
+        hold_lr_schedulers: bool = False,
+    ) -> None:
+        self._init_scaling(precision, device, scaler, policy, sync_found_inf, hold_lr_schedulers)
+
+
+__all__ = ["LossScalePlugin", "namespace_of"]

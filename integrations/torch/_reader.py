@@ -1,0 +1,210 @@
+"""``ScalerReader``: one reader for the loss scaler of any torch run, in the core's state shape.
+
+Our :class:`~lossscale_callbacks.torch.LossScaler`, a stock ``torch.amp.GradScaler`` or
+``ShardedGradScaler`` (whose skipped steps it counts on the device, see
+:mod:`lossscale_callbacks.torch._stock`), or DeepSpeed's own loss scaler (see
+:mod:`lossscale_callbacks.torch._deepspeed_reader`): every monitor (Lightning, Fabric, Accelerate,
+the Transformers Trainer) reads the scaler through this class, once per log interval, and hands
+what it read to the core's :class:`~lossscale_callbacks.LoggingLoop`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lossscale_callbacks._forensics import IntervalForensics
+from lossscale_callbacks._policy import Policy
+from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks._validation import _INT64_MAX, check_int
+from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
+from lossscale_callbacks.torch._scaler import LossScaler
+from lossscale_callbacks.torch._stock import StockSkipCounter, check_stock_state
+
+__all__ = ["ScalerReader"]
+
+
+
+class ScalerReader:
+    """Reads a torch run's loss scaler (ours, a stock GradScaler/ShardedGradScaler, or DeepSpeed's).
+
+    Call :meth:`after_optimizer_step` after each optimizer step (host counting; for a stock scaler
+    also a few device ops that count its overflow, no host sync) and :meth:`read` at the log
+    interval: the one host read, a :class:`~lossscale_callbacks.LossScaleState` of Python
+    numbers. :meth:`state_dict`/:meth:`load_state_dict` carry what a stock scaler does not keep (the
+    steps and skipped steps) beside its own state, checked whole before anything changes.
+
+    Step accounting: :attr:`steps` counts optimizer steps on the host without a device read. For our
+    scaler the truth is the scaler's own count: every :meth:`read` and :meth:`load_state_dict`
+    takes it from the state. A stock scaler counts nothing, so the reader's count is the truth, and
+    a checkpoint whose counts disagree with the scaler's is refused. DeepSpeed's engine counts its
+    own steps.
+
+    Args:
+        scaler: an enabled ``LossScaler``, ``torch.amp.GradScaler`` or ``ShardedGradScaler``, or a
+            DeepSpeed engine, its optimizer, or its loss scaler.
+
+    Raises:
+        ValueError: ``scaler`` is none of these, or disabled.
+
+    Example:
+        >>> from lossscale_callbacks.torch import LossScaler
+        >>> reader = ScalerReader(LossScaler(device="cpu", init_scale=1024.0))
+        >>> reader.kind, reader.started, reader.read().scale
+        ('ours', False, 1024.0)
+        >>> ScalerReader(torch.amp.GradScaler("cpu", init_scale=256.0)).read().scale
+        256.0
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self._stock: StockSkipCounter | None = None
+        self._deepspeed: DeepSpeedScalerReader | None = None
+        if isinstance(scaler, torch.amp.GradScaler):
+            if not scaler.is_enabled():
+                raise ValueError(f"scaler: {type(scaler).__name__} is disabled (enabled=False): it scales "
+                                 "nothing, so there is no loss scale to read")
+            self.kind = "ours" if isinstance(scaler, LossScaler) else "stock"
+            if self.kind == "stock":
+                self._stock = StockSkipCounter(scaler)
+        elif has_deepspeed_scaler(scaler):
+            self.kind = "deepspeed"
+            self._deepspeed = DeepSpeedScalerReader(scaler)
+        else:
+            raise ValueError("scaler must be a lossscale_callbacks.torch.LossScaler, a torch.amp.GradScaler "
+                             "or ShardedGradScaler, or a DeepSpeed engine, optimizer or loss scaler; got "
+                             f"{type(scaler).__name__}")
+        self.scaler = scaler
+        # Ours: its own count, read without the device until it has one (a checkpoint, or 0).
+        self._steps = int(scaler.get_state().steps) if self.kind == "ours" else 0
+
+    @property
+    def policy(self) -> Policy | None:
+        """The scaler's policy (DeepSpeed's settings as one); ``None`` for a stock GradScaler."""
+        if self._deepspeed is not None:
+            return self._deepspeed.policy()
+        return self.scaler.policy if self.kind == "ours" else None
+
+    @property
+    def started(self) -> bool:
+        """Whether the scaler has scaled a loss: before that no optimizer step can have been taken."""
+        if self._deepspeed is not None:
+            return True
+        return self.scaler._get_scale_async() is not None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps attempted, counted on the host (no device read)."""
+        if self._deepspeed is not None:
+            return int(self._deepspeed.read()["steps"])  # host numbers: DeepSpeed already synchronised
+        return self._steps
+
+    def count_from(self, steps: int) -> None:
+        """Count optimizer steps from ``steps``: a trainer restored a checkpoint this reader did not load.
+
+        Only the counts a scaler does not keep itself move (a stock GradScaler's, a bare DeepSpeed
+        loss scaler's); our scaler and a DeepSpeed engine count their own steps, which stay.
+        """
+        steps = check_int("steps", steps, 0, _INT64_MAX)
+        if self._deepspeed is not None:
+            self._deepspeed.steps = steps
+        elif self._stock is not None:
+            self._steps = steps
+
+    def after_optimizer_step(self, steps: int = 1) -> None:
+        """Count ``steps`` optimizer steps since the last call (a stock scaler's last overflow on the device).
+
+        No host sync. A stock ``GradScaler`` keeps no history: only the last of several steps can be
+        seen, so call this after every optimizer step.
+        """
+        if self._deepspeed is not None:
+            self._deepspeed.after_optimizer_step(steps)
+            return
+        self._steps += steps
+        if self._stock is not None:
+            self._stock.after_optimizer_step()
+
+    def read(self) -> LossScaleState:
+        """The state as Python numbers: the one host read of an interval (DeepSpeed's are host numbers)."""
+        if self._deepspeed is not None:
+            return LossScaleState(**self._deepspeed.read())
+        if self._stock is not None:
+            return self._stock.read(self._steps)
+        state = self.scaler.get_state()
+        self._steps = int(state.steps)
+        return state
+
+    def read_forensics(self) -> IntervalForensics | None:
+        """Our scaler's overflow forensics of the interval (``diagnose=True``), else ``None``."""
+        return self.scaler.read_forensics() if self.kind == "ours" else None
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"steps", "scaler"}``, and ``"stock"``: the counts a GradScaler does not keep. One host read.
+
+        Raises:
+            ValueError: for DeepSpeed, which checkpoints its scaler itself (``engine.save_checkpoint``).
+        """
+        self._refuse_deepspeed()
+        if self._stock is None:
+            scaler_state = self.scaler.state_dict()
+            return {"steps": int(scaler_state["steps"]), "scaler": scaler_state}
+        skipped = self._stock.read(self._steps).skipped_steps
+        return {"steps": self._steps, "scaler": self.scaler.state_dict(),
+                "stock": {"steps": self._steps, "skipped_steps": skipped}}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore a :meth:`state_dict`: every key and field checked before anything changes.
+
+        The scaler's part goes through the core's state gate (ours: ``LossScaler.load_state_dict``;
+        a stock GradScaler's: :func:`~lossscale_callbacks.torch._stock.check_stock_state`, so a NaN, zero
+        or negative scale or a negative tracker never reaches the stock object); ``steps`` must be an
+        integer that agrees with the scaler's own count.
+
+        Raises:
+            ValueError: naming the key or field; nothing was loaded.
+        """
+        self._refuse_deepspeed()
+        keys = {"steps", "scaler"} | ({"stock"} if self._stock is not None else set())
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state must be a dict with the keys {sorted(keys)}, got "
+                             f"{type(state).__name__}")
+        if self._stock is None and "stock" in state:
+            raise ValueError("state: saved from a stock torch.amp.GradScaler (it has 'stock'), but this "
+                             "scaler is a LossScaler; load it with a GradScaler, or load state['scaler'] "
+                             "into the LossScaler (LossScaler.load_state_dict takes a GradScaler dict)")
+        if set(state) != keys:
+            raise ValueError(f"state must have exactly the keys {sorted(keys)}; missing "
+                             f"{sorted(keys - set(state))}, unknown {sorted(set(state) - keys)}")
+        steps = check_int("state: steps", state["steps"], 0, _INT64_MAX)
+        if self._stock is not None:
+            self._load_stock(steps, state["scaler"], state["stock"])
+        else:
+            self._load_ours(steps, state["scaler"])
+
+    def _load_ours(self, steps: int, scaler_state: Any) -> None:
+        if not isinstance(scaler_state, Mapping) or "policy" not in scaler_state:
+            raise ValueError("state: scaler must be a LossScaler.state_dict() (with 'policy'), got "
+                             f"{scaler_state!r}")
+        if scaler_state.get("steps") != steps or type(scaler_state.get("steps")) is not int:
+            raise ValueError(f"state: steps ({steps}) disagrees with the scaler's own count of optimizer "
+                             f"steps ({scaler_state.get('steps')!r}); the checkpoint is inconsistent")
+        self.scaler.load_state_dict(scaler_state)  # the core gate; all or nothing
+        self._steps = steps
+
+    def _load_stock(self, steps: int, scaler_state: Any, counts: Any) -> None:
+        checked = check_stock_state(scaler_state, counts)
+        if checked.steps != steps:
+            raise ValueError(f"state: steps ({steps}) disagrees with the stock scaler's count "
+                             f"({checked.steps}); the checkpoint is inconsistent")
+        self.scaler.load_state_dict(dict(scaler_state))
+        assert self._stock is not None
+        self._stock.restore(checked.skipped_steps)
+        self._steps = steps
+
+    def _refuse_deepspeed(self) -> None:
+        if self._deepspeed is not None:
+            raise ValueError("a DeepSpeed loss scaler is checkpointed by DeepSpeed itself "
+                             "(engine.save_checkpoint / load_checkpoint), not through this reader")

@@ -1,0 +1,758 @@
+"""``LossScaler``: a ``torch.amp.GradScaler``-compatible scaler on the core's update rule.
+
+Where the host synchronises (and nowhere else):
+
+* ``step(optimizer)`` with an optimizer that unscales inside its own kernel (``Adam``, ``AdamW``,
+  ``SGD`` with ``fused=True``): **never**. The overflow flag and the scale are handed to the
+  optimizer as tensors (``optimizer.found_inf``/``optimizer.grad_scale``) and the fused kernel skips
+  the update on the device. One exception: a fused ``SGD`` with momentum reads the flag until its
+  first applied update (usually just the first step; see :func:`_fused_sgd_first_step`).
+* ``step(optimizer)`` with any other optimizer: **one** read, the skip decision (``found_inf``),
+  exactly like ``torch.amp.GradScaler``.
+* ``scale``, ``unscale_`` and ``update``: never. ``update`` runs the core's rule on the device in at
+  most 4 dispatched ops without hysteresis and 6 with it on the CPU, and replays a CUDA graph (two
+  launches) on CUDA: see :mod:`lossscale_callbacks.torch._update_paths`.
+* ``get_scale``, ``get_state``, ``state_dict``, ``last_step_skipped(sync=True)`` and
+  ``read_forensics`` read the device (one copy each); call them at the log interval, not per step.
+* ``diagnose=True`` adds no host read to a step, and a bounded number of ops whatever the number of
+  parameters (see :mod:`lossscale_callbacks.torch._forensics`).
+* ``update(new_scale=<tensor>)`` reads the tensor once to check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+import torch
+
+from lossscale_callbacks._forensics import IntervalForensics, check_diagnose
+from lossscale_callbacks._policy import Policy, check_policy, is_policy
+from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks._update import initial_state
+from lossscale_callbacks._validation import check_bool, check_choice, check_int, host_number, validate_state
+from lossscale_callbacks.torch._checkpoint import (
+    SYNC_CHOICES,
+    check_process_group,
+    parse_pickle,
+    parse_state_dict,
+)
+from lossscale_callbacks.torch._forensics import GradForensics
+from lossscale_callbacks.torch._grad_scaler_compat import policy_from_grad_scaler_settings
+from lossscale_callbacks.torch._update_paths import PathState, make_path
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclasses.dataclass
+class _OptimizerState:
+    stage: _Stage = _Stage.READY
+    # One float32 0-d tensor on the scaler's device: 1.0 when any gradient was Inf/NaN, else 0.0.
+    found_inf: torch.Tensor | None = None
+    # Host copy of the decision, only where ``step`` already had to read it.
+    skipped_on_host: bool | None = None
+    # Whether the optimizer had any gradient to check (GradScaler refuses to step or update without).
+    checked: bool = False
+
+
+def _fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
+    """True before the first step of a fused ``SGD`` with momentum (no momentum buffer yet).
+
+    torch's fused SGD allocates its momentum buffers with ``empty_like`` before the kernel runs and
+    only the kernel fills them; when ``found_inf`` makes the kernel skip, the buffers keep whatever
+    the allocator handed out and every later step builds on that garbage (``GradScaler`` has the
+    same problem). A skipped step must leave the optimizer as it was, so this one step decides on
+    the host and does not call ``optimizer.step`` at all when it overflowed.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    for group in optimizer.param_groups:
+        if not group.get("momentum"):
+            continue
+        with_grad = next((p for p in group["params"] if p.grad is not None), None)
+        if with_grad is not None and "momentum_buffer" not in optimizer.state.get(with_grad, {}):
+            return True
+    return False
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    """True for FSDP (v1) flat parameters, whose gradients are plain tensors holding one shard each.
+
+    DTensor gradients (FSDP2's ``fully_shard``, tensor parallel) need nothing here: torch's DTensor
+    dispatch already all-reduces (MAX) the ``found_inf`` of the check-and-unscale kernel.
+    """
+    return bool(getattr(param, "_is_flat_param", False)) or any(
+        c.__name__ == "FlatParameter" for c in type(param).__mro__)
+
+
+class LossScaler(torch.amp.GradScaler):
+    """Dynamic loss scaling with the core's rule: a ``torch.amp.GradScaler`` you can drop in.
+
+    Constructed like ``GradScaler`` (``LossScaler("cuda", init_scale=2.**16, growth_factor=2.0,
+    backoff_factor=0.5, growth_interval=2000, enabled=True)``, same defaults) it behaves like it,
+    with two deliberate differences: the scale stays inside ``[1, 2**24]`` (widened to contain
+    ``init_scale``), where GradScaler's scale can grow without bound and collapse to 0.0; and
+    ``device=None`` (the default) follows the first tensor given to :meth:`scale`, where
+    GradScaler's default is ``"cuda"``. Constructed with ``policy=`` it runs any core policy
+    (hysteresis, bounds, a fixed scale). It *is* a ``torch.amp.GradScaler`` (``isinstance`` holds,
+    so Lightning's ``MixedPrecision(scaler=...)`` and other code written for GradScaler accept it),
+    but none of GradScaler's own update logic runs: the state moves only by the core's
+    ``next_state``.
+
+    The state (a :class:`~lossscale_callbacks.LossScaleState`: float32 scale, integer
+    counters) lives on the device of the first scaled tensor. Gradients are checked and unscaled
+    by torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel, and :meth:`update`
+    advances the state on the device with an implementation of the core's ``next_state`` proven
+    bit-identical to it (:mod:`lossscale_callbacks.torch._update_paths`); see the module docstring
+    for where the host synchronises. Every state that comes in from outside (``load_state_dict``, a GradScaler
+    checkpoint, ``update(new_scale)``, unpickling) passes one check
+    (:func:`lossscale_callbacks._validation.validate_state`) before anything changes, also before
+    the device is known: a scale of 0, NaN, Inf or outside the bounds never reaches a step.
+
+    Args:
+        device: the device type (``"cuda"``, ``"cpu"``, ...), as in GradScaler; ``None`` follows
+            the first scaled tensor. ``"cuda"`` without CUDA disables the scaler with a warning,
+            like GradScaler.
+        init_scale: GradScaler's initial scale (default ``2**16``).
+        growth_factor: GradScaler's growth factor (default 2.0).
+        backoff_factor: GradScaler's backoff factor (default 0.5).
+        growth_interval: GradScaler's growth interval (default 2000).
+        enabled: ``False`` makes every method a pass-through, like ``GradScaler(enabled=False)``.
+        policy: a :class:`~lossscale_callbacks.DynamicPolicy` or
+            :class:`~lossscale_callbacks.FixedPolicy` instead of GradScaler's four settings
+            (``FixedPolicy(1.0)`` skips and counts non-finite steps without scaling: what bf16 wants).
+        sync_found_inf: all-reduce (MAX) the overflow flag across ranks before the skip decision,
+            so every rank skips the same steps. ``"auto"`` does it when ``torch.distributed`` is
+            initialised with more than one rank and the parameters are FSDP (v1) flat parameters;
+            under DDP the gradients are identical after its all-reduce, and for DTensor gradients
+            (FSDP2 ``fully_shard``) torch's DTensor dispatch already reduces the flag. ``True``
+            always does it when more than one rank runs (use it for FSDP v1 with
+            ``use_orig_params=True``, whose sharded parameters look like plain ones).
+        process_group: the group for that all-reduce (default: the world).
+        diagnose: overflow forensics (:mod:`lossscale_callbacks._forensics`): ``True`` records, on the
+            device and without a host read in the step, why each skipped step was skipped (a
+            non-finite loss, Inf or NaN gradients) and which layers' gradients were non-finite
+            (name them with :meth:`watch`), and samples the float16 headroom every
+            ``headroom_every`` steps; ``"every_step"`` samples every step (more passes over the
+            gradients). A bounded number of ops per step for any number of parameters. Read with
+            :meth:`read_forensics` at the log interval. Off by default.
+        headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
+
+    Raises:
+        ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.
+
+    Example:
+        >>> from lossscale_callbacks import DynamicPolicy
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = LossScaler(policy=DynamicPolicy(initial_scale=1024.0, hysteresis=2))
+        >>> loss = model(torch.ones(2, 4)).sum()
+        >>> scaler.scale(loss).backward()
+        >>> _ = scaler.step(opt)
+        >>> scaler.update()
+        >>> scaler.get_scale(), scaler.get_state().steps, isinstance(scaler, torch.amp.GradScaler)
+        (1024.0, 1, True)
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
+        enabled: bool = True,
+        *,
+        policy: Policy | None = None,
+        sync_found_inf: bool | str = "auto",
+        process_group: Any = None,
+        diagnose: bool | str = False,
+        headroom_every: int = 1000,
+    ) -> None:
+        # GradScaler.__init__ is not called: it would set up GradScaler's own scale and tracker.
+        if is_policy(device):
+            raise ValueError("LossScaler's first argument is the device, as in torch.amp.GradScaler; pass "
+                             f"the policy by keyword: LossScaler(policy={device!r})")
+        enabled = check_bool("enabled", enabled)
+        check_choice("sync_found_inf", sync_found_inf, SYNC_CHOICES)
+        check_process_group("process_group", process_group)
+        check_diagnose(diagnose)
+        check_int("headroom_every", headroom_every)
+        settings = {"init_scale": init_scale, "growth_factor": growth_factor,
+                    "backoff_factor": backoff_factor, "growth_interval": growth_interval}
+        if policy is not None:
+            check_policy("policy", policy)
+            given = [f"{k}={v!r}" for k, v in settings.items() if v is not None]
+            if given:
+                raise ValueError(f"pass either policy or GradScaler's settings, not both; got "
+                                 f"policy={policy!r} and {', '.join(given)}")
+        else:
+            policy = policy_from_grad_scaler_settings(**settings)
+        device_type = None
+        if device is not None:
+            try:
+                device_type = torch.device(device).type
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"device must be None, a device type such as 'cuda' or 'cpu', or a "
+                                 f"torch.device, got {device!r}") from exc
+        if enabled and device_type == "cuda" and not torch.cuda.is_available():
+            warnings.warn("LossScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            enabled = False
+        self._assign(enabled=enabled, device=device_type, policy=policy, sync_found_inf=sync_found_inf,
+                     process_group=process_group, diagnose=diagnose, headroom_every=headroom_every,
+                     state=None)
+
+    def _assign(self, *, enabled: bool, device: str | None, policy: Policy, sync_found_inf: bool | str,
+                process_group: Any, diagnose: bool | str, headroom_every: int,
+                state: LossScaleState | None) -> None:
+        """Set every attribute from checked values: the one place the constructor and unpickling meet."""
+        self._device = device
+        self._enabled = enabled
+        self._policy: Policy = policy
+        self.sync_found_inf = sync_found_inf
+        self.process_group = process_group
+        # The state on the device, in the layout of its update path (None until the device is known).
+        self._path: Any = None
+        self._one: torch.Tensor | None = None
+        # A validated host state waiting for the device (a checkpoint loaded before the first step).
+        self._pending: LossScaleState | None = state
+        self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
+        self._last_found_inf: torch.Tensor | None = None
+        self._last_skipped_on_host: bool | None = None
+        self._headroom_every = headroom_every
+        self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
+        self._watched: weakref.ref | None = None
+
+    # ------------------------------------------------------------------------------- forensics
+
+    def watch(self, model: torch.nn.Module) -> LossScaler:
+        """Name the parameters for ``diagnose``'s per-layer report after ``model``'s modules; returns self.
+
+        Without it layers are called ``param0``, ``param1``... in the optimizer's order. The
+        Lightning plugin watches the LightningModule itself. With ``diagnose=False`` the model is
+        remembered (weakly) and named when :meth:`set_diagnose` switches the forensics on.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._watched = weakref.ref(model)
+        if self.forensics is not None:
+            self.forensics.watch(model)
+        return self
+
+    def set_diagnose(self, diagnose: bool | str, headroom_every: int = 1000) -> None:
+        """Switch the overflow forensics on (``True``/``"every_step"``) or off (``False``) from now on."""
+        check_diagnose(diagnose)
+        check_int("headroom_every", headroom_every)
+        self._headroom_every = headroom_every
+        if not diagnose:
+            self.forensics = None
+        elif self.forensics is None or self.forensics.mode != diagnose:
+            self.forensics = GradForensics(diagnose, headroom_every)
+            model = self._watched() if self._watched is not None else None
+            if model is not None:
+                self.forensics.watch(model)
+        else:
+            self.forensics.headroom_every = headroom_every
+
+    def read_forensics(self) -> IntervalForensics | None:
+        """The forensics accumulated since the last call (``None`` with ``diagnose=False``). One host read
+        (plus :meth:`get_state`'s): call it at the log interval."""
+        if self.forensics is None:
+            return None
+        state = self.get_state()
+        return self.forensics.read(int(state.steps), float(state.scale))
+
+    # ----------------------------------------------------------------------------------- state
+
+    @property
+    def policy(self) -> Policy:
+        """The (immutable) policy; ``load_state_dict`` and the ``set_*`` methods replace it."""
+        return self._policy
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the state lives; ``None`` until the first :meth:`scale`."""
+        return self._path.device if self._path is not None else None
+
+    @property
+    def state(self) -> LossScaleState | None:
+        """The state as 0-d device tensors (``None`` before the device is known). No host sync.
+
+        ``scale`` is the live float32 tensor the scaler multiplies by; the int64 counters are a
+        snapshot made by this call (the update path keeps them in its own layout).
+        """
+        return self._path.tensors() if self._path is not None else None
+
+    def _lazy_init(self, device: torch.device) -> None:
+        # torch.ones/full fill on the device: no host-to-device copy, no stream sync.
+        self._one = torch.ones((), dtype=torch.float32, device=device)
+        self._path = make_path(self._policy, device, PathState.from_host(self._host_state()))
+        self._pending = None
+
+    def _require_state(self, funcname: str) -> Any:
+        if self._path is None:
+            raise AssertionError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+                "scaler.scale(loss or outputs) earlier in the iteration."
+            )
+        return self._path
+
+    def _host_state(self) -> LossScaleState:
+        """The state on the host without touching the device: pending, or the policy's initial state."""
+        if self._pending is not None:
+            return self._pending
+        start = initial_state(self._policy)
+        return LossScaleState(float(start.scale), *(int(v) for v in start[1:]))
+
+    def _install(self, policy: Policy, host: LossScaleState) -> None:
+        """Make a validated (policy, state) pair current: the one place a state from outside lands."""
+        self._policy = policy
+        if self._path is None:
+            self._pending = host
+        else:
+            self._path = make_path(policy, self._path.device, PathState.from_host(host))
+        self._per_optimizer = defaultdict(_OptimizerState)
+
+    def _replace_policy(self, policy: Policy) -> None:
+        """A new policy for the running state (``set_growth_factor``...): moved on the device, no host read.
+
+        A growth counter at or above a shorter new interval is capped to ``interval - 1``: the next
+        finite step grows either way, exactly as ``next_state`` grows any counter >= the interval.
+        """
+        self._policy = policy
+        if self._path is not None:
+            self._path = make_path(policy, self._path.device, self._path.export())
+        elif self._pending is not None:
+            cap = policy.constants.growth_interval - 1
+            self._pending = self._pending._replace(growth_counter=min(self._pending.growth_counter, cap))
+
+    # GradScaler's private names, read by code written against it. Read-only views of our state.
+
+    @property
+    def _scale(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._path.scale if self._path is not None else None
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._path.fields()[1] if self._path is not None else None
+
+    @property
+    def _init_scale(self) -> float:  # type: ignore[override]
+        return self._host_state().scale
+
+    @property
+    def _init_growth_tracker(self) -> int:  # type: ignore[override]
+        return self._host_state().growth_counter
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._path is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._lazy_init(torch.device(dev))
+
+    # ----------------------------------------------------------------------------------- scale
+
+    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> Any:
+        """Multiply a tensor (or a nested list/tuple of tensors) by the current scale. No host sync.
+
+        Returns the outputs unchanged when the scaler is disabled.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            if self._path is None:
+                self._lazy_init(outputs.device)
+            if self.forensics is not None:
+                self.forensics.on_scale([outputs])
+            return outputs * self._path.scale.to(device=outputs.device, non_blocking=True)
+        copies: dict[torch.device, torch.Tensor] = {}
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if self._path is None:
+                    self._lazy_init(value.device)
+                if self.forensics is not None:
+                    self.forensics.on_scale([value])
+                scale = copies.get(value.device)
+                if scale is None:
+                    scale = self._path.scale.to(device=value.device, non_blocking=True)
+                    copies[value.device] = scale
+                return value * scale
+            if isinstance(value, Iterable):
+                mapped = map(apply, value)
+                return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    # --------------------------------------------------------------------------------- unscale
+
+    def _check_and_unscale(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                           allow_fp16: bool, before_user_code: bool = False) -> None:
+        """One fused check(+unscale) per (device, dtype) group; records found_inf on the scaler's device.
+
+        ``before_user_code``: the user's ``unscale_``, after which their code (clipping) may rewrite
+        the gradients before ``step``: the forensics look at them now, as they were checked (a
+        clipped Inf is a NaN by ``step``).
+        """
+        home = self._path.device
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list))
+        # Every parameter with its gradient or None: the forensics plan the optimizer's whole list once.
+        entries: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        checked = False
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        entries.append((param, None))
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if grad.is_sparse:
+                        # Duplicate indices are summed by coalesce(); check the sums, which may overflow.
+                        if grad.dtype == torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    groups[grad.device][grad.dtype].append(grad)
+                    entries.append((param, grad))
+                    checked = True
+            found_inf = torch.zeros((), dtype=torch.float32, device=home)
+            sync = self._should_sync(optimizer)
+            if self.forensics is not None and checked:  # sees the gradients while they are still scaled
+                self.forensics.check(id(optimizer), entries, self._path.scale,
+                                     defer=not (sync or before_user_code))
+            for device, by_dtype in groups.items():
+                local_inf = found_inf if device == home else torch.zeros_like(found_inf, device=device)
+                local_inv = inv_scale if device == home else inv_scale.to(device, non_blocking=True)
+                for grads in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, local_inv)
+                if device != home:
+                    torch.maximum(found_inf, local_inf.to(home, non_blocking=True), out=found_inf)
+            if sync:
+                torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
+                                             group=self.process_group)
+                if self.forensics is not None:
+                    self.forensics.reduce_flags(self.process_group)
+        opt_state = self._per_optimizer[id(optimizer)]
+        opt_state.found_inf = found_inf
+        opt_state.checked = checked
+
+    def _should_sync(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.sync_found_inf is False:
+            return False
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        if dist.get_world_size(self.process_group) < 2:
+            return False
+        # Looked at only when it matters: a per-parameter walk on every step would cost Python time.
+        return self.sync_found_inf is True or any(
+            _is_sharded(p) for group in optimizer.param_groups for p in group["params"])
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """GradScaler's hook for optimizers that unscale themselves: check (not unscale) the gradients."""
+        self._require_state("_check_inf_per_device")
+        self._check_and_unscale(optimizer, self._one, allow_fp16=True)  # type: ignore[arg-type]
+        return self._found_inf_per_device(optimizer)
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        found_inf = self._per_optimizer[id(optimizer)].found_inf
+        return {} if found_inf is None else {found_inf.device: found_inf}
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and record whether any was Inf/NaN.
+
+        No host sync. Call it at most once per optimizer between :meth:`update` calls, after all
+        gradients are accumulated (e.g. before clipping). Raises ``RuntimeError`` when called twice
+        or after :meth:`step`, like ``GradScaler``.
+        """
+        if not self._enabled:
+            return
+        state = self._require_state("unscale_")
+        opt_state = self._per_optimizer[id(optimizer)]
+        if opt_state.stage is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if opt_state.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        self._unscale(optimizer, state, before_user_code=True)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, state: Any, before_user_code: bool) -> None:
+        # GradScaler takes the reciprocal in float64 and rounds it to float32 (3 ops). IEEE float32
+        # division is correctly rounded, and rounding a float64 quotient of float32 numbers to float32
+        # is too (53 >= 2 * 24 + 2 bits, Figueroa 1995): one op, the same bits (tested on every exponent).
+        inv_scale = torch.reciprocal(state.scale)
+        self._check_and_unscale(optimizer, inv_scale, allow_fp16=False, before_user_code=before_user_code)
+        self._per_optimizer[id(optimizer)].stage = _Stage.UNSCALED
+
+    # ------------------------------------------------------------------------------------ step
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` ran), then run ``optimizer.step`` unless a gradient was Inf/NaN.
+
+        Host sync: none for optimizers that unscale in their own kernel
+        (``_step_supports_amp_scaling``, i.e. ``fused=True``); they receive ``grad_scale`` and
+        ``found_inf`` tensors and skip on the device, except before the first applied update of a
+        fused ``SGD`` with momentum (one read, see :func:`_fused_sgd_first_step`). Otherwise exactly one
+        read of ``found_inf``. Returns what ``optimizer.step`` returned, or ``None`` when the step
+        was skipped on the host.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._require_state("step")
+        opt_state = self._per_optimizer[id(optimizer)]
+        if opt_state.stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                # GradScaler's older contract: the optimizer asks the scaler itself
+                # (_check_inf_per_device, _get_scale_async).
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning, stacklevel=2)
+                self._resolve_forensics(optimizer, None)
+                retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+                opt_state.stage = _Stage.STEPPED
+                return retval
+            if opt_state.stage is _Stage.READY:
+                # Only the check: the fused kernel unscales with grad_scale itself.
+                self._check_and_unscale(optimizer, self._one, allow_fp16=True)  # type: ignore[arg-type]
+                grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
+            else:
+                grad_scale = getattr(optimizer, "grad_scale", None)
+            if _fused_sgd_first_step(optimizer):
+                assert opt_state.found_inf is not None
+                # One read, until the first update is applied (the buffers exist from then on).
+                opt_state.skipped_on_host = bool(opt_state.found_inf.item())
+                self._resolve_forensics(optimizer, opt_state.skipped_on_host)
+                if opt_state.skipped_on_host:
+                    opt_state.stage = _Stage.STEPPED
+                    return None
+            self._resolve_forensics(optimizer, None)  # the kernel decides on the device
+            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+            optimizer.found_inf = opt_state.found_inf  # type: ignore[attr-defined]
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            opt_state.stage = _Stage.STEPPED
+            return retval
+
+        if opt_state.stage is _Stage.READY:
+            self._unscale(optimizer, state, before_user_code=False)
+        if not opt_state.checked:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        assert opt_state.found_inf is not None
+        # The one host read of a non-fused step: Python must decide whether to call step().
+        skipped = bool(opt_state.found_inf.item())
+        opt_state.skipped_on_host = skipped
+        self._resolve_forensics(optimizer, skipped)
+        retval = None if skipped else optimizer.step(*args, **kwargs)
+        opt_state.stage = _Stage.STEPPED
+        return retval
+
+    def _resolve_forensics(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
+        if self.forensics is not None:
+            self.forensics.resolve(id(optimizer), skipped)
+
+    # ---------------------------------------------------------------------------------- update
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Advance the state by the core's rule on the device. No host sync.
+
+        Every optimizer stepped since the last update contributes its overflow flag; the step
+        counts as skipped when any of them overflowed. With one optimizer this dispatches at most
+        4 aten ops (policies without hysteresis) or 6 (any policy) on the CPU, and two launches
+        (a CUDA graph replayed) on CUDA; each further optimizer adds one op to merge its flag.
+        ``new_scale`` (a float or a 1-element tensor) replaces the resulting scale, as in
+        ``GradScaler.update(new_scale)``; the step is still counted and the rule still moves the
+        growth counter (GradScaler leaves its counter untouched then). ``new_scale`` must lie inside
+        the policy's bounds (``ValueError`` otherwise, and nothing changes); a tensor ``new_scale``
+        is read once to check it (one host sync, only when you pass one).
+        """
+        if not self._enabled:
+            return
+        path = self._require_state("update")
+        # One pass over the optimizers stepped since the last update (usually one): this method runs
+        # every step, and its Python is a good part of its cost on a CPU.
+        flags, checked, on_host = [], False, False
+        for opt_state in self._per_optimizer.values():
+            checked = checked or opt_state.checked
+            if opt_state.found_inf is not None:
+                flags.append(opt_state.found_inf)
+                known = opt_state.skipped_on_host
+                on_host = None if known is None or on_host is None else on_host or known
+        if new_scale is None and not checked:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        if new_scale is not None:
+            replacement = self._checked_new_scale(new_scale)
+        if flags:
+            found_inf = flags[0]
+            for flag in flags[1:]:
+                found_inf = torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True))
+            path.update(found_inf)
+            self._last_found_inf = found_inf
+            self._last_skipped_on_host = on_host
+            if self.forensics is not None:
+                self.forensics.on_update(found_inf)
+        if new_scale is not None:
+            path.scale.fill_(replacement)
+        self._per_optimizer = defaultdict(_OptimizerState)
+
+    def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise AssertionError("new_scale should be a float or a 1-element torch.FloatTensor with "
+                                     "requires_grad=False.")
+            value: Any = new_scale.detach().reshape(()).item()  # the documented host read
+        elif isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+            value = float(new_scale)
+        else:
+            raise ValueError(f"new_scale must be a float or a 1-element tensor, got {new_scale!r}")
+        # Only the scale is new; the counters are placeholders that always pass.
+        checked = validate_state(self._policy, LossScaleState(value, 0, 0, 0, 0), source="update(new_scale)")
+        return checked.scale
+
+    def last_step_skipped(self, sync: bool = False) -> bool | None:
+        """Whether the last :meth:`update` counted a skipped step.
+
+        Without ``sync`` this answers only when ``step`` already read the decision on the host
+        (non-fused optimizers) and returns ``None`` otherwise; with ``sync=True`` it reads the
+        flag from the device (one host sync).
+        """
+        if self._last_skipped_on_host is not None or not sync:
+            return self._last_skipped_on_host
+        if self._last_found_inf is None:
+            return None
+        return bool(self._last_found_inf.item())
+
+    # -------------------------------------------------------------------------- host reads
+
+    def get_state(self) -> LossScaleState:
+        """The state as Python numbers. One host sync (a single copy of all five values)."""
+        if self._path is None:
+            return self._host_state()
+        return self._path.read()
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). One host sync."""
+        if not self._enabled:
+            return 1.0
+        if self._path is None:
+            return self._host_state().scale
+        return float(self._path.scale.item())
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._path.scale if self._path is not None else None
+
+    def _get_growth_tracker(self) -> int:
+        return self.get_state().growth_counter if self._enabled else 0
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_growth_factor(self) -> float:
+        return self._policy.constants.growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._policy.constants.backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self._policy.constants.growth_interval
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """GradScaler's setter (a number or a one-element tensor); the factor is rounded to float32 as
+        the scale is."""
+        self._replace_policy(self._policy.replace(growth_factor=host_number(new_factor)))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """GradScaler's setter (a number or a one-element tensor); rounded to float32 as the scale is."""
+        self._replace_policy(self._policy.replace(backoff_factor=host_number(new_factor)))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """GradScaler's setter (a number or a one-element tensor).
+
+        A growth counter at or above the new interval is capped just below it, so the scale grows at
+        the next clean step. GradScaler's counter runs past a shrunk interval instead, and its scale
+        does not grow again until an overflow resets the counter.
+        """
+        self._replace_policy(self._policy.replace(growth_interval=host_number(new_interval)))
+
+    # -------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-exactly: the policy and the five state values. One host sync.
+
+        Also carries ``GradScaler``'s keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) so code written for it can read the dict, and
+        ``GradScaler.load_state_dict`` can load it. Empty when disabled.
+        """
+        if not self._enabled:
+            return {}
+        host = self.get_state()
+        out: dict[str, Any] = {"policy": self._policy.to_config(), **host._asdict()}
+        out.update(growth_factor=self.get_growth_factor(), backoff_factor=self.get_backoff_factor(),
+                   growth_interval=self.get_growth_interval(), _growth_tracker=host.growth_counter)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`, or from a ``torch.amp.GradScaler`` state dict. All or nothing.
+
+        A ``LossScaler`` dict brings its own policy. A ``GradScaler`` dict sets the scale and growth
+        counter and replaces the policy's growth factor, backoff factor and interval; the other
+        counters start from zero; its scale is clamped into the policy's bounds (with a warning), and
+        a zero or non-finite scale (what GradScaler reaches after a long run of overflows) is refused.
+        Everything is checked before anything changes, also before the device is known.
+
+        Unknown keys are refused, and in a ``LossScaler`` dict GradScaler's keys must agree with the
+        policy and the state they mirror.
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler), as in GradScaler.
+            ValueError: an invalid policy or state, naming the field; the scaler is unchanged.
+        """
+        if not self._enabled:
+            return
+        self._install(*parse_state_dict(self._policy, state_dict))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings and the state as plain values (like GradScaler, not the tensors); the device is
+        found again on first use. Forensics restart empty and the watched model is not pickled."""
+        if self._enabled and any(s.stage is not _Stage.READY or s.found_inf is not None
+                                 for s in self._per_optimizer.values()):
+            raise AssertionError("A GradScaler instance may only be pickled at the beginning of an "
+                                 "iteration, or at the end after scaler.update().")
+        return {"enabled": self._enabled, "device": self._device, "policy": self._policy.to_config(),
+                "state": self.get_state()._asdict() if self._enabled else None,
+                "sync_found_inf": self.sync_found_inf, "process_group": self.process_group,
+                "diagnose": self.forensics.mode if self.forensics is not None else False,
+                "headroom_every": self._headroom_every}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`__getstate__`. A pickle is input from outside too: everything is checked
+        first (``ValueError`` naming the key, and the object is left as it was)."""
+        self._assign(**parse_pickle(state))
+
+    def __repr__(self) -> str:
+        where = self.device if self._path is not None else "uninitialized"
+        return f"LossScaler(policy={self._policy!r}, device={where}, enabled={self._enabled})"
+
+
+__all__ = ["LossScaler"]

@@ -1,0 +1,122 @@
+"""``ScalerStepMonitor``: what a monitor of a hand-written torch loop does, written once.
+
+The Accelerate and Fabric monitors differ only in where they find the scaler, which of the
+framework's loggers join the run, and when a call counts as an optimizer step. Reading the scaler
+(through :class:`~lossscale_callbacks.torch.ScalerReader`), the interval, the health rules
+and ``should_stop``, the checkpoint and the summary are this class's, so both behave alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lossscale_callbacks._health import HealthSpec
+from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._metrics import Snapshot
+from lossscale_callbacks._sinks import Sink
+from lossscale_callbacks.torch._reader import ScalerReader
+
+__all__ = ["ScalerStepMonitor"]
+
+
+class ScalerStepMonitor:
+    """Reads a torch loss scaler once per interval of optimizer steps, through the core's logging loop.
+
+    A subclass finds the scaler and the framework's sinks and calls this ``__init__``; its
+    ``step()`` calls :meth:`_count_step` after each optimizer step. The state is read from the
+    device only when an interval ends (and in :meth:`finish`); metrics go to the sinks from the
+    writer process only, the health rules run on every process, and a ``"stop"`` rule sets
+    :attr:`should_stop` on all alike (break out of the loop when it is true).
+
+    Args:
+        scaler: what :class:`~lossscale_callbacks.torch.ScalerReader` reads.
+        log_every: optimizer steps between reads (>= 1).
+        health: the health rules (``None``/``False`` off, ``"warn"``, ``"raise"``, ``"stop"``, or rules).
+        tensorboard: a log directory for a TensorBoard sink the loop owns.
+        wandb: ``True`` or ``wandb.init`` arguments for a W&B sink the loop owns.
+        sinks: more sinks (the caller's).
+        writer: whether this process writes to the sinks and prints.
+        echo: prints the end-of-run summary on the writer (``None``: silent).
+        run_sinks: the framework's loggers or trackers, written and flushed, never closed here.
+
+    Example:
+        >>> import torch
+        >>> from lossscale_callbacks import InMemorySink
+        >>> from lossscale_callbacks.torch import LossScaler
+        >>> class Monitor(ScalerStepMonitor):
+        ...     def step(self):
+        ...         return self._count_step()
+        >>> scaler, memory = LossScaler(device="cpu"), InMemorySink()
+        >>> monitor = Monitor(scaler, log_every=1, sinks=[memory], writer=True, echo=None)
+        >>> weight = torch.ones(2, requires_grad=True)
+        >>> optimizer = torch.optim.SGD([weight], lr=0.1)
+        >>> scaler.scale(weight.sum()).backward(); scaler.step(optimizer); scaler.update()
+        >>> monitor.step().scale, memory.series("loss_scale/steps")
+        (65536.0, [(1, 1.0)])
+    """
+
+    # What must have happened before the first step() (the framework's words), for its error.
+    _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated"
+
+    def __init__(self, scaler: Any, *, log_every: int = 100, health: HealthSpec = "warn",
+                 tensorboard: Any = None, wandb: Any = None, sinks: Iterable[Sink] = (),
+                 writer: bool = True, echo: Any = print, run_sinks: Iterable[Sink] = ()) -> None:
+        self.reader = ScalerReader(scaler)
+        self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
+                                sinks=sinks, health=health, writer=writer, echo=echo)
+        self.loop.start(sinks=run_sinks)
+        self.loop.restart_interval(self.reader.steps)
+
+    @property
+    def scaler(self) -> Any:
+        """The loss scaler read."""
+        return self.reader.scaler
+
+    @property
+    def summary(self) -> str | None:
+        """The end-of-run summary (after :meth:`finish`)."""
+        return self.loop.summary
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether a ``"stop"`` health rule fired (on every process alike): break out of the loop then."""
+        return self.loop.should_stop
+
+    def _count_step(self, log_step: int | None = None) -> Snapshot | None:
+        """Count one optimizer step; read the scaler when an interval ends (else no host read)."""
+        if not self.reader.started:  # host-side: no device read
+            raise RuntimeError(
+                f"{type(self).__name__}.step() counts an optimizer step, but the loss scaler has not "
+                f"scaled any loss yet: call it after optimizer.step(), {self._FIRST_STEP_NEEDS}")
+        self.reader.after_optimizer_step()  # device ops only for a stock scaler, no host read
+        return self.loop.maybe_observe(self.reader.steps, self.reader.read, sink_step=log_step,
+                                       read_forensics=self.reader.read_forensics)
+
+    def finish(self) -> str:
+        """End of training: one last read, the summary (printed on the writer, returned everywhere).
+
+        Closes the sinks made from ``tensorboard=``/``wandb=``; the framework's loggers are its own
+        to close.
+        """
+        return self.loop.finish(self.reader.read())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state and the step count (and a stock scaler's skipped steps, which
+        ``GradScaler`` does not keep). One host read."""
+        return self.reader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`, checked whole (the core's state gate) before anything changes.
+
+        A ``steps`` that disagrees with the scaler's, or a state saved with the other kind of
+        scaler, is refused. The logging loop then judges against the loaded policy, from the loaded
+        step on, and the first interval after the resume counts only its own steps.
+
+        Raises:
+            ValueError: naming the key or field; nothing was loaded.
+        """
+        self.reader.load_state_dict(state)
+        self.loop.set_policy(self.reader.policy)
+        self.loop.restart_interval(self.reader.steps)
+        self.loop.baseline(self.reader.read())  # one read now, not a step

@@ -1,0 +1,289 @@
+"""One metric schema for every framework and sink, and the host-side tracker that fills it.
+
+Step axis: every metric is logged against the number of optimizer steps *attempted*,
+skipped ones included (``LossScaleState.steps``). Keras 3's own optimizer does not count
+skipped steps in ``iterations``; this axis does, so the dashboards of a Keras run and a
+Lightning run line up.
+
+The tracker runs only when the integration reads the device state, at the log interval:
+one host read per interval, never one per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
+from lossscale_callbacks._validation import check_int, check_number, host_number
+
+SCALE = "loss_scale/scale"
+LOG2_SCALE = "loss_scale/log2_scale"
+GROWTH_COUNTER = "loss_scale/growth_counter"
+SKIPPED_STEPS = "loss_scale/skipped_steps"
+SKIPPED_IN_INTERVAL = "loss_scale/skipped_in_interval"
+SKIP_RATE = "loss_scale/skip_rate"
+# Written only after a restart (the steps went backwards): which segment of the run a row belongs to.
+SEGMENT = "loss_scale/segment"
+# The optimizer steps attempted, as a value: a logger whose own step axis counts something else
+# (Lightning's logging step counts batches, from 0) still carries the count the rates are based on.
+STEPS = "loss_scale/steps"
+
+METRIC_NAMES: tuple[str, ...] = (
+    SCALE, LOG2_SCALE, GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, SKIP_RATE, STEPS,
+)
+# Written once per run (text or config), not as series: the policy's settings and bounds
+# (lossscale_callbacks._sinks.POLICY_TAG); and the reports.
+SUMMARY_TAG = "loss_scale/summary"
+RESTART_TAG = "loss_scale/restart"
+ALIGNMENT_TAG = "loss_scale/alignment"
+COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)
+INTERVAL_METRICS: tuple[str, ...] = (SKIPPED_IN_INTERVAL, SKIP_RATE)
+
+# The "Loss scale" dashboard section: (chart title, tag), in order. The TensorBoard sink and the
+# Lightning monitor both build their Custom Scalars layout from this one list.
+DASHBOARD_SECTION = "Loss scale"
+DASHBOARD_CHARTS: tuple[tuple[str, str], ...] = (
+    ("loss scale, log2 (15 = 32768)", LOG2_SCALE),
+    ("skipped steps per log interval", SKIPPED_IN_INTERVAL),
+    ("skip rate per log interval", SKIP_RATE),
+    ("growth counter (clean steps since the scale last changed)", GROWTH_COUNTER),
+    ("skipped steps (cumulative)", SKIPPED_STEPS),
+    ("loss scale", SCALE),
+)
+STEP_AXIS = "optimizer steps attempted (skipped steps included)"
+_INT64_MAX = 2**63 - 1
+_SNAPSHOT_COUNTS = ("step", "growth_counter", "hysteresis_left", "skipped_steps", "interval_steps",
+                    "skipped_in_interval", "consecutive_skipped", "steps_at_min_scale",
+                    "total_steps_at_min_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What one read of the device state tells, plus what the tracker derived from the last reads.
+
+    ``consecutive_skipped`` and ``steps_at_min_scale`` are measured at log-interval
+    resolution: an interval counts as all-skipped when every step in it was skipped, and as
+    spent at ``min_scale`` when the scale was at its minimum at both of its ends.
+    """
+
+    step: int
+    scale: float
+    growth_counter: int
+    hysteresis_left: int
+    skipped_steps: int
+    interval_steps: int
+    skipped_in_interval: int
+    skip_rate: float
+    at_min_scale: bool
+    consecutive_skipped: int
+    steps_at_min_scale: int
+    total_steps_at_min_scale: int
+
+    def __post_init__(self) -> None:
+        try:  # the invariants first, cheaply: the report rebuilds a million snapshots
+            consistent = (0 <= self.skipped_steps <= self.step and 0 <= self.skipped_in_interval
+                          <= self.interval_steps and 0.0 <= self.skip_rate <= 1.0
+                          and min(self.growth_counter, self.hysteresis_left, self.consecutive_skipped,
+                                  self.steps_at_min_scale, self.total_steps_at_min_scale) >= 0)
+        except TypeError:
+            consistent = False
+        integral = (type(self.step) is type(self.skipped_steps) is type(self.interval_steps)
+                    is type(self.skipped_in_interval) is type(self.growth_counter)
+                    is type(self.hysteresis_left) is type(self.consecutive_skipped)
+                    is type(self.steps_at_min_scale) is type(self.total_steps_at_min_scale) is int)
+        if not (consistent and integral) or type(self.scale) is not float:
+            self._explain()
+
+    def _explain(self) -> None:
+        """Raise the ``ValueError`` that names what is wrong with this snapshot."""
+        for name in _SNAPSHOT_COUNTS:
+            check_int(f"Snapshot.{name}", getattr(self, name), 0, _INT64_MAX)
+        check_number("Snapshot.skip_rate", self.skip_rate, 0.0, 1.0)
+        if type(self.scale) is not float:
+            raise ValueError(f"Snapshot.scale must be a float, got {self.scale!r}")
+        raise ValueError(f"Snapshot: more skipped steps than steps (skipped_steps={self.skipped_steps}, "
+                         f"step={self.step}, skipped_in_interval={self.skipped_in_interval}, "
+                         f"interval_steps={self.interval_steps})")
+
+    def metrics(self) -> dict[str, float | int]:
+        """The metric schema as plain numbers, ready for any logger: counts are ``int``, the rest ``float``.
+
+        ``loss_scale/log2_scale`` is the scale's exponent (loss scales are powers of two, so the
+        charts read 15, 14, 15... instead of hugging zero on a linear axis up to 2**24); NaN for a
+        scale that is not a positive finite number (a broken stock scaler).
+        """
+        return {
+            SCALE: self.scale,
+            LOG2_SCALE: log2_scale(self.scale),
+            GROWTH_COUNTER: int(self.growth_counter),
+            SKIPPED_STEPS: int(self.skipped_steps),
+            SKIPPED_IN_INTERVAL: int(self.skipped_in_interval),
+            SKIP_RATE: self.skip_rate,
+            STEPS: int(self.step),
+        }
+
+
+def log2_scale(scale: float) -> float:
+    """``log2(scale)``, or NaN when ``scale`` is not a positive finite number."""
+    return math.log2(scale) if math.isfinite(scale) and scale > 0 else math.nan
+
+
+def _count(owner: str, name: str, value: Any) -> int:
+    return check_int(f"{owner}{name}", value, 0, _INT64_MAX, allow_integral_float=True)
+
+
+def _raw_fields(state: Any) -> tuple[Any, ...]:
+    """The five fields of ``state`` in :data:`STATE_FIELDS` order; a ``ValueError`` names a missing one."""
+    if type(state) is LossScaleState:
+        return tuple(state)
+    if isinstance(state, Mapping):
+        missing = [name for name in STATE_FIELDS if name not in state]
+        if missing:
+            raise ValueError(f"state: the field {missing[0]!r} is missing; a loss-scale state has "
+                             f"{list(STATE_FIELDS)}")
+        return tuple(state[name] for name in STATE_FIELDS)
+    if not all(hasattr(state, name) for name in STATE_FIELDS):
+        raise ValueError(f"state must be a LossScaleState or a mapping with {list(STATE_FIELDS)}, "
+                         f"got {type(state).__name__}")
+    return tuple(getattr(state, name) for name in STATE_FIELDS)
+
+
+def observed_state(state: Any) -> LossScaleState:
+    """A state read from a scaler, checked and as Python numbers: the input of every observation.
+
+    The counters must be integers >= 0 (an integral float such as ``3.0``, as a float64 read
+    gives them, is accepted) with ``skipped_steps <= steps``; the scale must be a real number. A
+    scale that is NaN, Inf, zero or negative is kept: it is what a broken stock scaler holds, and
+    the dashboards must show it.
+
+    Raises:
+        ValueError: naming the field that is missing or wrong.
+
+    Example:
+        >>> observed_state({"steps": 10.0, "skipped_steps": 2, "scale": 8, "growth_counter": 0,
+        ...                 "hysteresis_left": 1})
+        LossScaleState(scale=8.0, growth_counter=0, hysteresis_left=1, skipped_steps=2, steps=10)
+        >>> observed_state({"steps": 3, "skipped_steps": 5, "scale": 8.0, "growth_counter": 0,
+        ...                 "hysteresis_left": 1})
+        Traceback (most recent call last):
+        ...
+        ValueError: state: skipped_steps (5) cannot exceed steps (3)
+    """
+    if type(state) is dict:  # the common case, without the checks' cost (a million reads in a report)
+        try:
+            scale, growth, hysteresis, skipped, steps = (state["scale"], state["growth_counter"],
+                                                         state["hysteresis_left"], state["skipped_steps"],
+                                                         state["steps"])
+        except KeyError:
+            scale, growth, hysteresis, skipped, steps = _raw_fields(state)  # names the missing field
+    else:
+        scale, growth, hysteresis, skipped, steps = _raw_fields(state)
+    if not (type(growth) is int and type(hysteresis) is int and type(skipped) is int and type(steps) is int
+            and 0 <= growth <= _INT64_MAX and 0 <= hysteresis <= _INT64_MAX and 0 <= steps <= _INT64_MAX):
+        growth, hysteresis, skipped, steps = (
+            _count("state: ", name, host_number(value))
+            for name, value in zip(STATE_FIELDS[1:], (growth, hysteresis, skipped, steps), strict=True))
+    if type(scale) is not float:
+        scale = host_number(scale)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ValueError(f"state: scale must be a real number, got {scale!r} ({type(scale).__name__})")
+    if not 0 <= skipped <= steps:
+        raise ValueError(f"state: skipped_steps ({skipped}) cannot exceed steps ({steps})")
+    return LossScaleState(float(scale), growth, hysteresis, skipped, steps)
+
+
+def counts_restarted(prev_steps: int, prev_skipped: int, steps: int, skipped: int) -> bool:
+    """Whether two reads of the counters cannot come from one continuous run (a restart between them).
+
+    Example:
+        >>> counts_restarted(500, 3, 300, 1), counts_restarted(290, 0, 300, 21)
+        (True, True)
+        >>> counts_restarted(10, 1, 20, 4)
+        False
+    """
+    return steps < prev_steps or skipped < prev_skipped or skipped - prev_skipped > steps - prev_steps
+
+
+class MetricsTracker:
+    """Turns successive host reads of the state into :class:`Snapshot` s.
+
+    Args:
+        min_scale: the policy's ``min_scale``; a scale at or below it counts as "at the minimum".
+            ``None`` means the scale has no minimum to get stuck at (a fixed scale); use
+            :meth:`for_policy` to get this right for any policy.
+
+    Example:
+        >>> from lossscale_callbacks import DynamicPolicy, initial_state, next_state
+        >>> policy = DynamicPolicy(initial_scale=4.0, min_scale=1.0)
+        >>> tracker = MetricsTracker(min_scale=policy.min_scale)
+        >>> state = initial_state(policy)
+        >>> for finite in [False, True, False, True]:
+        ...     state = next_state(policy, state, finite)
+        >>> snap = tracker.observe(state)  # the one host read of this interval
+        >>> snap.metrics()["loss_scale/skip_rate"], snap.scale
+        (0.5, 1.0)
+    """
+
+    def __init__(self, min_scale: float | None) -> None:
+        self.min_scale = (None if min_scale is None
+                          else check_number("min_scale", min_scale, 0.0, low_open=True))
+        self.reset()
+
+    @classmethod
+    def for_policy(cls, policy: Any) -> MetricsTracker:
+        """A tracker for ``policy``: a fixed scale is never "stuck at the minimum"."""
+        return cls(policy.min_scale if policy.dynamic else None)
+
+    def reset(self) -> None:
+        self._last: Snapshot | None = None
+
+    @property
+    def last(self) -> Snapshot | None:
+        return self._last
+
+    def observe(self, state: Any) -> Snapshot:
+        """Record one host read. ``state`` is a :class:`LossScaleState` or a mapping of host numbers.
+
+        Raises:
+            ValueError: a field is missing or wrong (see :func:`observed_state`).
+        """
+        state = observed_state(state)
+        step, skipped, scale = state.steps, state.skipped_steps, state.scale
+        prev = self._last
+        prev_step = prev.step if prev is not None else 0
+        prev_skipped = prev.skipped_steps if prev is not None else 0
+        # A restored checkpoint or a new scaler can move the counters backwards, or add more skips than
+        # steps: no continuous run does either, so the counts start afresh.
+        if counts_restarted(prev_step, prev_skipped, step, skipped):
+            prev, prev_step, prev_skipped = None, 0, 0
+        interval = step - prev_step
+        skipped_now = skipped - prev_skipped
+        at_min = self.min_scale is not None and scale <= self.min_scale
+        stayed_at_min = at_min and (prev.at_min_scale if prev else False)
+        if interval == 0 and prev is not None:
+            # A second read at the same step (e.g. at train end) adds nothing to the runs.
+            consecutive, at_min_run = prev.consecutive_skipped, prev.steps_at_min_scale
+        else:
+            all_skipped = interval > 0 and skipped_now == interval
+            consecutive = (prev.consecutive_skipped if prev else 0) + interval if all_skipped else 0
+            at_min_run = (prev.steps_at_min_scale if prev else 0) + interval if stayed_at_min else 0
+        snapshot = Snapshot(
+            step=step,
+            scale=scale,
+            growth_counter=state.growth_counter,
+            hysteresis_left=state.hysteresis_left,
+            skipped_steps=skipped,
+            interval_steps=interval,
+            skipped_in_interval=skipped_now,
+            skip_rate=skipped_now / interval if interval > 0 else 0.0,
+            at_min_scale=at_min,
+            consecutive_skipped=consecutive,
+            steps_at_min_scale=at_min_run,
+            total_steps_at_min_scale=(prev.total_steps_at_min_scale if prev else 0)
+            + (interval if stayed_at_min else 0),
+        )
+        self._last = snapshot
+        return snapshot

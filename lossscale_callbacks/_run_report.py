@@ -1,0 +1,446 @@
+"""A run's loss scale in plain words and numbers: what ``lossscale-callbacks report`` says about one run.
+
+From a run's series (see :mod:`lossscale_callbacks._run_readers`), :func:`build_report` rebuilds the
+:class:`~lossscale_callbacks.extend.Snapshot` s the training run saw at each log interval and runs
+the same health rules over them.
+
+Example:
+    >>> report = build_report("run", {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)]})
+    >>> report.steps, report.final_scale
+    (200, 2048.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._forensics import totals_from_series
+from lossscale_callbacks._health import HealthMonitor, Rule, Verdict, assess, default_rules
+from lossscale_callbacks._metrics import MetricsTracker, Snapshot
+from lossscale_callbacks._run_readers import (
+    GROWTH_INTERVAL,
+    MAX_SCALE,
+    MIN_SCALE,
+    NoLossScaleError,
+    RunReadError,
+)
+
+__all__ = ["RunReport", "build_report", "snapshots_from_series"]
+
+DEFAULT_MIN_SCALE = 1.0
+
+
+
+def _find_prefix(series: Mapping[str, Sequence[tuple[int, float]]]) -> str:
+    """The tag prefix under which the run's ``loss_scale/scale`` lives.
+
+    ``""`` for this library's sinks, Lightning's loggers and W&B; ``"train/"`` for a run folder
+    read from above; ``"batch_"`` (or ``"train/batch_"``) for the per-batch series Keras'
+    ``TensorBoard`` callback writes from ``logs``. Per-epoch series (``epoch_``) are refused:
+    their step axis is epochs, not optimizer steps.
+    """
+    if m.SCALE in series:
+        return ""
+    prefixes = [tag[: -len(m.SCALE)] for tag in series if tag.endswith(m.SCALE)]
+    usable = [p for p in prefixes if p.endswith("/") or p.endswith("batch_")]
+    if not usable:
+        if any(p.endswith("epoch_") for p in prefixes):
+            raise NoLossScaleError(
+                "the run has only per-epoch loss-scale series (epoch_loss_scale/...), whose step axis is "
+                "epochs, not optimizer steps; log per batch (Keras' TensorBoard(update_freq=<int>)) or "
+                "write with LossScaleCallback(tensorboard=...)")
+        raise NoLossScaleError(f"the run has no {m.SCALE} series (tags found: "
+                           f"{', '.join(sorted(series)[:8]) or 'none'})")
+    # The library's own series first, then Keras' per-batch copies; the training run first.
+    best = min(0 if p.endswith("/") else 1 for p in usable)
+    usable = sorted(p for p in usable if (0 if p.endswith("/") else 1) == best)
+    if len(usable) > 1:
+        train = [p for p in usable if p.rstrip("/").removesuffix("batch_").rstrip("/").endswith("train")]
+        if len(train) == 1:
+            return train[0]
+        names = ", ".join(p + m.SCALE for p in usable)
+        raise RunReadError(f"the run has several {m.SCALE} series ({names}); name one run folder")
+    return usable[0]
+
+
+Points = Sequence[tuple[int, float]]
+# Series that describe the whole run (the policy), not one stretch of it.
+_RUN_WIDE = (MIN_SCALE, MAX_SCALE, GROWTH_INTERVAL)
+# Written together with the scale at every interval: they restart exactly where it does (the logging
+# loop's restart marker among them, written with every metrics write after a restart).
+_WITH_THE_SCALE = (m.SCALE, m.LOG2_SCALE, m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL,
+                   m.SKIP_RATE, m.STEPS, m.SEGMENT)
+# A float32 bound read back as float64 may differ from the policy's by the last float32 bit.
+_BOUND_SLACK = 2.0**-22
+
+
+def _steps_of(points: Points) -> np.ndarray:
+    return np.fromiter(map(operator.itemgetter(0), points), dtype=np.int64, count=len(points))
+
+
+def _splits(points: Points, strict: bool) -> list[int]:
+    """Where each segment of ``points`` starts: where the step does not increase (``strict``: where it
+    goes down, for counts a sink may write twice at one step)."""
+    steps = _steps_of(points)
+    back = np.diff(steps) < 0 if strict else np.diff(steps) <= 0
+    return [0, *(np.flatnonzero(back) + 1).tolist()]
+
+
+def _scale_splits(series: Mapping[str, Points], prefix: str) -> list[int]:
+    """Where the scale series' segments start: where its step does not increase, and where the restart
+    marker (``loss_scale/segment``, written with every metrics write after a restart) starts or changes."""
+    scale = series[prefix + m.SCALE]
+    starts = set(_splits(scale, strict=False))
+    marker = series.get(prefix + m.SEGMENT, [])
+    offset = len(scale) - len(marker)
+    # The marker rides on the scale's own writes, so it lines up with the scale's last points.
+    if marker and offset >= 0 and np.array_equal(_steps_of(marker), _steps_of(scale)[offset:]):
+        numbers = [number for _, number in marker]
+        starts.update(offset + i for i in range(len(numbers))
+                      if (i == 0 and offset > 0) or (i > 0 and numbers[i] != numbers[i - 1]))
+    return sorted(starts)
+
+
+def split_segments(series: Mapping[str, Points], prefix: str = "") -> list[dict[str, Points]]:
+    """The run's series cut where its step count went back (a restart: an old checkpoint loaded, a new
+    scaler), oldest segment first; a run that never restarted is one segment.
+
+    The scale series decides where segments start (where its step does not increase, and where the
+    ``loss_scale/segment`` marker of a restart says so). A series written with the scale (the same
+    steps) is cut at the same points; any other is cut where its own step goes back, and its pieces
+    are matched from the latest segment back (a series that began later has fewer). Series that
+    describe the whole run (the policy's bounds and growth interval) go with every segment.
+
+    Example:
+        >>> series = {"loss_scale/scale": [(100, 8.0), (200, 16.0), (100, 2.0), (200, 4.0), (300, 8.0)]}
+        >>> [s["loss_scale/scale"][-1] for s in split_segments(series)]
+        [(200, 16.0), (300, 8.0)]
+    """
+    scale_starts = _scale_splits(series, prefix)
+    scale_steps = _steps_of(series[prefix + m.SCALE])
+    segments: list[dict[str, Points]] = [{} for _ in scale_starts]
+    for tag, points in series.items():
+        name = tag[len(prefix):] if tag.startswith(prefix) else tag
+        if name in _RUN_WIDE:
+            for segment in segments:
+                segment[tag] = points
+            continue
+        same_steps = len(points) == len(scale_steps) and np.array_equal(_steps_of(points), scale_steps)
+        starts = scale_starts if same_steps else _splits(points, strict=name not in _WITH_THE_SCALE)
+        pieces = [points[a:b] for a, b in zip(starts, [*starts[1:], len(points)], strict=True)]
+        for segment, piece in zip(segments[::-1], pieces[::-1], strict=False):
+            segment[tag] = piece
+    return segments
+
+
+def _policy_bounds(series: Mapping[str, Points], prefix: str) -> tuple[float, float] | None:
+    low, high = series.get(prefix + MIN_SCALE), series.get(prefix + MAX_SCALE)
+    return (float(low[-1][1]), float(high[-1][1])) if low and high else None
+
+
+def _values_of(points: Points) -> np.ndarray:
+    return np.fromiter(map(operator.itemgetter(1), points), dtype=np.float64, count=len(points))
+
+
+def _drop_out_of_bounds(series: dict[str, Points], prefix: str, damage: list[str]) -> None:
+    """Leave out the scales the run's own policy cannot produce (damage written as data), saying so."""
+    bounds = _policy_bounds(series, prefix)
+    if bounds is None:
+        return
+    tag = prefix + m.SCALE
+    values = _values_of(series[tag])
+    inside = (values >= bounds[0] * (1 - _BOUND_SLACK)) & (values <= bounds[1] * (1 + _BOUND_SLACK))
+    if inside.all():
+        return
+    for i in np.flatnonzero(~inside).tolist():
+        step, value = series[tag][i]
+        damage.append(f"step {step}: a loss scale of {value:g} (2^{math.log2(value):.1f}) is outside the "
+                      f"policy's bounds [{bounds[0]:g}, {bounds[1]:g}]: damage, not data (left out)")
+    series[tag] = [point for point, keep in zip(series[tag], inside.tolist(), strict=True) if keep]
+
+
+def _checked_scale(series: Mapping[str, Points], prefix: str) -> None:
+    values = _values_of(series[prefix + m.SCALE])
+    bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
+    if bad.size:
+        step, value = series[prefix + m.SCALE][bad[0]]
+        raise RunReadError(f"the {prefix}{m.SCALE} series holds {value!r} at step {step}: "
+                           "not a loss scale (a finite number > 0)")
+
+
+def _aligned(points: Points, steps: list[int], default: float | None) -> list[float]:
+    """The values of ``points`` at ``steps`` (where a step has none: ``default``, or the step itself when
+    None); a series written with the scale (the same steps) is taken as it is."""
+    if len(points) == len(steps) and all(a == b for (a, _), b in zip(points, steps, strict=True)):
+        return [value for _, value in points]
+    by_step = {int(step): float(value) for step, value in points}
+    return [by_step.get(step, step if default is None else default) for step in steps]
+
+
+def _min_scale_of(series: Mapping[str, Points], prefix: str, min_scale: float | None) -> float:
+    if min_scale is not None:
+        return float(min_scale)
+    bounds = series.get(prefix + MIN_SCALE)
+    return float(bounds[-1][1]) if bounds else DEFAULT_MIN_SCALE
+
+
+def _segment_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> list[Snapshot]:
+    """The snapshots one segment logged: the tracker sees what the integration saw at each interval."""
+    scale = segment[prefix + m.SCALE]
+    steps = [int(step) for step, _ in scale]
+    growth = _aligned(segment.get(prefix + m.GROWTH_COUNTER, ()), steps, 0)
+    skipped = _aligned(segment.get(prefix + m.SKIPPED_STEPS, ()), steps, 0)
+    # Runs logged on another axis (Lightning's logging step) carry the optimizer steps as a value.
+    attempted = _aligned(segment.get(prefix + m.STEPS, ()), steps, None)
+    tracker = MetricsTracker(min_scale=min_scale)
+    return [tracker.observe({"steps": int(at), "scale": float(value), "growth_counter": int(counter),
+                             "hysteresis_left": 0, "skipped_steps": int(skips)})
+            for (_, value), at, counter, skips in zip(scale, attempted, growth, skipped, strict=True)]
+
+
+def snapshots_from_series(series: Mapping[str, Points],
+                          min_scale: float | None = None) -> tuple[list[Snapshot], float]:
+    """Rebuild the snapshots a run logged, one per log interval, from its metric series.
+
+    The tracker sees what the integration saw at each interval: the step, the scale, the growth
+    counter and the cumulative skipped steps. A run that restarted (see :func:`split_segments`)
+    gives the snapshots of its latest segment. Returns the snapshots and the ``min_scale`` used
+    (from ``min_scale``, else the run's ``loss_scale/min_scale`` series, else the policy default 1.0).
+    """
+    prefix = _find_prefix(series)
+    _checked_scale(series, prefix)
+    used = _min_scale_of(series, prefix, min_scale)
+    return _segment_snapshots(split_segments(series, prefix)[-1], prefix, used), used
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One stretch of a run between restarts (the step count going back), judged on its own.
+
+    ``index`` counts restarts as the logging loop's ``loss_scale/segment`` does: 0 before the first,
+    1 after it, and so on. ``skipped_steps`` is None when the run did not log skipped steps.
+    """
+
+    index: int
+    first_step: int
+    last_step: int
+    log_points: int
+    skipped_steps: int | None
+    final_scale: float
+    verdicts: tuple[Verdict, ...]
+
+    def words(self) -> str:
+        """The segment in one line."""
+        skipped = ("skipped steps not logged" if self.skipped_steps is None
+                   else f"{self.skipped_steps} skipped")
+        problems = f"{len(self.verdicts)} problem(s)" if self.verdicts else "no problem found"
+        return (f"segment {self.index}: steps {self.first_step} to {self.last_step} ({self.log_points} log "
+                f"points), {skipped}, final scale {self.final_scale:g}, {problems}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "healthy": not self.verdicts}
+
+
+def _forensics_lines(forensics: Any) -> list[str]:
+    named = {"loss_nonfinite": "non-finite loss", "grad_inf": "Inf gradients",
+             "grad_nan": "NaN gradients", "grad_nonfinite": "non-finite gradients (kind not told)"}
+    parts = [f"{count} {named[c]}" for c, count in forensics.causes.items() if count]
+    lines = ["Skip causes (overflow forensics): " + (", ".join(parts) or "none recorded")]
+    ranked = sorted(forensics.layer_skips.items(), key=lambda item: -item[1])
+    if ranked:
+        lines.append("Layers with non-finite gradients in skipped steps: "
+                     + ", ".join(f"`{layer}` ({count})" for layer, count in ranked[:5]))
+    return lines + forensics.sentences()
+
+
+def _listed(sentences: Sequence[str], limit: int = 3) -> str:
+    return "; ".join(sentences[:limit]) + ("; ..." if len(sentences) > limit else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    """What ``lossscale-callbacks report`` says about one run.
+
+    A run whose step count went back (an old checkpoint loaded, a new scaler) is cut into
+    ``segments``, each judged on its own; the numbers, verdicts and snapshots are those of the
+    latest segment, the run's state. ``skipped_steps`` and ``skip_rate`` are ``None`` when the run
+    did not log ``loss_scale/skipped_steps``: then nothing is known about skips, and the skip rules
+    are not judged. ``damage``: records left out as damaged (by the reader, or scales outside the
+    policy's bounds); ``notes``: what the reader adds (a file that ends inside a record).
+    """
+
+    path: str
+    reader: str
+    steps: int
+    skipped_steps: int | None
+    skip_rate: float | None
+    final_scale: float
+    min_scale_seen: float
+    max_scale_seen: float
+    min_scale: float
+    steps_at_min_scale: int
+    log_points: int
+    verdicts: tuple[Verdict, ...]
+    series: Mapping[str, Sequence[tuple[int, float]]] = dataclasses.field(repr=False, compare=False)
+    snapshots: tuple[Snapshot, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    health: str = ""
+    max_scale: float | None = None
+    forensics: Any = None
+    damage: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    segments: tuple[Segment, ...] = ()
+
+    @property
+    def healthy(self) -> bool:
+        return not self.verdicts
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain numbers for machines (``--json``)."""
+        return {
+            "path": self.path,
+            "reader": self.reader,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "skip_rate": self.skip_rate,
+            "final_scale": self.final_scale,
+            "min_scale_seen": self.min_scale_seen,
+            "max_scale_seen": self.max_scale_seen,
+            "min_scale": self.min_scale,
+            "steps_at_min_scale": self.steps_at_min_scale,
+            "log_points": self.log_points,
+            "healthy": self.healthy,
+            "verdicts": [dataclasses.asdict(v) for v in self.verdicts],
+            "bounds": {"min_scale": self.min_scale, "max_scale": self.max_scale},
+            "summary": self.text(),
+            "damage": list(self.damage),
+            "notes": list(self.notes),
+            "segments": [segment.to_json() for segment in self.segments],
+            "forensics": None if self.forensics is None else {
+                "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips)},
+            # (step, value) pairs: JSON writes a tuple as an array, so the pairs need no copy
+            "series": {tag: list(points) for tag, points in self.series.items()},
+        }
+
+    def _restart_line(self) -> list[str]:
+        if len(self.segments) < 2:
+            return []
+        latest, earlier = self.segments[-1], self.segments[:-1]
+        return [f"Restarts: the step count went back {len(earlier)} time(s) (an old checkpoint loaded, or "
+                f"a new scaler); reported here is the latest segment ({latest.index}, steps "
+                f"{latest.first_step} to {latest.last_step}). Earlier: "
+                + "; ".join(segment.words() for segment in earlier) + "."]
+
+    def _health_line(self) -> str:
+        if self.healthy and self.skipped_steps is None:
+            return ("Health: no problem seen, but only the scale was logged: skipped steps and the "
+                    "skip rate could not be judged.")
+        return self.health or assess((), list(self.snapshots), self.verdicts)
+
+    def text(self) -> str:
+        """The summary in plain words."""
+        if self.steps == 0:
+            return f"{self.path}: the run logged its loss scale, but no optimizer step was taken."
+        at_min = (f"about {self.steps_at_min_scale}" if self.steps_at_min_scale else "none seen")
+        lines = [
+            f"Run: {self.path} (read as {self.reader}, {self.log_points} log points)",
+            *self._restart_line(),
+            f"Optimizer steps attempted: {self.steps}",
+            f"Skipped steps (Inf/NaN gradients): {self.skipped_steps} ({self.skip_rate:.2%})"
+            if self.skipped_steps is not None and self.skip_rate is not None else
+            f"Skipped steps (Inf/NaN gradients): not logged by this run (no {m.SKIPPED_STEPS} series)",
+            f"Loss scale: final {self.final_scale:g} (2^{math.log2(self.final_scale):.1f}); "
+            f"ranged from {self.min_scale_seen:g} to {self.max_scale_seen:g}",
+            f"Steps at the minimum scale ({self.min_scale:g}): {at_min}",
+            self._health_line(),
+        ]
+        if self.forensics is not None:
+            lines.extend(_forensics_lines(self.forensics))
+        if self.damage:
+            lines.append(f"Damaged records, left out ({len(self.damage)}): {_listed(self.damage)}")
+        if self.notes:
+            lines.append(f"Note: {_listed(self.notes)}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Judged:
+    """One segment judged: its snapshots, the health monitor that saw them, its forensics."""
+
+    snapshots: list[Snapshot]
+    monitor: HealthMonitor
+    verdicts: list[Verdict]
+    forensics: Any
+    skips_logged: bool
+
+
+def _judge(segment: Mapping[str, Points], prefix: str, min_scale: float,
+           rules: Sequence[Rule] | None) -> _Judged:
+    snapshots = _segment_snapshots(segment, prefix, min_scale)
+    interval = segment.get(prefix + GROWTH_INTERVAL)
+    growth_interval = int(interval[-1][1]) if interval else None
+    monitor = HealthMonitor(default_rules("warn", growth_interval) if rules is None else rules)
+    for snap in snapshots:
+        monitor.observe(snap)
+    monitor.final()
+    verdicts = list(monitor.verdicts)
+    forensics = totals_from_series({tag[len(prefix):]: points for tag, points in segment.items()
+                                    if tag.startswith(prefix)})
+    if forensics is not None and forensics.causes["loss_nonfinite"]:
+        verdicts.append(Verdict("NonFiniteLoss", "warn", snapshots[-1].step, forensics.sentences()[0]))
+    return _Judged(snapshots, monitor, verdicts, forensics, bool(segment.get(prefix + m.SKIPPED_STEPS)))
+
+
+def _segment(index: int, judged: _Judged) -> Segment:
+    first, last = judged.snapshots[0], judged.snapshots[-1]
+    return Segment(index, first.step, last.step, len(judged.snapshots),
+                   last.skipped_steps if judged.skips_logged else None, last.scale, tuple(judged.verdicts))
+
+
+def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_scale: float | None = None,
+                 rules: Sequence[Rule] | None = None, damage: Sequence[str] = (),
+                 notes: Sequence[str] = ()) -> RunReport:
+    """Describe a run from its series: counts, scale range, time at the minimum, health verdicts.
+
+    Series are taken in the order written: where the step count goes back, a new segment starts
+    (see :func:`split_segments`) and the latest one is reported as the run's state, the earlier ones
+    named. Scales outside the bounds of the run's own policy (its ``loss_scale/min_scale`` and
+    ``loss_scale/max_scale``) are left out as damage. ``damage`` and ``notes`` are what the reader
+    found (one sentence each); the report says them.
+
+    Example:
+        >>> series = {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)],
+        ...           "loss_scale/skipped_steps": [(100, 3.0), (200, 3.0)]}
+        >>> report = build_report("run", series)
+        >>> report.steps, report.skipped_steps, report.final_scale, report.healthy
+        (200, 3, 2048.0, True)
+    """
+    prefix = _find_prefix(series)
+    _checked_scale(series, prefix)
+    series, damage = dict(series), list(damage)
+    _drop_out_of_bounds(series, prefix, damage)
+    if not series[prefix + m.SCALE]:
+        raise NoLossScaleError(f"{path}: the {prefix}{m.SCALE} series holds no loss scale")
+    used_min = _min_scale_of(series, prefix, min_scale)
+    judged = [_judge(segment, prefix, used_min, rules) for segment in split_segments(series, prefix)]
+    latest = judged[-1]
+    last = latest.snapshots[-1]
+    scales = [s.scale for s in latest.snapshots]
+    upper = series.get(prefix + MAX_SCALE)
+    return RunReport(
+        path=path, reader=reader, steps=last.step,
+        skipped_steps=last.skipped_steps if latest.skips_logged else None,
+        skip_rate=(last.skipped_steps / last.step if last.step else 0.0) if latest.skips_logged else None,
+        final_scale=last.scale, min_scale_seen=min(scales), max_scale_seen=max(scales), min_scale=used_min,
+        steps_at_min_scale=last.total_steps_at_min_scale, log_points=len(latest.snapshots),
+        verdicts=tuple(latest.verdicts), series=series, snapshots=tuple(latest.snapshots),
+        health=latest.monitor.assessment(), max_scale=float(upper[-1][1]) if upper else None,
+        forensics=latest.forensics, damage=tuple(damage), notes=tuple(notes),
+        segments=tuple(_segment(i, j) for i, j in enumerate(judged)),
+    )

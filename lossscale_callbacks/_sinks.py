@@ -1,0 +1,300 @@
+"""Where metrics go: the ``Sink`` protocol, an in-memory sink, and the guard every sink runs behind.
+
+A sink receives the metric schema of :mod:`lossscale_callbacks._metrics` at the log interval.
+Training must never die because a dashboard is down, so integrations wrap each sink in
+:class:`GuardedSink`: the first failure is warned once and the sink is disabled, while the
+other sinks and the training run go on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from lossscale_callbacks._at_exit import close_at_exit, forget_at_exit
+from lossscale_callbacks._ranks import is_rank_zero
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """A destination for loss-scale metrics (TensorBoard, W&B, memory, ...).
+
+    ``step`` is the number of optimizer steps attempted, skipped ones included.
+
+    Three optional methods, used when a sink has them: ``write_config(config)`` receives the
+    policy once per run (without it the sink gets the policy as a markdown table through
+    ``write_text``), ``alert_verdict(verdict)`` receives each health problem (W&B alerts), and
+    ``write_histogram(step, tag, edges, counts)`` the overflow forensics' gradient histogram.
+    """
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def write_text(self, tag: str, markdown: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InMemorySink:
+    """Keeps everything written to it: for tests, notebooks and custom reporting.
+
+    Example:
+        >>> sink = InMemorySink()
+        >>> sink.write(100, {"loss_scale/scale": 1024.0})
+        >>> sink.series("loss_scale/scale")
+        [(100, 1024.0)]
+    """
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict[str, float]]] = []
+        self.texts: list[tuple[str, str]] = []
+        self.histograms: list[tuple[int, str, tuple[float, ...], tuple[int, ...]]] = []
+        self.flushes = 0
+        self.closed = False
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.records.append((int(step), {k: float(v) for k, v in metrics.items()}))
+
+    def write_text(self, tag: str, markdown: str) -> None:
+        self.texts.append((tag, markdown))
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        entry = (int(step), tag, tuple(float(e) for e in edges), tuple(int(c) for c in counts))
+        self.histograms.append(entry)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    def series(self, name: str) -> list[tuple[int, float]]:
+        """``(step, value)`` pairs of one metric, in the order written."""
+        return [(step, metrics[name]) for step, metrics in self.records if name in metrics]
+
+
+POLICY_TAG = "loss_scale/policy"
+
+
+def config_markdown(config: Mapping[str, object]) -> str:
+    """A policy config as a two-column markdown table (how sinks without a config channel show it).
+
+    Example:
+        >>> print(config_markdown({"type": "fixed", "scale": 128.0}))
+        | setting | value |
+        |---|---|
+        | type | fixed |
+        | scale | 128.0 |
+    """
+    # repr keeps every digit of a float (2**24 is 16777216.0, not :g's 1.67772e+07).
+    rows = [f"| {key} | {value!r} |" if isinstance(value, float) else f"| {key} | {value} |"
+            for key, value in config.items()]
+    return "\n".join(["| setting | value |", "|---|---|", *rows])
+
+
+class SinkFailureWarning(UserWarning):
+    """A sink failed and was disabled; training goes on."""
+
+
+class GuardedSink:
+    """Runs a sink so that its failure costs one warning, never the training run.
+
+    Args:
+        sink: any object with the :class:`Sink` methods.
+        name: how the warning names the sink (defaults to its class name).
+    """
+
+    def __init__(self, sink: Sink, name: str | None = None) -> None:
+        for method in ("write", "write_text", "flush", "close"):
+            if not callable(getattr(sink, method, None)):
+                raise ValueError(f"sink {sink!r} has no callable {method}(); a sink needs "
+                                 "write, write_text, flush and close")
+        self.sink = sink
+        self.name = name or type(sink).__name__
+        self.disabled = False
+
+    def _call(self, method: str, *args: object) -> None:
+        if self.disabled:
+            return
+        try:
+            getattr(self.sink, method)(*args)
+        except Exception as exc:  # any failure of a dashboard must not reach the training loop
+            self.disabled = True
+            warnings.warn(
+                f"[lossscale-callbacks] the {self.name} sink failed in {method}() and is disabled for "
+                f"the rest of this run; training and the other sinks go on. Cause: "
+                f"{type(exc).__name__}: {exc}",
+                SinkFailureWarning, stacklevel=3,
+            )
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._call("write", step, metrics)
+
+    def write_text(self, tag: str, markdown: str) -> None:
+        self._call("write_text", tag, markdown)
+
+    def _backend_has(self, method: str) -> bool:
+        backend = self.sink
+        # A guard around a guard (a managed sink handed to a group) asks the innermost backend.
+        while isinstance(backend, GuardedSink) and not callable(getattr(type(backend), method, None)):
+            backend = backend.sink
+        return callable(getattr(backend, method, None))
+
+    def write_config(self, config: Mapping[str, object]) -> None:
+        """The policy, once per run: the sink's own ``write_config``, else a markdown table as text."""
+        if self._backend_has("write_config"):
+            self._call("write_config", config)
+        else:
+            self._call("write_text", POLICY_TAG, config_markdown(config))
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        """A histogram (``len(edges) == len(counts) + 1``), for sinks that draw them; others ignore it."""
+        if self._backend_has("write_histogram"):
+            self._call("write_histogram", step, tag, edges, counts)
+
+    def alert_verdict(self, verdict: object) -> None:
+        """A health problem, for sinks that raise alerts (W&B); others ignore it."""
+        if self._backend_has("alert_verdict"):
+            self._call("alert_verdict", verdict)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def close(self) -> None:
+        if not self.disabled:
+            self._call("close")
+            return
+        # A disabled sink still holds files or a run: release them, without a second warning.
+        try:
+            self.sink.close()
+        except Exception:  # already reported once when the sink was disabled
+            pass
+
+
+class ManagedSink(GuardedSink):
+    """A sink backend run behind the guard, on rank 0 only, and closed at interpreter exit.
+
+    The dashboard sinks (TensorBoard, W&B) are built on this class so that a plain training
+    loop that uses one directly gets the same protection as the framework callbacks: the
+    first failure (unwritable folder, full disk, W&B down) is warned once and disables the
+    sink, and training goes on. The rank is looked up at the first call (after the program has
+    set up ``torch.distributed``); on other ranks every call is a no-op and the backend never
+    opens anything. Once the backend has written, it is closed at interpreter exit unless
+    :meth:`close` was called before.
+
+    Args:
+        backend: the object doing the work, with ``write``, ``write_text``, ``flush``, ``close``.
+        name: how warnings name the sink.
+        all_ranks: write on every rank, not only rank 0 (for per-rank log folders).
+
+    Example:
+        >>> memory = InMemorySink()
+        >>> sink = ManagedSink(memory, name="memory", all_ranks=True)
+        >>> sink.write(1, {"loss_scale/scale": 2.0}); sink.close()
+        >>> memory.records, memory.closed
+        ([(1, {'loss_scale/scale': 2.0})], True)
+    """
+
+    def __init__(self, backend: Any, name: str, all_ranks: bool = False) -> None:
+        super().__init__(backend, name=name)
+        self.all_ranks = bool(all_ranks)
+        self._writes: bool | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether calls reach the backend: not disabled, and on a writing rank."""
+        if self.disabled:
+            return False
+        if self._writes is None:
+            self._writes = self.all_ranks or is_rank_zero()
+        return self._writes
+
+    def _call(self, method: str, *args: object) -> None:
+        if method == "close" and self.disabled:
+            forget_at_exit(self)
+            try:  # release what the failed backend holds; its failure was warned already
+                self.sink.close()
+            except Exception:
+                pass
+            return
+        if not self.active:
+            return
+        if method == "close":
+            forget_at_exit(self)
+        GuardedSink._call(self, method, *args)
+        if method != "close" and not self.disabled:
+            close_at_exit(self)
+
+
+def guarded_sinks(sinks: Any, name: str = "sinks") -> list[GuardedSink]:
+    """``sinks`` checked (an iterable of objects with the Sink methods), each behind its guard.
+
+    Raises:
+        ValueError: naming ``name`` when ``sinks`` is not an iterable of sinks (``None``, a string, an
+            object without ``write``...).
+
+    Example:
+        >>> [type(s).__name__ for s in guarded_sinks([InMemorySink()])]
+        ['GuardedSink']
+        >>> guarded_sinks(None)
+        Traceback (most recent call last):
+        ...
+        ValueError: sinks must be an iterable of Sink objects (write, write_text, flush, close), got None
+    """
+    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
+        raise ValueError(f"{name} must be an iterable of Sink objects (write, write_text, flush, close), "
+                         f"got {sinks!r}")
+    try:
+        return [s if isinstance(s, GuardedSink) else GuardedSink(s) for s in sinks]
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+class SinkGroup:
+    """Several guarded sinks written together.
+
+    Example:
+        >>> memory = InMemorySink()
+        >>> group = SinkGroup([memory])
+        >>> group.write(10, {"loss_scale/scale": 2.0})
+        >>> memory.series("loss_scale/scale")
+        [(10, 2.0)]
+    """
+
+    def __init__(self, sinks: Iterable[Sink] = ()) -> None:
+        self.sinks = guarded_sinks(sinks)
+
+    def __len__(self) -> int:
+        return len(self.sinks)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        for sink in self.sinks:
+            sink.write(step, metrics)
+
+    def write_text(self, tag: str, markdown: str) -> None:
+        for sink in self.sinks:
+            sink.write_text(tag, markdown)
+
+    def write_config(self, config: Mapping[str, object]) -> None:
+        for sink in self.sinks:
+            sink.write_config(config)
+
+    def write_histogram(self, step: int, tag: str, edges: Sequence[float], counts: Sequence[int]) -> None:
+        for sink in self.sinks:
+            sink.write_histogram(step, tag, edges, counts)
+
+    def alert_verdicts(self, verdicts: Iterable[object]) -> None:
+        verdicts = list(verdicts)
+        for sink in self.sinks:
+            for verdict in verdicts:
+                sink.alert_verdict(verdict)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
