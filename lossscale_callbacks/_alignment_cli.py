@@ -39,7 +39,7 @@ from lossscale_callbacks._check_limits import (
     ModelTooDeepError,
     run_deep,
 )
-from lossscale_callbacks._cli_common import fail, integer, positive_number
+from lossscale_callbacks._cli import fail, integer, positive_number
 from lossscale_callbacks._extras import MissingExtraError, install_hint
 from lossscale_callbacks.alignment._checkers import framework_of_file, load_checker
 from lossscale_callbacks.alignment._report import AlignmentReport

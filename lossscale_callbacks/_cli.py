@@ -1,7 +1,8 @@
 """The ``lossscale-callbacks`` command line.
 
 Each subcommand lives in its own module and registers itself on the parser (``report`` in
-:mod:`lossscale_callbacks._report_cli`, ``check`` in :mod:`lossscale_callbacks._alignment_cli`).
+:mod:`lossscale_callbacks._report_cli`, ``check`` in :mod:`lossscale_callbacks._alignment_cli`); a
+command line that names one imports only that one (``report`` never loads the alignment checker).
 
     lossscale-callbacks report RUN [--json] [--png PATH] [--min-scale X] [--fail-unhealthy]
     lossscale-callbacks check MODEL.keras --batch-size N [--json] [--target GPU] [--fail-on LEVEL]
@@ -16,28 +17,91 @@ read; the console script (:func:`console`) prints it as one line and exits with 
 from __future__ import annotations
 
 import argparse
+import importlib
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
-from lossscale_callbacks._alignment_cli import add_check_parser
-from lossscale_callbacks._cli_common import PROG, fail
 from lossscale_callbacks._extras import MissingExtraError
-from lossscale_callbacks._report_cli import add_report_parser
 from lossscale_callbacks._version import __version__
+
+# ---------------------------------------- folded in from _cli_common
+# What the ``lossscale-callbacks`` commands share: their name, one-line errors, argument types that say why.
+#
+# Example:
+#     >>> import argparse
+#     >>> parser = argparse.ArgumentParser()
+#     >>> _ = parser.add_argument("--batch-size", type=integer("--batch-size", 1, 64))
+#     >>> parser.parse_args(["--batch-size", "8"]).batch_size
+#     8
+#     >>> positive_number("--min-scale")("0.5")
+#     0.5
+
+
+PROG = "lossscale-callbacks"
+
+EXIT_BAD_INPUT = 2
+
+
+def fail(command: str, message: object, err: TextIO | None = None) -> int:
+    """Print ``message`` as one line on ``err`` (stderr) and return the bad-input exit status, 2.
+
+    One line, whatever the cause: these messages end up in CI logs and shell scripts. ``command``
+    (``"report"``, ``"check"``, or ``""`` for the program itself) starts the line.
+    """
+    where = f"{PROG} {command}" if command else PROG
+    print(f"{where}: error: {' '.join(str(message).split())}", file=err or sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def integer(flag: str, low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (no upper bound when None), else an error
+    naming ``flag``, the allowed range and ``why``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low or (high is not None and value > high):
+            allowed = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer {allowed}, got {text!r}{why}")
+        return value
+
+    return parse
+
+
+def positive_number(flag: str) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0, else an error naming ``flag``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number > 0, got {text!r}")
+        return value
+
+    return parse
+
 
 EXIT_OK = 0
 
 Handler = Callable[[argparse.Namespace], int]
+# subcommand -> (its module, the function that adds its parser); imported when the command line needs it.
+_COMMANDS = {"report": ("lossscale_callbacks._report_cli", "add_report_parser"),
+             "check": ("lossscale_callbacks._alignment_cli", "add_check_parser")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser with every subcommand, or with ``command`` alone when it is one of them."""
     parser = argparse.ArgumentParser(prog=PROG, description="lossscale-callbacks command line tools.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    add_report_parser(subparsers)
-    add_check_parser(subparsers)
+    for name in [command] if command in _COMMANDS else _COMMANDS:
+        module, register = _COMMANDS[name]
+        getattr(importlib.import_module(module), register)(subparsers)
     return parser
 
 
@@ -47,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         MissingExtraError: the command needs an optional package that is not installed.
     """
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     handler: Handler = args.handler
     try:
         status = handler(args)

@@ -22,6 +22,7 @@ from lossscale_callbacks._forensics import (
     ForensicsTotals,
     IntervalForensics,
 )
+from lossscale_callbacks._forensics_words import summarize
 from lossscale_callbacks._health import HealthMonitor, HealthSpec, Verdict
 from lossscale_callbacks._metrics import (
     ALIGNMENT_TAG,
@@ -34,11 +35,17 @@ from lossscale_callbacks._metrics import (
     counts_restarted,
     observed_state,
 )
-from lossscale_callbacks._owned_sinks import check_tensorboard, check_wandb, owned_sinks
 from lossscale_callbacks._policy import check_policy
 from lossscale_callbacks._ranks import is_rank_zero
-from lossscale_callbacks._sinks import GuardedSink, Sink, SinkGroup, guarded_sinks
-from lossscale_callbacks._summary import summarize
+from lossscale_callbacks._sinks import (
+    GuardedSink,
+    Sink,
+    SinkGroup,
+    check_tensorboard,
+    check_wandb,
+    guarded_sinks,
+    owned_sinks,
+)
 from lossscale_callbacks._validation import check_bool, check_int, check_number
 
 __all__ = ["LoggingLoop"]

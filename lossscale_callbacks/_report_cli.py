@@ -12,25 +12,118 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+import textwrap
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TextIO
 
-from lossscale_callbacks._cli_common import PROG, fail, positive_number
+from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._cli import PROG, fail, positive_number
 from lossscale_callbacks._extras import install_hint, require
-from lossscale_callbacks._report_outcomes import (
-    NO_LOSS_SCALE,
-    READ,
-    UNREADABLE,
-    RunOutcome,
-    judge_run,
-    judge_runs,
+from lossscale_callbacks._run_readers import (
+    FoundRun,
+    NoLossScaleError,
+    RunReadError,
+    RunSeries,
+    discover_runs,
+    read_series,
 )
-from lossscale_callbacks._report_output import JsonWriter, TextWriter
-from lossscale_callbacks._run_discovery import discover_runs
-from lossscale_callbacks._run_picture import write_png
+from lossscale_callbacks._run_report import RunReport, build_report, snapshots_from_series
 
-__all__ = ["add_report_parser", "run_report"]
+__all__ = [
+    "NO_LOSS_SCALE",
+    "READ",
+    "UNREADABLE",
+    "JsonWriter",
+    "RunOutcome",
+    "TextWriter",
+    "add_report_parser",
+    "health_word",
+    "judge_run",
+    "judge_runs",
+    "run_report",
+    "write_png",
+]
+
+
+# ---------------------------------------- folded in from _report_outcomes
+# What the report says about each run it found: read and judged, read but holding no loss scale, or not read.
+#
+# :func:`judge_runs` reads and judges one run at a time and hands each outcome on before reading the
+# next, so the report's memory does not grow with the number of runs. A run that cannot be read
+# (a corrupt file, a file the user may not read, a reader whose package is missing) is an outcome
+# like the others, with the reason and the pip command that would read it: it never stops the runs
+# after it.
+#
+# Example:
+#     >>> from lossscale_callbacks._run_readers import FoundRun
+#     >>> outcome = judge_run(FoundRun("no/such/run", "tensorboard"))
+#     >>> outcome.status, outcome.reason
+#     ('unreadable', 'no/such/run: no such file or folder')
+
+
+READ, NO_LOSS_SCALE, UNREADABLE = "read", "no_loss_scale", "unreadable"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """One run found on disk, as the report saw it.
+
+    Attributes:
+        path: the run's folder or file.
+        reader: the reader that read it or was meant to (``"tensorboard"``, ``"wandb"``), or None.
+        status: :data:`READ`, :data:`NO_LOSS_SCALE` (read, but no loss-scale series on the
+            optimizer-step axis) or :data:`UNREADABLE`.
+        report: the run's report when it was read.
+        reason: why it was not read (one sentence), or None.
+        install: the pip command that installs its missing reader, or None.
+    """
+
+    path: str
+    reader: str | None
+    status: str
+    report: RunReport | None = None
+    reason: str | None = None
+    install: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The run for ``--json``: the report's numbers when it was read, else why not."""
+        head = {"path": self.path, "reader": self.reader, "status": self.status, "reason": self.reason,
+                "install": self.install}
+        return head if self.report is None else {**self.report.to_json(), **head}
+
+
+def judge_run(found: FoundRun, min_scale: float | None = None) -> RunOutcome:
+    """Read and judge one run; every failure becomes an outcome, never an exception."""
+    if found.problem is not None:
+        return RunOutcome(found.path, found.kind, UNREADABLE, reason=found.problem)
+    reader = found.kind
+    try:
+        reader, series = read_series(found.path, found.kind)
+        said = series if isinstance(series, RunSeries) else RunSeries()
+        report = build_report(found.path, series, reader=reader, min_scale=min_scale, damage=said.damage,
+                              notes=said.notes)
+    except NoLossScaleError as exc:
+        return RunOutcome(found.path, reader, NO_LOSS_SCALE, reason=str(exc))
+    except RunReadError as exc:
+        return RunOutcome(found.path, reader, UNREADABLE, reason=str(exc), install=exc.install)
+    except OSError as exc:  # a file the user may not read, a disk error
+        reason = f"{exc.filename or found.path}: cannot be read ({exc.strerror or exc})"
+        return RunOutcome(found.path, reader, UNREADABLE, reason=reason)
+    except Exception as exc:  # a reader tripping over an unexpected file is still this run's problem only
+        return RunOutcome(found.path, reader, UNREADABLE,
+                          reason=f"{found.path}: cannot be read ({type(exc).__name__}: {exc})")
+    return RunOutcome(found.path, reader, READ, report=report)
+
+
+def judge_runs(runs: Iterable[FoundRun], min_scale: float | None = None) -> Iterator[RunOutcome]:
+    """:func:`judge_run` for each run in turn; a run is read only when the previous outcome was taken."""
+    for found in runs:
+        yield judge_run(found, min_scale)
+
 
 EXIT_OK, EXIT_UNHEALTHY = 0, 1
 
@@ -203,3 +296,209 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
                              "or could not be read (for CI)")
     parser.set_defaults(handler=run_report)
     return parser
+
+# ---------------------------------------- folded in from _report_output
+# How ``lossscale-callbacks report`` prints its outcomes: a table or one run in words, or JSON, run by run.
+#
+# Both writers print each run as it is judged and keep no report once it is printed, so a sweep of
+# a thousand runs costs the memory of one. The JSON has one shape whatever the number of runs: an
+# object whose ``runs`` list holds every run found, read or not (``status``, ``reason``,
+# ``install``), followed by ``png`` and the ``counts``.
+#
+# The text is the run's summary in plain words when the folder holds one readable run (the runs not
+# read are listed after it), and a table with one row per run, read or not, when it holds several.
+# To print the single summary the writer waits for the second readable run before it starts the
+# table, so it holds one report at most.
+#
+# Example:
+#     >>> import io
+#     >>> from lossscale_callbacks._report_cli import UNREADABLE, RunOutcome
+#     >>> out = io.StringIO()
+#     >>> writer = JsonWriter("runs", out)
+#     >>> writer.add(RunOutcome("runs/a", "wandb", UNREADABLE, reason="runs/a: bad header"))
+#     >>> writer.finish(png=None, counts={"runs": 1})
+#     >>> import json; json.loads(out.getvalue())["runs"][0]["reason"]
+#     'runs/a: bad header'
+
+
+# Series are long flat lists of (step, value) pairs: no indentation, no cycle check (a pair holds none).
+_COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+
+_HEADER = ("run", "steps", "skipped", "skip rate", "final scale", "health")
+
+_WIDTHS = (0, 9, 9, 9, 11)  # the run column is as wide as the longest run name
+
+
+def health_word(report: RunReport) -> str:
+    """The health column of the table: OK, the problems, what could not be judged, damage."""
+    if not report.healthy:
+        word = f"{len(report.verdicts)} problem(s)"
+    elif report.skipped_steps is None or "not everything could be judged" in report.health:
+        word = "no problem found (not fully judged)"
+    else:
+        word = "OK"
+    if report.damage:
+        word += f"; {len(report.damage)} damaged record(s) left out"
+    return word
+
+
+def _without_path(outcome: RunOutcome) -> str:
+    # The table names the run already; most readers start their messages with the path.
+    reason = outcome.reason or ""
+    return reason.removeprefix(f"{outcome.path}: ")
+
+
+def _not_read(outcome: RunOutcome) -> str:
+    what = "no loss-scale series" if outcome.status == NO_LOSS_SCALE else "not read"
+    words = f"{what}: {_without_path(outcome)}"
+    if outcome.install and outcome.install not in words:
+        words += f" (install: {outcome.install})"
+    return words
+
+
+class TextWriter:
+    """Prints the outcomes as words: one readable run in full, several as a table (see the module)."""
+
+    def __init__(self, root: str, paths: Sequence[str], out: TextIO) -> None:
+        self.root = root
+        self.out = out
+        names = [self._name(p) for p in paths]
+        self._widths = (max(len(_HEADER[0]), *map(len, names)), *_WIDTHS[1:])
+        self._held: list[RunOutcome] = []  # until a second readable run starts the table
+        self._table = False
+
+    def _name(self, path: str) -> str:
+        return "." if path == self.root else os.path.relpath(path, self.root)
+
+    def _line(self, cells: Sequence[str]) -> str:
+        padded = [cell.ljust(w) for cell, w in zip(cells[:-1], self._widths, strict=True)]
+        return "  ".join([*padded, cells[-1]]).rstrip()
+
+    def _row(self, outcome: RunOutcome) -> str:
+        r = outcome.report
+        if r is None:
+            return self._line((self._name(outcome.path), "-", "-", "-", "-", _not_read(outcome)))
+        return self._line((self._name(outcome.path), str(r.steps),
+                           "-" if r.skipped_steps is None else str(r.skipped_steps),
+                           "-" if r.skip_rate is None else f"{r.skip_rate:.2%}", f"{r.final_scale:g}",
+                           health_word(r)))
+
+    def _start_table(self) -> None:
+        self._table = True
+        print(self._line(_HEADER), file=self.out)
+        print("  ".join("-" * w for w in (*self._widths, len(_HEADER[-1]))), file=self.out)
+        for held in self._held:
+            print(self._row(held), file=self.out)
+        self._held = []
+
+    def add(self, outcome: RunOutcome) -> None:
+        """Print the run, or hold it while the folder may still turn out to hold one readable run."""
+        if not self._table and outcome.report is not None and any(h.report for h in self._held):
+            self._start_table()
+        if self._table:
+            print(self._row(outcome), file=self.out)
+        else:
+            self._held.append(outcome)
+
+    def finish(self, png: str | None) -> None:
+        """Print what was held: the one readable run in words and the runs not read, or the table."""
+        read = [h for h in self._held if h.report is not None]
+        if read and not self._table:
+            assert read[0].report is not None
+            print(read[0].report.text(), file=self.out)
+            if png:
+                print(f"Picture: {png}", file=self.out)
+            others = [h for h in self._held if h.report is None]
+            if others:
+                print(f"\nNot read ({len(others)} of the {len(self._held)} runs below {self.root}):",
+                      file=self.out)
+                for other in others:
+                    print(f"  {self._name(other.path)}: {_not_read(other)}", file=self.out)
+        elif self._held:
+            self._start_table()
+
+
+class JsonWriter:
+    """Prints the outcomes as one JSON object, run by run (see the module)."""
+
+    def __init__(self, root: str, out: TextIO) -> None:
+        self.out = out
+        self._first = True
+        print("{\n" + f'  "root": {json.dumps(root)},\n  "runs": [', file=self.out, end="")
+
+    def add(self, outcome: RunOutcome) -> None:
+        """Print one run (its series on one line each: the indented encoder is slow on long series)."""
+        entry = outcome.to_json()
+        series = entry.pop("series", None)
+        text = json.dumps(entry, indent=2, sort_keys=True)
+        if series is not None:
+            lines = ",\n".join(f"    {json.dumps(tag)}: {_COMPACT.encode(points)}"
+                                for tag, points in series.items())
+            text = text[:-2] + ',\n  "series": {' + ("\n" + lines + "\n  " if lines else "") + "}\n}"
+        print(("\n" if self._first else ",\n") + textwrap.indent(text, "    "), file=self.out, end="")
+        self._first = False
+
+    def finish(self, png: str | None, counts: Mapping[str, Any]) -> None:
+        """Close the list and the object with the picture and the counts."""
+        tail = {"png": png, "counts": dict(counts)}
+        rest = json.dumps(tail, indent=2, sort_keys=True)[1:]  # the object's own "{" is open already
+        print(("\n  " if not self._first else "") + "],\n" + rest.lstrip("\n"), file=self.out)
+
+# ---------------------------------------- folded in from _run_picture
+# The picture of a run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
+#
+# matplotlib (the ``[plot]`` extra) is imported when a picture is drawn, never by the report itself.
+#
+# Example:
+#     >>> from lossscale_callbacks._run_report import build_report
+#     >>> report = build_report("run", {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)]})
+#     >>> write_png(report, "scale.png")  # doctest: +SKIP
+#     'scale.png'
+
+
+def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
+    """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
+
+    ``fmt`` is the picture format (``"png"``, ``"svg"``, ``"pdf"``); the CLI takes it from the file
+    name. matplotlib is imported here only. The figure is drawn with matplotlib's object API and
+    saved by its Agg renderer: no display is needed and pyplot's global backend is left alone.
+
+    Raises:
+        MissingExtraError: matplotlib (the ``[plot]`` extra) is not installed.
+        OSError: the picture cannot be written to ``path``.
+    """
+    Figure = require("matplotlib.figure", "plot", feature="the report's picture").Figure
+    snapshots, used_min = report.snapshots, report.min_scale
+    if not snapshots:  # a RunReport built by hand, not by build_report
+        snapshots, used_min = snapshots_from_series(report.series, report.min_scale)
+    steps = [s.step for s in snapshots]
+    scales = [s.scale for s in snapshots]
+    skipped = [s for s in snapshots if s.skipped_in_interval > 0]
+
+    fig = Figure(figsize=(9, 6), dpi=100)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    top.step(steps, scales, where="post", color="tab:blue", label="loss scale")
+    top.set_yscale("log", base=2)
+    if skipped:
+        top.scatter([s.step for s in skipped], [s.scale for s in skipped], marker="v", color="tab:red",
+                    zorder=3, label="interval with skipped steps")
+    top.axhline(used_min, color="grey", linestyle=":", linewidth=1, label=f"min_scale {used_min:g}")
+    top.set_ylabel("loss scale (log2)")
+    skips = ("skipped steps not logged" if report.skipped_steps is None or report.skip_rate is None
+             else f"{report.skipped_steps} skipped ({report.skip_rate:.2%})")
+    top.set_title(f"Loss scale: {report.steps} steps, {skips}"
+                  + ("" if report.healthy else f", {len(report.verdicts)} health problem(s)"))
+    top.legend(loc="best", fontsize="small")
+    top.grid(True, which="major", alpha=0.3)
+
+    starts = [s.step - s.interval_steps for s in snapshots]
+    widths = [s.interval_steps for s in snapshots]
+    bottom.bar(starts, [s.skip_rate for s in snapshots], width=widths, align="edge", color="tab:red",
+               alpha=0.7)
+    bottom.set_ylabel("skip rate per interval")
+    bottom.set_xlabel(m.STEP_AXIS)
+    bottom.set_ylim(0, max(0.05, max((s.skip_rate for s in snapshots), default=0.0) * 1.1))
+    bottom.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format=fmt)
+    return path

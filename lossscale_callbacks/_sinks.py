@@ -8,11 +8,16 @@ other sinks and the training run go on.
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-from lossscale_callbacks._at_exit import close_at_exit, forget_at_exit
+from lossscale_callbacks._extras import require
 from lossscale_callbacks._ranks import is_rank_zero
 
 
@@ -298,3 +303,181 @@ class SinkGroup:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+# ---------------------------------------- folded in from _at_exit
+# Closing sinks at interpreter exit without keeping them alive: atexit holds a weak reference per sink.
+#
+# Example:
+#     >>> from lossscale_callbacks._sinks import InMemorySink
+#     >>> sink = InMemorySink()
+#     >>> close_at_exit(sink)   # closed at exit unless closed before
+#     >>> forget_at_exit(sink)  # ... which its close() says with this
+
+
+_open_sinks: weakref.WeakSet[Any] = weakref.WeakSet()
+
+_lock = threading.Lock()
+
+
+def _close_one(ref: weakref.ref[Any]) -> None:
+    sink = ref()
+    if sink is None:
+        return
+    with _lock:
+        if sink not in _open_sinks:
+            return  # closed by its user already
+        _open_sinks.discard(sink)
+    try:
+        sink.close()
+    except Exception:  # nothing useful can be done about a failing sink at exit
+        pass
+
+
+def close_at_exit(sink: Any) -> None:
+    """Close ``sink`` at interpreter exit unless it was closed (or garbage-collected) before.
+
+    atexit keeps only a weak reference, so registering never keeps a sink alive. Each sink
+    registers when it opens, i.e. after its backend (a W&B run) set up its own exit hooks, and
+    atexit runs hooks newest first: the sink is closed while its backend still works.
+    """
+    with _lock:
+        if sink in _open_sinks:
+            return
+        _open_sinks.add(sink)
+    atexit.register(_close_one, weakref.ref(sink))
+
+
+def forget_at_exit(sink: Any) -> None:
+    """Undo :func:`close_at_exit` (the sink was closed by its user)."""
+    with _lock:
+        _open_sinks.discard(sink)
+
+# ---------------------------------------- folded in from _owned_sinks
+# The sinks a logging loop opens itself, from ``tensorboard=`` and ``wandb=``: checked, extras required.
+#
+# Every integration takes the same two arguments (the Keras callback, the Lightning and Fabric
+# monitors, a plain :class:`~lossscale_callbacks.LoggingLoop`); they are checked here,
+# once, when the object is constructed: a bad value is a ``ValueError`` naming the argument, a
+# missing package a :class:`~lossscale_callbacks.extend.MissingExtraError` naming the pip extra,
+# never an error in the middle of training. The sink classes are found through the
+# ``lossscale_callbacks._sinks`` entry points, so the core imports no integration by name.
+#
+# Example:
+#     >>> check_tensorboard("")
+#     Traceback (most recent call last):
+#     ...
+#     ValueError: tensorboard must be None or a non-empty log directory path, got ''
+#     >>> owned_sinks(None, None)
+#     []
+
+
+ENTRY_POINT_GROUP = "lossscale_callbacks.sinks"
+
+# name -> (the outside module its sink needs, the extra that installs it)
+_PACKAGES = {"tensorboard": ("tensorboard.compat.proto.event_pb2", "tensorboard"),
+             "wandb": ("wandb", "wandb")}
+
+
+def check_tensorboard(value: Any) -> str | None:
+    """``tensorboard=``: ``None`` or a non-empty log directory (``str`` or ``os.PathLike``), as a ``str``."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ValueError(f"tensorboard must be None or a non-empty log directory path, got {value!r}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise ValueError(f"tensorboard must be a text path, got the bytes path {value!r}")
+    return path
+
+
+def check_wandb(value: Any) -> dict[str, Any] | None:
+    """``wandb=``: ``None``/``False`` (none), ``True`` (the active or a new run), or ``wandb.init`` args."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise ValueError(f"wandb must be None, a bool, or a dict of wandb.init arguments, got {value!r}")
+    return dict(value)
+
+
+def _sink_class(name: str) -> Any:
+    module, extra = _PACKAGES[name]
+    require(module, extra, feature=f"{name}=")
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name == name:
+            return entry.load()
+    raise ImportError(f"{name}= needs the {name!r} entry point of the {ENTRY_POINT_GROUP!r} group, which "
+                      "this installation of lossscale-callbacks lacks; reinstall it (pip install "
+                      f'"lossscale-callbacks[{extra}]")')
+
+
+def owned_sinks(tensorboard: Any, wandb: Any) -> list[Sink]:
+    """New sinks for ``tensorboard=`` and ``wandb=``, checked; they open nothing before their first write.
+
+    Raises:
+        ValueError: an argument is not what it may be (``wandb``'s ``wandb.init`` arguments and
+            its ``mode`` are checked by :class:`~lossscale_callbacks.wandb.WandbSink`).
+        MissingExtraError: the package a sink needs is not installed.
+    """
+    log_dir, init_kwargs = check_tensorboard(tensorboard), check_wandb(wandb)
+    sinks: list[Sink] = []
+    if log_dir is not None:
+        sinks.append(_sink_class("tensorboard")(log_dir))
+    if init_kwargs is not None:
+        try:
+            sinks.append(_sink_class("wandb")(**init_kwargs))
+        except ValueError as exc:
+            raise ValueError(f"wandb: {exc}") from None
+    return sinks
+
+# ---------------------------------------- folded in from _policy_text
+# The policy table the sinks write once per run (``loss_scale/policy``), read back by the run readers.
+#
+# The sinks write the policy as a two-column markdown table
+# (:func:`lossscale_callbacks._sinks.config_markdown`);
+# TensorBoard keeps it as a text summary. The readers turn it back into the policy's bounds and
+# growth interval, so that ``lossscale-callbacks report`` judges a run against the policy it ran with.
+#
+# Example:
+#     >>> from lossscale_callbacks._sinks import config_markdown
+#     >>> text = config_markdown({"type": "dynamic", "min_scale": 1.0, "max_scale": 16777216.0,
+#     ...                         "growth_interval": 2000})
+#     >>> policy_bounds_from_markdown(text), policy_values_from_markdown(text)["growth_interval"]
+#     ((1.0, 16777216.0), '2000')
+
+
+def policy_values_from_markdown(markdown: str) -> dict[str, str]:
+    """The ``setting -> value`` rows of the policy table, as the text written.
+
+    Example:
+        >>> policy_values_from_markdown("| setting | value |\\n|---|---|\\n| type | fixed |")
+        {'type': 'fixed'}
+    """
+    values: dict[str, str] = {}
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0] not in ("setting", "---"):
+            values[cells[0]] = cells[1]
+    return values
+
+
+def policy_bounds_from_markdown(markdown: str) -> tuple[float, float] | None:
+    """``(min_scale, max_scale)`` from the policy table, or None when the table does not say.
+
+    A fixed policy's bounds are its one scale.
+
+    Example:
+        >>> from lossscale_callbacks._sinks import config_markdown
+        >>> policy_bounds_from_markdown(config_markdown({"type": "fixed", "scale": 8.0}))
+        (8.0, 8.0)
+    """
+    values = policy_values_from_markdown(markdown)
+    try:
+        if "min_scale" in values and "max_scale" in values:
+            return float(values["min_scale"]), float(values["max_scale"])
+        if values.get("type") == "fixed" and "scale" in values:
+            return float(values["scale"]), float(values["scale"])
+    except ValueError:
+        return None
+    return None

@@ -16,7 +16,7 @@ from keras_scripts.toy import (  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
 from lossscale_callbacks.keras import DynamicLossScale, LossScaleOptimizer  # noqa: E402
-from lossscale_callbacks.keras._wrapping import wrap  # noqa: E402
+from lossscale_callbacks.keras._callback import wrap  # noqa: E402
 
 
 @pytest.fixture

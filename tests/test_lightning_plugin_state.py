@@ -20,8 +20,7 @@ from lightning_scripts import tiny  # noqa: E402
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 
 from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.lightning._fsdp import LossScaleFSDPPlugin  # noqa: E402
-from lossscale_callbacks.lightning._plugin import LossScalePlugin  # noqa: E402
+from lossscale_callbacks.lightning._plugin import LossScaleFSDPPlugin, LossScalePlugin  # noqa: E402
 from lossscale_callbacks.lightning.fabric import LossScaleFabricFSDPPlugin, LossScaleFabricPlugin  # noqa: E402
 from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 

@@ -17,7 +17,7 @@ from report_json import the_read_run
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._cli import main
-from lossscale_callbacks._run_picture import write_png
+from lossscale_callbacks._report_cli import write_png
 from lossscale_callbacks._run_readers import available_readers
 from lossscale_callbacks._run_report import build_report
 from lossscale_callbacks.tensorboard import TensorBoardSink

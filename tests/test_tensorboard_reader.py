@@ -17,9 +17,13 @@ from tensorboard.util import tensor_util
 
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._run_readers import RunReadError
-from lossscale_callbacks.tensorboard._event_layouts import layout_of
-from lossscale_callbacks.tensorboard._reader import read_run
-from lossscale_callbacks.tensorboard._records import FileReading, iter_record_batches, masked_crc32c_rows
+from lossscale_callbacks.tensorboard._reader import (
+    FileReading,
+    iter_record_batches,
+    layout_of,
+    masked_crc32c_rows,
+    read_run,
+)
 from lossscale_callbacks.tensorboard._sink import TensorBoardSink
 
 

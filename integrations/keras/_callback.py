@@ -6,21 +6,154 @@ import contextlib
 import importlib
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import keras
+import numpy as np
 
 from lossscale_callbacks._forensics import check_diagnose
 from lossscale_callbacks._logging_loop import LoggingLoop
 from lossscale_callbacks._metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
-from lossscale_callbacks._policy import Policy, check_policy
+from lossscale_callbacks._policy import DynamicPolicy, Policy, check_policy
 from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool, check_int, check_known
+from lossscale_callbacks.keras._arguments import release_inner_optimizer
 from lossscale_callbacks.keras._config import record_in_compile_config
-from lossscale_callbacks.keras._fit_sampling import FitSampling
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
-from lossscale_callbacks.keras._wrapping import wrap
+
+# ---------------------------------------- folded in from _fit_sampling
+# JAX's ``fit`` with overflow forensics: the float16 headroom sample decided on the host.
+#
+# A jitted step that could take the sample holds the gradients in a ``lax.cond`` for it, which costs
+# XLA a few percent of every step although the sample is one step in ``headroom_every``. So while
+# :class:`~lossscale_callbacks.keras.LossScaleCallback` drives ``fit`` on JAX, the forensics count the
+# steps on the host (:meth:`~lossscale_callbacks.keras._forensics_wiring.ForensicsWiring.host_due`) and
+# ``fit`` runs one of two train functions: the ordinary one, whose trace has no sample in it, and a
+# second one, traced with the sample in it, on the steps due for one. No host read either way.
+#
+# Example:
+#     >>> sampling = FitSampling()
+#     >>> sampling.active
+#     False
+
+
+def _while_sampling(function: Callable[..., Any], wiring: Any) -> Callable[..., Any]:
+    """``function`` with the forensics' ``sampling`` on while it runs (so while it traces)."""
+
+    def sampled(*args: Any, **kwargs: Any) -> Any:
+        wiring.sampling = True
+        try:
+            return function(*args, **kwargs)
+        finally:
+            wiring.sampling = False
+
+    return sampled
+
+
+def _second_train_function(model: Any) -> Any:
+    """A second train function of ``model``, with a trace cache of its own: ``jax.jit`` keys its traces on
+    the function it compiles, so it compiles a function of its own here, not the bound ``train_step``."""
+    ordinary = model.train_function
+
+    def train_step(state: Any, data: Any) -> Any:
+        return type(model).train_step(model, state, data)
+
+    model.train_step = train_step  # what make_train_function compiles, for this one call
+    try:
+        model.make_train_function(force=True)
+        return model.train_function
+    finally:
+        del model.train_step
+        model.train_function = ordinary
+
+
+class FitSampling:
+    """The two train functions of one model's ``fit`` and the choice between them, batch by batch."""
+
+    def __init__(self) -> None:
+        self._wiring: Any = None
+        self._ordinary: Any = None
+        self._sampled: Any = None
+
+    @property
+    def active(self) -> bool:
+        """Whether a ``fit`` on JAX with forensics is being driven."""
+        return self._wiring is not None
+
+    def begin(self, optimizer: Any) -> None:
+        """At ``on_train_begin``: drive the samples from the host when on JAX with forensics on."""
+        wiring = optimizer.forensics
+        self._wiring = wiring if keras.backend.backend() == "jax" else None
+        if self._wiring is not None:
+            self._wiring.host_schedule = True
+
+    def before_batch(self, model: Any) -> None:
+        """At ``on_train_batch_begin``: the train function for the next execution of the step."""
+        wiring = self._wiring
+        if wiring is None:
+            return
+        if self._ordinary is None or model.train_function not in (self._ordinary, self._sampled):
+            self._ordinary = model.train_function  # made afresh (a new optimizer or diagnose setting)
+            self._sampled = _while_sampling(_second_train_function(model), wiring)
+        steps = int(getattr(model, "steps_per_execution", 1) or 1)
+        model.train_function = self._sampled if wiring.host_due(steps) else self._ordinary
+
+    def end(self, model: Any) -> None:
+        """At ``on_train_end``: the ordinary train function back, and the device's own schedule."""
+        if self._wiring is not None:
+            model.train_function = self._ordinary
+            self._wiring.host_schedule = False
+        self._wiring = None
+
+
+
+# ---------------------------------------- folded in from _wrapping
+# Putting our ``LossScaleOptimizer`` in the place of a model's optimizer (``LossScaleCallback`` does it).
+
+
+def wrap(optimizer: keras.optimizers.Optimizer, policy: Policy | None = None) -> LossScaleOptimizer:
+    """Our optimizer around ``optimizer``; Keras' own LossScaleOptimizer is unwrapped and its scale kept.
+
+    The wrapper replaces the previous one in the model, so an inner optimizer that an earlier, discarded
+    LossScaleOptimizer of ours wrapped (a recompiled model) is wrapped again. Called by
+    :class:`~lossscale_callbacks.keras.LossScaleCallback`; build it inside the model's distribution
+    strategy scope.
+
+    Example:
+        >>> keras_lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=256.0)
+        >>> ours = wrap(keras_lso)
+        >>> ours.inner_optimizer is keras_lso.inner_optimizer, ours.initial_scale
+        (True, 256.0)
+    """
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        release_inner_optimizer(optimizer)
+        return LossScaleOptimizer(optimizer, policy=policy)
+    keras_lso = optimizer
+    if policy is None:
+        policy = DynamicPolicy(initial_scale=float(keras_lso.initial_scale),
+                               growth_interval=int(keras_lso.dynamic_growth_steps))
+    release_inner_optimizer(keras_lso.inner_optimizer)
+    ours = LossScaleOptimizer(keras_lso.inner_optimizer, policy=policy)
+    if not keras_lso.built:
+        return ours
+    # One host read, once per installation: if Keras' optimizer has trained, carry its running
+    # scale and counter over, clipped into the policy's bounds (Keras' scale has neither
+    # bound). Untouched, it only holds its initial scale, and the policy's initial scale wins.
+    scale = float(keras_lso.dynamic_scale.numpy())
+    counter = int(keras_lso.step_counter.numpy())
+    applied = int(keras_lso.inner_optimizer.iterations.numpy())
+    if applied or counter or scale != float(np.float32(keras_lso.initial_scale)):
+        constants = policy.constants
+        ours.assign_state({
+            "scale": min(max(scale, constants.min_scale), constants.max_scale),
+            "growth_counter": min(counter, constants.growth_interval - 1) if policy.dynamic else 0,
+            "steps": applied,
+        })
+    return ours
+
 
 # What Keras' progress bar shows unless log_metrics= asks for more (and for History/CSVLogger).
 QUIET_METRICS: tuple[str, ...] = (SCALE, SKIPPED_STEPS)

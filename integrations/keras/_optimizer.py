@@ -12,7 +12,7 @@ The class is the Keras 3 core (construction, ``scale_loss``, ``apply``/``apply_g
 the state variables and their one host read (:mod:`~lossscale_callbacks.keras._state_variables`), one
 step per backend (:mod:`~lossscale_callbacks.keras._backend_steps`), the forensics wiring
 (:mod:`~lossscale_callbacks.keras._forensics_wiring`), configs and saved models
-(:mod:`~lossscale_callbacks.keras._config`) and :func:`~lossscale_callbacks.keras._wrapping.wrap`.
+(:mod:`~lossscale_callbacks.keras._config`) and :func:`~lossscale_callbacks.keras._callback.wrap`.
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ def _require_lightning() -> None:
 
 _require_lightning()
 
-from lossscale_callbacks.lightning._fsdp import LossScaleFSDPPlugin  # noqa: E402
 from lossscale_callbacks.lightning._monitor import LossScaleMonitor  # noqa: E402
-from lossscale_callbacks.lightning._plugin import LossScalePlugin  # noqa: E402
+from lossscale_callbacks.lightning._plugin import LossScaleFSDPPlugin, LossScalePlugin  # noqa: E402
 
 __all__ = ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"]
 

@@ -10,14 +10,24 @@ Example:
     >>> sink.write(100, {"loss_scale/scale": 32768.0}); sink.close()  # doctest: +SKIP
 """
 
+import importlib
+from typing import Any
+
 from lossscale_callbacks._extras import require
 
 # The event-file protos: TensorBoard installed without protobuf is reported here too, naming the extra.
 require("tensorboard.compat.proto.event_pb2", "tensorboard", feature="lossscale_callbacks.tensorboard")
 
-from lossscale_callbacks.tensorboard._sink import TensorBoardSink  # noqa: E402
 
 __all__ = ["TensorBoardSink"]
+
+
+def __getattr__(attr: str) -> Any:
+    # The sink is imported when it is asked for: `report` reads runs through this package's reader
+    # without loading the writer.
+    if attr == "TensorBoardSink":
+        return importlib.import_module("lossscale_callbacks.tensorboard._sink").TensorBoardSink
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def __dir__() -> list[str]:

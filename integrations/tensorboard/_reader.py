@@ -6,10 +6,10 @@ Scalars come in two encodings: ``simple_value`` (torch's ``SummaryWriter``, Ligh
 reports, the policy) are rank-0 string tensors.
 
 The reader streams each file in chunks and keeps only the records that mention ``loss_scale/``
-(:mod:`~lossscale_callbacks.tensorboard._records`), verifying the checksum of every record length
+(:mod:`~lossscale_callbacks.tensorboard._reader`), verifying the checksum of every record length
 and of every record it keeps: a flipped bit is reported as damage and the record left out, never
 read as a loss scale of 2**31. The records a sink writes at every interval share one layout and are
-decoded together by NumPy (:mod:`~lossscale_callbacks.tensorboard._event_layouts`); the others are
+decoded together by NumPy (:mod:`~lossscale_callbacks.tensorboard._reader`); the others are
 parsed by protobuf. A run whose event files hold a million other events is read in about a second
 (``benchmarks/report_read.py``). Series keep the order the records were written in (a restarted
 run's steps go back; the report tells the restarts apart). A file that ends inside a record (a run
@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
@@ -33,14 +34,437 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
-from lossscale_callbacks._policy_text import policy_bounds_from_markdown, policy_values_from_markdown
-from lossscale_callbacks._run_discovery import is_event_file_name, is_regular_file
-from lossscale_callbacks._run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError, RunSeries
-from lossscale_callbacks._sinks import POLICY_TAG
-from lossscale_callbacks.tensorboard._event_layouts import Layout, decode_rows, layout_of, match_rows
-from lossscale_callbacks.tensorboard._records import FileReading, RecordRows, iter_record_batches
+from lossscale_callbacks._run_readers import (
+    GROWTH_INTERVAL,
+    MAX_SCALE,
+    MIN_SCALE,
+    RunReadError,
+    RunSeries,
+    is_event_file_name,
+    is_regular_file,
+)
+from lossscale_callbacks._sinks import POLICY_TAG, policy_bounds_from_markdown, policy_values_from_markdown
 
-__all__ = ["RunReadError", "event_files", "iter_events", "read_run", "read_texts", "run_folders"]
+__all__ = [
+    "FileReading",
+    "Layout",
+    "RecordRows",
+    "RunReadError",
+    "crc32c_rows",
+    "decode_rows",
+    "event_files",
+    "iter_events",
+    "iter_record_batches",
+    "layout_of",
+    "masked_crc32c_rows",
+    "match_rows",
+    "read_run",
+    "read_texts",
+    "run_folders",
+]
+
+
+# ---------------------------------------- folded in from _event_layouts
+# Decode many scalar events at once: the records of one *layout* differ only in their numbers.
+#
+# A sink writes the same event at every log interval: the same tags, the same tensor types; only the
+# wall time, the step and the values change. Records with the same length whose other bytes are all
+# equal have the same protobuf structure, so their numbers sit at the same offsets. The first record
+# of such a layout is walked field by field (a small wire-format walker for ``Event`` → ``Summary`` →
+# ``Summary.Value`` → ``TensorProto`` that knows where a scalar's bytes are); every record matching it is
+# then decoded by NumPy, column by column, instead of one protobuf parse and a dozen attribute reads
+# per value. What the layout leaves free is exactly what cannot change the structure: the wall time
+# (8 fixed bytes), the float32/float64 values (fixed bytes) and the step's varint bits (its length, held
+# by the continuation bits, must match). Records that fit no layout (the first record, texts,
+# histograms, integer tensors) are parsed by protobuf, as before.
+#
+# Example:
+#     >>> from tensorboard.compat.proto import event_pb2, summary_pb2
+#     >>> value = summary_pb2.Summary.Value(tag="loss_scale/scale", simple_value=1024.0)
+#     >>> data = event_pb2.Event(step=300, summary=summary_pb2.Summary(value=[value])).SerializeToString()
+#     >>> layout = layout_of(data)
+#     >>> [(tag, dtype) for tag, _, dtype in layout.values], layout.step
+#     ([('loss_scale/scale', '<f4')], (1, 2))
+
+
+_FLOAT, _DOUBLE = 1, 2  # TensorProto dtypes (types_pb2.DT_FLOAT, DT_DOUBLE)
+
+
+_FREE, _VARINT_BITS, _FIXED = 0x00, 0x80, 0xFF  # what of a byte must equal the layout's
+
+
+_WIDTH = {"<f4": 4, "<f8": 8}
+
+
+class _NoLayout(Exception):
+    """The record is not a plain scalar event: protobuf parses it."""
+
+
+def _varint(data: bytes, position: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while position < end:
+        byte = data[position]
+        value |= (byte & 0x7F) << shift
+        position += 1
+        if byte < 0x80:
+            return value, position
+        shift += 7
+    raise _NoLayout
+
+
+def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(field number, wire type, value start, value end)`` of each field in ``data[start:end]``."""
+    position = start
+    while position < end:
+        key, position = _varint(data, position, end)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            _, after = _varint(data, position, end)
+        elif wire == 1:
+            after = position + 8
+        elif wire == 5:
+            after = position + 4
+        elif wire == 2:
+            length, position = _varint(data, position, end)
+            after = position + length
+        else:  # groups: never in these messages
+            raise _NoLayout
+        if after > end:
+            raise _NoLayout
+        yield number, wire, position, after
+        position = after
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the numbers of one event layout are, and which bytes every matching record must share.
+
+    Attributes:
+        reference: the record the layout was read from, as ``uint8``.
+        mask: per byte, the bits that must equal the reference's (0xFF, 0x80 for the step's varint, 0).
+        step: ``(offset, width)`` of the step's varint, or None when the event has step 0 (left out).
+        values: ``(tag, offset, dtype)`` of each scalar, dtype ``"<f4"`` or ``"<f8"``.
+    """
+
+    reference: np.ndarray
+    mask: np.ndarray
+    step: tuple[int, int] | None
+    values: tuple[tuple[str, int, str], ...]
+
+
+def _tensor(data: bytes, start: int, end: int) -> tuple[int, str]:
+    """``(offset, dtype)`` of a rank-0 float32/float64 tensor's value."""
+    dtype, found = None, None
+    for number, wire, a, b in _fields(data, start, end):
+        if number == 1 and wire == 0:
+            dtype = _varint(data, a, b)[0]
+        elif number == 2 and wire == 2 and a == b:  # an empty shape: rank 0
+            continue
+        elif (number, wire) in ((4, 2), (5, 2), (5, 5)) and b - a == 4:  # tensor_content, float_val
+            found = (a, "<f4")
+        elif (number, wire) in ((4, 2), (6, 2), (6, 1)) and b - a == 8:  # tensor_content, double_val
+            found = (a, "<f8")
+        else:
+            raise _NoLayout
+    if found is None or {"<f4": _FLOAT, "<f8": _DOUBLE}[found[1]] != dtype:
+        raise _NoLayout
+    return found
+
+
+def _value(data: bytes, start: int, end: int) -> tuple[str, int, str]:
+    """``(tag, offset, dtype)`` of one ``Summary.Value`` holding a scalar."""
+    tag, found = None, None
+    for number, wire, a, b in _fields(data, start, end):
+        if number == 1 and wire == 2:
+            tag = data[a:b].decode("utf-8", "replace")
+        elif number in (7, 9) and wire == 2:  # node_name, metadata: part of the layout
+            continue
+        elif number == 2 and wire == 5:  # simple_value
+            found = (a, "<f4")
+        elif number == 8 and wire == 2:
+            found = _tensor(data, a, b)
+        else:
+            raise _NoLayout
+    if tag is None or found is None:
+        raise _NoLayout
+    return tag, *found
+
+
+def layout_of(data: bytes) -> Layout | None:
+    """The layout of an event record whose summary holds only float scalars, else None."""
+    mask = np.full(len(data), _FIXED, dtype=np.uint8)
+    step, values = None, []
+    try:
+        for number, wire, a, b in _fields(data, 0, len(data)):
+            if number == 1 and wire == 1:  # wall_time
+                mask[a:b] = _FREE
+            elif number == 2 and wire == 0:
+                step = (a, b - a)
+                mask[a:b] = _VARINT_BITS
+            elif number == 5 and wire == 2:
+                for inner, inner_wire, va, vb in _fields(data, a, b):
+                    if inner != 1 or inner_wire != 2:
+                        raise _NoLayout
+                    values.append(_value(data, va, vb))
+            else:
+                raise _NoLayout
+    except _NoLayout:
+        return None
+    if not values:
+        return None
+    for _, offset, dtype in values:
+        mask[offset:offset + _WIDTH[dtype]] = _FREE
+    return Layout(np.frombuffer(data, dtype=np.uint8), mask, step, tuple(values))
+
+
+def match_rows(layout: Layout, rows: np.ndarray) -> np.ndarray:
+    """Which rows (records of the layout's length, as ``uint8``) have the layout: a boolean per row."""
+    return ~(((rows ^ layout.reference) & layout.mask).any(axis=1))
+
+
+def decode_rows(layout: Layout, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+    """The steps (int64) and, per value of the layout, its tag and values (float64), of rows that match it."""
+    steps = np.zeros(rows.shape[0], dtype=np.uint64)
+    if layout.step is not None:
+        offset, width = layout.step
+        for i in range(width):
+            steps |= (rows[:, offset + i] & 0x7F).astype(np.uint64) << np.uint64(7 * i)
+    values = []
+    for tag, offset, dtype in layout.values:
+        column = np.ascontiguousarray(rows[:, offset:offset + _WIDTH[dtype]]).view(dtype)[:, 0]
+        values.append((tag, column.astype(np.float64)))
+    return steps.view(np.int64), values
+
+
+
+# ---------------------------------------- folded in from _records
+# The record framing of TensorBoard event files, read in chunks, with every checksum that matters verified.
+#
+# An event file is a sequence of records: the data's length (8 bytes, little-endian), the masked
+# CRC-32C of those 8 bytes, the data (a serialized ``Event``), the masked CRC-32C of the data.
+# :func:`iter_record_batches` walks a file chunk by chunk and keeps only the file's first record and
+# the records whose data contain ``wanted`` (``b"loss_scale/"``): a file of a million other events
+# costs one pass of the framing, not a million parses. What it checks, and what a failure means:
+#
+# * the length's checksum of *every* record (the framing depends on it): a damaged length loses the
+#   framing, so the rest of the file is left out and the damage is reported;
+# * the data's checksum of every record kept: a damaged record is left out and reported, the file
+#   goes on (its neighbours are framed by their own lengths);
+# * a file that ends inside a record is what a run still being written (or a copy cut short) looks
+#   like: what came before is kept and a note says where the file ends.
+#
+# The checksums are computed with NumPy, all records of one length at once (a CRC-32C table lookup per
+# byte column), since a pure-Python CRC would cost more than everything else the reader does.
+#
+# Example:
+#     >>> crc32c_rows(np.frombuffer(b"123456789", dtype=np.uint8).reshape(1, -1)).tolist()  # the check value
+#     [3808858755]
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+_HEADER, _FOOTER = 12, 4
+
+
+_CHUNK = 16 * 2**20  # bytes read at once: memory is bounded by this, not by the file
+
+
+_MASK_DELTA = np.uint32(0xA282EAD8)
+
+
+def _crc32c_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, as TFRecord uses): the byte table, and the
+    two 16-bit tables that advance the register over four bytes at once (its low and high halves)."""
+    byte = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        byte = np.where(byte & 1, (byte >> 1) ^ np.uint32(0x82F63B78), byte >> 1).astype(np.uint32)
+
+    def four_zero_bytes(register: np.ndarray) -> np.ndarray:
+        for _ in range(4):
+            register = byte[register & 0xFF] ^ (register >> 8)
+        return register
+
+    half = np.arange(2**16, dtype=np.uint32)
+    return byte, four_zero_bytes(half), four_zero_bytes(half << 16)
+
+
+_BYTE, _LOW, _HIGH = _crc32c_tables()
+
+
+def crc32c_rows(rows: np.ndarray) -> np.ndarray:
+    """The CRC-32C of every row of a 2-D ``uint8`` array (rows of one length), vectorised across rows.
+
+    The CRC register is linear in its input, so xoring four data bytes into it and advancing it over
+    four zero bytes (two 16-bit table lookups) equals four byte steps: a few NumPy operations per four
+    columns, whatever the number of rows.
+    """
+    crc = np.full(rows.shape[0], 0xFFFFFFFF, dtype=np.uint32)
+    head = rows.shape[1] % 4
+    for column in np.ascontiguousarray(rows[:, :head].T):
+        crc = _BYTE[(crc ^ column) & 0xFF] ^ (crc >> 8)
+    words = np.ascontiguousarray(np.ascontiguousarray(rows[:, head:]).view("<u4").T)
+    mixed, low = np.empty_like(crc), np.empty_like(crc)
+    for word in words:
+        np.bitwise_xor(crc, word, out=mixed)
+        np.bitwise_and(mixed, 0xFFFF, out=low)
+        np.right_shift(mixed, 16, out=mixed)
+        np.bitwise_xor(_LOW[low], _HIGH[mixed], out=crc)
+    return crc ^ np.uint32(0xFFFFFFFF)
+
+
+def masked_crc32c_rows(rows: np.ndarray) -> np.ndarray:
+    """The masked CRC-32C TFRecord stores, of every row (see :func:`crc32c_rows`)."""
+    crc = crc32c_rows(rows)
+    return ((crc >> 15) | (crc << 17)) + _MASK_DELTA  # uint32 arithmetic wraps, as the format wants
+
+
+@dataclasses.dataclass
+class FileReading:
+    """What reading one file found besides its records: damage (one sentence each), where it ended early."""
+
+    path: str
+    damage: list[str] = dataclasses.field(default_factory=list)
+    ended_early: str | None = None
+    records_read: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordRows:
+    """Records of one length, their checksums verified: their file offsets, and their data as rows.
+
+    Example:
+        >>> group = RecordRows(np.array([0, 40]), np.zeros((2, 24), dtype=np.uint8))
+        >>> group.data(1) == bytes(24)
+        True
+    """
+
+    offsets: np.ndarray  # int64: where each record (its length field) starts in the file
+    rows: np.ndarray  # uint8, (records, length): each record's data
+
+    def data(self, i: int) -> bytes:
+        """The data of record ``i``, as bytes (for protobuf)."""
+        return self.rows[i].tobytes()
+
+
+def _windows(buffer: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """The ``width`` bytes at each of ``starts``, as rows: a strided view gathered once, no index table."""
+    if width == 0:
+        return np.empty((len(starts), 0), dtype=np.uint8)
+    return np.lib.stride_tricks.sliding_window_view(buffer, width)[starts]
+
+
+def _crc_fails(buffer: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Whether each row (the bytes at one of ``starts``) differs from the masked CRC-32C stored after it."""
+    stored = _windows(buffer, starts + rows.shape[1], 4).copy().view("<u4")[:, 0]
+    return masked_crc32c_rows(rows) != stored
+
+
+def _frame(buffer: bytes, wanted: bytes, keep_first: bool) -> tuple[list[int], list[int], list[int], int]:
+    """Frame the whole records in ``buffer``: where each starts; where the kept ones start and their data's
+    lengths; and the position of the first byte not framed (a record that continues in the next chunk).
+    Kept: the first record when ``keep_first``, and every record whose data contain ``wanted``."""
+    starts: list[int] = []
+    kept: list[int] = []
+    lengths: list[int] = []
+    position, size = 0, len(buffer)
+    while position + _HEADER <= size:
+        (length,) = _LENGTH.unpack_from(buffer, position)
+        end = position + _HEADER + length + _FOOTER
+        if end > size:
+            break
+        starts.append(position)
+        if keep_first or buffer.find(wanted, position + _HEADER, end - _FOOTER) >= 0:
+            kept.append(position)
+            lengths.append(length)
+        keep_first = False
+        position = end
+    return starts, kept, lengths, position
+
+
+def _verified(buffer: np.ndarray, base: int, kept: np.ndarray, lengths: np.ndarray,
+              reading: FileReading) -> list[RecordRows]:
+    """The kept records, one group per length, without those whose data fail their checksum (reported)."""
+    groups = []
+    for length in np.unique(lengths).tolist():
+        starts = kept[lengths == length]
+        rows = _windows(buffer, starts + _HEADER, length)
+        bad = _crc_fails(buffer, starts + _HEADER, rows)
+        for offset in (starts[bad] + base).tolist():
+            reading.damage.append(f"{reading.path}: the record at byte {offset} fails its checksum "
+                                  "(left out)")
+        groups.append(RecordRows(starts[~bad] + base, rows[~bad]))
+    return groups
+
+
+def _lengths_damaged(buffer: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Whether the length field of each record at ``starts`` fails its checksum."""
+    return _crc_fails(buffer, starts, _windows(buffer, starts, 8))
+
+
+def _header_damaged(header: bytes) -> bool:
+    return bool(_lengths_damaged(np.frombuffer(header, dtype=np.uint8), np.zeros(1, dtype=np.int64))[0])
+
+
+def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
+    """Judge the bytes left after the last whole record: nothing, a record cut short, or a damaged length."""
+    if not rest:
+        return
+    if len(rest) >= _HEADER and _header_damaged(rest[:_HEADER]):
+        reading.damage.append(f"{reading.path}: the length of the record at byte {offset} fails its "
+                              f"checksum: the last {len(rest)} bytes cannot be read")
+        return
+    reading.ended_early = (f"{reading.path} ends inside the record at byte {offset} (a run still being "
+                           "written, or a copy cut short): read up to there")
+
+
+def _chunk_groups(buffer: bytes, base: int, wanted: bytes, first: bool, more: bool,
+                  reading: FileReading) -> tuple[list[RecordRows], int, int | None]:
+    """One chunk: its verified record groups, the bytes framed, and where a damaged length stops the file
+    (``more``: the file goes on after this chunk)."""
+    starts, kept, lengths, used = _frame(buffer, wanted, keep_first=first)
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    all_starts = np.asarray(starts, dtype=np.int64)
+    bad_header = None
+    if starts:
+        wrong = np.flatnonzero(_lengths_damaged(array, all_starts))
+        bad_header = int(all_starts[wrong[0]]) if wrong.size else None
+    elif more and len(buffer) >= _HEADER and _header_damaged(buffer[:_HEADER]):
+        bad_header = 0  # a damaged length too large to frame: do not read on to satisfy it
+    kept_starts, kept_lengths = np.asarray(kept, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    if bad_header is not None:
+        keep = kept_starts < bad_header
+        kept_starts, kept_lengths = kept_starts[keep], kept_lengths[keep]
+    reading.records_read += len(starts)
+    groups = _verified(array, base, kept_starts, kept_lengths, reading)
+    return groups, used, None if bad_header is None else base + bad_header
+
+
+def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Iterator[list[RecordRows]]:
+    """The first record and the records mentioning ``wanted``, one batch of length groups per chunk.
+
+    Only records whose checksums hold are yielded; damage and an early end go to ``reading`` (see the
+    module). The first record (offset 0) is in the first batch, unless it is damaged.
+    """
+    base, carry, first = 0, b"", True
+    with open(path, "rb") as handle:
+        while True:
+            data = handle.read(_CHUNK)
+            buffer = carry + data if carry else data
+            groups, used, bad_header = _chunk_groups(buffer, base, wanted, first, bool(data), reading)
+            first = first and used == 0
+            if any(len(group.offsets) for group in groups):
+                yield groups
+            if bad_header is not None:
+                reading.damage.append(f"{path}: the length of the record at byte {bad_header} fails its "
+                                      f"checksum: the {os.path.getsize(path) - bad_header} bytes from there "
+                                      "cannot be read")
+                return
+            base, carry = base + used, buffer[used:]
+            if not data:
+                _end_of_file(carry, base, reading)
+                return
+
 
 _WANTED = b"loss_scale/"
 _NEW_LAYOUTS = 8  # per record length and batch; past that (a file of odd records) protobuf parses them
