@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lossscale_callbacks._forensics import (
@@ -44,6 +44,7 @@ from lossscale_callbacks._sinks import (
     check_tensorboard,
     check_wandb,
     guarded_sinks,
+    named_sinks,
     owned_sinks,
 )
 from lossscale_callbacks._validation import check_bool, check_int, check_number
@@ -97,7 +98,8 @@ class LoggingLoop:
             :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
         wandb: ``True`` (the active run, or a new one) or a dict of ``wandb.init`` arguments: the
             loop writes a :class:`~lossscale_callbacks.wandb.WandbSink`.
-        sinks: more sinks (the caller's); each runs guarded (a failure warns once).
+        sinks: more sinks (the caller's), each guarded (a failure warns once); or sinks by name,
+            ``{name: value}``, that the loop opens itself (see ``lossscale_callbacks.extend.register_sink``).
         health: ``None``/``False`` (off), ``True``/``"warn"``/``"raise"``/``"stop"`` (the default
             rules with that action) or rule objects.
         writer: whether this process writes to the sinks and prints (default: global rank 0,
@@ -130,7 +132,7 @@ class LoggingLoop:
         every_seconds: float | None = None,
         tensorboard: Any = None,
         wandb: Any = None,
-        sinks: Iterable[Sink] = (),
+        sinks: Iterable[Sink] | Mapping[str, Any] = (),
         health: HealthSpec = "warn",
         writer: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -147,11 +149,11 @@ class LoggingLoop:
         _check_callable("stop", stop)
         _check_callable("echo", echo)
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
-        self._user_sinks = guarded_sinks(sinks)
+        self._user_sinks, self._named = named_sinks(sinks)
         self._tensorboard, self._wandb = check_tensorboard(tensorboard), check_wandb(wandb)
         # Made once here to check them and their extras; each run makes its own at its first write,
         # so an unstarted loop holds no file or run (a Trainer pickles its callbacks for ddp_spawn).
-        owned_sinks(self._tensorboard, self._wandb)
+        owned_sinks(self._tensorboard, self._wandb, self._named)
         self._owned: list[Sink] | None = None
         self._health_spec = health
         self.clock = clock
@@ -216,7 +218,7 @@ class LoggingLoop:
         only), the caller's and the run's."""
         if self._group is None:
             if self._owned is None:
-                self._owned = owned_sinks(self._tensorboard, self._wandb) if self.writer else []
+                self._owned = owned_sinks(self._tensorboard, self._wandb, self._named) if self.writer else []
             self._group = SinkGroup([*self._owned, *self._user_sinks, *self._run_sinks])
         return self._group
 

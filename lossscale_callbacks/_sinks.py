@@ -13,7 +13,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
@@ -353,14 +353,15 @@ def forget_at_exit(sink: Any) -> None:
         _open_sinks.discard(sink)
 
 # ---------------------------------------- folded in from _owned_sinks
-# The sinks a logging loop opens itself, from ``tensorboard=`` and ``wandb=``: checked, extras required.
+# The sinks a logging loop opens itself, by name: ``tensorboard=``, ``wandb=`` and ``sinks={name: value}``.
 #
-# Every integration takes the same two arguments (the Keras callback, the Lightning and Fabric
-# monitors, a plain :class:`~lossscale_callbacks.LoggingLoop`); they are checked here,
-# once, when the object is constructed: a bad value is a ``ValueError`` naming the argument, a
-# missing package a :class:`~lossscale_callbacks.extend.MissingExtraError` naming the pip extra,
-# never an error in the middle of training. The sink classes are found through the
-# ``lossscale_callbacks._sinks`` entry points, so the core imports no integration by name.
+# One registry of sink classes by name: :func:`register_sink` adds one (a new sink is one class and
+# this one entry), the ``lossscale_callbacks.sinks`` entry points add the installed integrations'
+# (so the core imports no integration by name). Every integration passes ``sinks=`` to its
+# :class:`~lossscale_callbacks.LoggingLoop`, so a registered name works in all of them. The values
+# are checked once, when the object is constructed: a bad value is a ``ValueError`` naming the
+# argument, a missing package a :class:`~lossscale_callbacks.extend.MissingExtraError` naming the
+# pip extra, never an error in the middle of training.
 #
 # Example:
 #     >>> check_tensorboard("")
@@ -401,9 +402,67 @@ def check_wandb(value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
+# name -> the sink class (or any callable returning a sink) registered by register_sink.
+_REGISTRY: dict[str, Callable[..., Sink]] = {}
+
+
+def register_sink(name: str, factory: Callable[..., Sink]) -> None:
+    """Make a sink usable by name: ``sinks={name: value}`` in a ``LoggingLoop`` and every integration.
+
+    The loop opens ``factory()`` for ``True``, ``factory(**value)`` for a mapping and ``factory(value)``
+    for anything else, once per run and on the writing process only, and closes it at the run's end.
+
+    Args:
+        name: the name users write (not ``tensorboard`` or ``wandb``, which are taken).
+        factory: the sink class, or a callable that returns a sink.
+
+    Raises:
+        ValueError: ``name`` is not a non-empty string, is taken, or ``factory`` is not callable.
+
+    Example:
+        >>> from lossscale_callbacks import InMemorySink, LoggingLoop
+        >>> register_sink("memory", lambda value: InMemorySink())
+        >>> LoggingLoop(log_every=10, sinks={"memory": "unused"}, echo=None).log_every
+        10
+    """
+    if not isinstance(name, str) or not name.isidentifier() or name in _PACKAGES:
+        raise ValueError(f"name must be an identifier other than {sorted(_PACKAGES)}, got {name!r}")
+    if not callable(factory):
+        raise ValueError(f"factory must be a sink class or a callable returning a sink, got {factory!r}")
+    _REGISTRY[name] = factory
+
+
+def named_sinks(sinks: Any) -> tuple[list[GuardedSink], dict[str, Any]]:
+    """``sinks=`` split into the sink objects (guarded) and the sinks given by name, ``{name: value}``.
+
+    Raises:
+        ValueError: a name that no sink is registered under (the known names are listed), or
+            ``sinks`` is neither a mapping of names nor an iterable of sinks.
+    """
+    if not isinstance(sinks, Mapping):
+        return guarded_sinks(sinks), {}
+    known = sorted({*_REGISTRY, *_PACKAGES, *(entry.name for entry in entry_points(group=ENTRY_POINT_GROUP))})
+    unknown = [name for name in sinks if name not in known]
+    if unknown:
+        raise ValueError(f"sinks: each name must be one of {known} (register_sink adds one), got {unknown}")
+    return [], dict(sinks)
+
+
+def _open(name: str, value: Any) -> Sink:
+    factory = _sink_class(name)
+    if value is True:
+        return factory()
+    if isinstance(value, Mapping):
+        return factory(**value)
+    return factory(value)
+
+
 def _sink_class(name: str) -> Any:
-    module, extra = _PACKAGES[name]
-    require(module, extra, feature=f"{name}=")
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    module, extra = _PACKAGES.get(name, (None, None))
+    if module is not None:
+        require(module, extra, feature=f"{name}=")
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         if entry.name == name:
             return entry.load()
@@ -412,23 +471,24 @@ def _sink_class(name: str) -> Any:
                       f'"lossscale-callbacks[{extra}]")')
 
 
-def owned_sinks(tensorboard: Any, wandb: Any) -> list[Sink]:
-    """New sinks for ``tensorboard=`` and ``wandb=``, checked; they open nothing before their first write.
+def owned_sinks(tensorboard: Any, wandb: Any, named: Mapping[str, Any] | None = None) -> list[Sink]:
+    """New sinks for ``tensorboard=``, ``wandb=`` and the named ones of ``sinks=``, checked; they open
+    nothing before their first write.
 
     Raises:
         ValueError: an argument is not what it may be (``wandb``'s ``wandb.init`` arguments and
             its ``mode`` are checked by :class:`~lossscale_callbacks.wandb.WandbSink`).
         MissingExtraError: the package a sink needs is not installed.
     """
-    log_dir, init_kwargs = check_tensorboard(tensorboard), check_wandb(wandb)
+    values = {"tensorboard": check_tensorboard(tensorboard), "wandb": check_wandb(wandb), **(named or {})}
     sinks: list[Sink] = []
-    if log_dir is not None:
-        sinks.append(_sink_class("tensorboard")(log_dir))
-    if init_kwargs is not None:
+    for name, value in values.items():
+        if value is None:
+            continue
         try:
-            sinks.append(_sink_class("wandb")(**init_kwargs))
+            sinks.append(_open(name, value))
         except ValueError as exc:
-            raise ValueError(f"wandb: {exc}") from None
+            raise ValueError(f"{name}: {exc}") from None
     return sinks
 
 # ---------------------------------------- folded in from _policy_text

@@ -4,7 +4,8 @@ Every other module of the library is private (a leading underscore) and may chan
 these names, with the package faces, are the whole promise.
 
 * **A sink**: a class with ``write(step, metrics)``, ``write_text(tag, markdown)``, ``flush()`` and
-  ``close()`` (:class:`lossscale_callbacks.Sink`), handed to ``LoggingLoop(sinks=[...])``.
+  ``close()`` (:class:`lossscale_callbacks.Sink`), handed to ``LoggingLoop(sinks=[...])``; or, with one
+  :func:`register_sink` entry, opened by name by the loop and every integration (``sinks={name: value}``).
 * **A health rule**: a callable with an ``action`` (:class:`Rule`) that takes the recent
   :class:`Snapshot` s and returns a :class:`Verdict` or ``None``; the built-in rules and
   :func:`default_rules` are here to combine with it, passed as ``health=[...]``.
@@ -39,6 +40,7 @@ from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._ops import Ops
 from lossscale_callbacks._policy import Policy, policy_from_config
 from lossscale_callbacks._run_readers import Reader, RunReadError, Series
+from lossscale_callbacks._sinks import register_sink
 
 __all__ = [
     "ConsecutiveSkips",
@@ -56,5 +58,6 @@ __all__ = [
     "Verdict",
     "default_rules",
     "policy_from_config",
+    "register_sink",
     "require",
 ]

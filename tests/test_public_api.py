@@ -48,7 +48,7 @@ EXTENSION: dict[str, list[str]] = {
     "lossscale_callbacks.extend": [
         "ConsecutiveSkips", "MissingExtraError", "Ops", "Policy", "Reader", "Rule", "RunReadError",
         "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale", "Verdict", "default_rules",
-        "policy_from_config", "require"],
+        "policy_from_config", "register_sink", "require"],
     "lossscale_callbacks.testing": [
         "ConformanceCase", "assert_conforms", "conformance_cases", "reference_headroom",
         "reference_histogram", "reference_run", "stack_states"],
