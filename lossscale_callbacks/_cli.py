@@ -29,15 +29,6 @@ from lossscale_callbacks._version import __version__
 
 # ---------------------------------------- folded in from _cli_common
 # What the ``lossscale-callbacks`` commands share: their name, one-line errors, argument types that say why.
-#
-# Example:
-#     >>> import argparse
-#     >>> parser = argparse.ArgumentParser()
-#     >>> _ = parser.add_argument("--batch-size", type=integer("--batch-size", 1, 64))
-#     >>> parser.parse_args(["--batch-size", "8"]).batch_size
-#     8
-#     >>> positive_number("--min-scale")("0.5")
-#     0.5
 
 
 PROG = "lossscale-callbacks"
@@ -137,3 +128,17 @@ def console(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(console())
+
+
+# The examples of the modules folded in above, run by doctest as the docstrings' are.
+__test__ = {
+    "cli_common": """
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> _ = parser.add_argument("--batch-size", type=integer("--batch-size", 1, 64))
+    >>> parser.parse_args(["--batch-size", "8"]).batch_size
+    8
+    >>> positive_number("--min-scale")("0.5")
+    0.5
+""",
+}

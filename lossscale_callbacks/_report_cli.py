@@ -57,12 +57,6 @@ __all__ = [
 # (a corrupt file, a file the user may not read, a reader whose package is missing) is an outcome
 # like the others, with the reason and the pip command that would read it: it never stops the runs
 # after it.
-#
-# Example:
-#     >>> from lossscale_callbacks._run_readers import FoundRun
-#     >>> outcome = judge_run(FoundRun("no/such/run", "tensorboard"))
-#     >>> outcome.status, outcome.reason
-#     ('unreadable', 'no/such/run: no such file or folder')
 
 
 READ, NO_LOSS_SCALE, UNREADABLE = "read", "no_loss_scale", "unreadable"
@@ -309,16 +303,6 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
 # read are listed after it), and a table with one row per run, read or not, when it holds several.
 # To print the single summary the writer waits for the second readable run before it starts the
 # table, so it holds one report at most.
-#
-# Example:
-#     >>> import io
-#     >>> from lossscale_callbacks._report_cli import UNREADABLE, RunOutcome
-#     >>> out = io.StringIO()
-#     >>> writer = JsonWriter("runs", out)
-#     >>> writer.add(RunOutcome("runs/a", "wandb", UNREADABLE, reason="runs/a: bad header"))
-#     >>> writer.finish(png=None, counts={"runs": 1})
-#     >>> import json; json.loads(out.getvalue())["runs"][0]["reason"]
-#     'runs/a: bad header'
 
 
 # Series are long flat lists of (step, value) pairs: no indentation, no cycle check (a pair holds none).
@@ -448,12 +432,6 @@ class JsonWriter:
 # The picture of a run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
 #
 # matplotlib (the ``[plot]`` extra) is imported when a picture is drawn, never by the report itself.
-#
-# Example:
-#     >>> from lossscale_callbacks._run_report import build_report
-#     >>> report = build_report("run", {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)]})
-#     >>> write_png(report, "scale.png")  # doctest: +SKIP
-#     'scale.png'
 
 
 def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
@@ -502,3 +480,30 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
     fig.tight_layout()
     fig.savefig(path, format=fmt)
     return path
+
+
+# The examples of the modules folded in above, run by doctest as the docstrings' are.
+__test__ = {
+    "report_outcomes": """
+    >>> from lossscale_callbacks._run_readers import FoundRun
+    >>> outcome = judge_run(FoundRun("no/such/run", "tensorboard"))
+    >>> outcome.status, outcome.reason
+    ('unreadable', 'no/such/run: no such file or folder')
+""",
+    "report_output": """
+    >>> import io
+    >>> from lossscale_callbacks._report_cli import UNREADABLE, RunOutcome
+    >>> out = io.StringIO()
+    >>> writer = JsonWriter("runs", out)
+    >>> writer.add(RunOutcome("runs/a", "wandb", UNREADABLE, reason="runs/a: bad header"))
+    >>> writer.finish(png=None, counts={"runs": 1})
+    >>> import json; json.loads(out.getvalue())["runs"][0]["reason"]
+    'runs/a: bad header'
+""",
+    "run_picture": """
+    >>> from lossscale_callbacks._run_report import build_report
+    >>> report = build_report("run", {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)]})
+    >>> write_png(report, "scale.png")  # doctest: +SKIP
+    'scale.png'
+""",
+}

@@ -61,12 +61,6 @@ __all__ = [
 # the link's name, a link to a folder inside it (W&B's ``latest-run``) is the same run and is not
 # listed twice, and link loops end. Only regular files count: a FIFO or socket named like an event
 # file is ignored, since opening it would block.
-#
-# Example:
-#     >>> discover_runs("no/such/folder")
-#     []
-#     >>> discover_runs("exported.wandb")  # doctest: +SKIP
-#     [FoundRun(path='exported.wandb', kind='wandb', problem=None)]
 
 
 TENSORBOARD, WANDB = "tensorboard", "wandb"
@@ -298,3 +292,14 @@ def read_series(path: str, kind: str | None = None) -> tuple[str, Series]:
                            install=errors[0].install)
     # The reader that fits the path best (tried first) has the clearest message.
     raise next(exc for exc in errors if not exc.install)
+
+
+# The examples of the modules folded in above, run by doctest as the docstrings' are.
+__test__ = {
+    "run_discovery": """
+    >>> discover_runs("no/such/folder")
+    []
+    >>> discover_runs("exported.wandb")  # doctest: +SKIP
+    [FoundRun(path='exported.wandb', kind='wandb', problem=None)]
+""",
+}

@@ -306,12 +306,6 @@ class SinkGroup:
 
 # ---------------------------------------- folded in from _at_exit
 # Closing sinks at interpreter exit without keeping them alive: atexit holds a weak reference per sink.
-#
-# Example:
-#     >>> from lossscale_callbacks._sinks import InMemorySink
-#     >>> sink = InMemorySink()
-#     >>> close_at_exit(sink)   # closed at exit unless closed before
-#     >>> forget_at_exit(sink)  # ... which its close() says with this
 
 
 _open_sinks: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -362,14 +356,6 @@ def forget_at_exit(sink: Any) -> None:
 # are checked once, when the object is constructed: a bad value is a ``ValueError`` naming the
 # argument, a missing package a :class:`~lossscale_callbacks.extend.MissingExtraError` naming the
 # pip extra, never an error in the middle of training.
-#
-# Example:
-#     >>> check_tensorboard("")
-#     Traceback (most recent call last):
-#     ...
-#     ValueError: tensorboard must be None or a non-empty log directory path, got ''
-#     >>> owned_sinks(None, None)
-#     []
 
 
 ENTRY_POINT_GROUP = "lossscale_callbacks.sinks"
@@ -498,13 +484,6 @@ def owned_sinks(tensorboard: Any, wandb: Any, named: Mapping[str, Any] | None = 
 # (:func:`lossscale_callbacks._sinks.config_markdown`);
 # TensorBoard keeps it as a text summary. The readers turn it back into the policy's bounds and
 # growth interval, so that ``lossscale-callbacks report`` judges a run against the policy it ran with.
-#
-# Example:
-#     >>> from lossscale_callbacks._sinks import config_markdown
-#     >>> text = config_markdown({"type": "dynamic", "min_scale": 1.0, "max_scale": 16777216.0,
-#     ...                         "growth_interval": 2000})
-#     >>> policy_bounds_from_markdown(text), policy_values_from_markdown(text)["growth_interval"]
-#     ((1.0, 16777216.0), '2000')
 
 
 def policy_values_from_markdown(markdown: str) -> dict[str, str]:
@@ -541,3 +520,29 @@ def policy_bounds_from_markdown(markdown: str) -> tuple[float, float] | None:
     except ValueError:
         return None
     return None
+
+
+# The examples of the modules folded in above, run by doctest as the docstrings' are.
+__test__ = {
+    "at_exit": """
+    >>> from lossscale_callbacks._sinks import InMemorySink
+    >>> sink = InMemorySink()
+    >>> close_at_exit(sink)   # closed at exit unless closed before
+    >>> forget_at_exit(sink)  # ... which its close() says with this
+""",
+    "owned_sinks": """
+    >>> check_tensorboard("")
+    Traceback (most recent call last):
+    ...
+    ValueError: tensorboard must be None or a non-empty log directory path, got ''
+    >>> owned_sinks(None, None)
+    []
+""",
+    "policy_text": """
+    >>> from lossscale_callbacks._sinks import config_markdown
+    >>> text = config_markdown({"type": "dynamic", "min_scale": 1.0, "max_scale": 16777216.0,
+    ...                         "growth_interval": 2000})
+    >>> policy_bounds_from_markdown(text), policy_values_from_markdown(text)["growth_interval"]
+    ((1.0, 16777216.0), '2000')
+""",
+}

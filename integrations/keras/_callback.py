@@ -31,11 +31,6 @@ from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
 # steps on the host (:meth:`~lossscale_callbacks.keras._forensics_wiring.ForensicsWiring.host_due`) and
 # ``fit`` runs one of two train functions: the ordinary one, whose trace has no sample in it, and a
 # second one, traced with the sample in it, on the steps due for one. No host read either way.
-#
-# Example:
-#     >>> sampling = FitSampling()
-#     >>> sampling.active
-#     False
 
 
 def _while_sampling(function: Callable[..., Any], wiring: Any) -> Callable[..., Any]:
@@ -464,3 +459,13 @@ def _chosen_metrics(log_metrics: bool | Iterable[str]) -> tuple[str, ...]:
     names = tuple(log_metrics)
     check_known("log_metrics", names, METRIC_NAMES, what="metric")
     return names
+
+
+# The examples of the modules folded in above, run by doctest as the docstrings' are.
+__test__ = {
+    "fit_sampling": """
+    >>> sampling = FitSampling()
+    >>> sampling.active
+    False
+""",
+}

@@ -77,14 +77,6 @@ __all__ = [
 # (8 fixed bytes), the float32/float64 values (fixed bytes) and the step's varint bits (its length, held
 # by the continuation bits, must match). Records that fit no layout (the first record, texts,
 # histograms, integer tensors) are parsed by protobuf, as before.
-#
-# Example:
-#     >>> from tensorboard.compat.proto import event_pb2, summary_pb2
-#     >>> value = summary_pb2.Summary.Value(tag="loss_scale/scale", simple_value=1024.0)
-#     >>> data = event_pb2.Event(step=300, summary=summary_pb2.Summary(value=[value])).SerializeToString()
-#     >>> layout = layout_of(data)
-#     >>> [(tag, dtype) for tag, _, dtype in layout.values], layout.step
-#     ([('loss_scale/scale', '<f4')], (1, 2))
 
 
 _FLOAT, _DOUBLE = 1, 2  # TensorProto dtypes (types_pb2.DT_FLOAT, DT_DOUBLE)
@@ -255,10 +247,6 @@ def decode_rows(layout: Layout, rows: np.ndarray) -> tuple[np.ndarray, list[tupl
 #
 # The checksums are computed with NumPy, all records of one length at once (a CRC-32C table lookup per
 # byte column), since a pure-Python CRC would cost more than everything else the reader does.
-#
-# Example:
-#     >>> crc32c_rows(np.frombuffer(b"123456789", dtype=np.uint8).reshape(1, -1)).tolist()  # the check value
-#     [3808858755]
 
 
 _LENGTH = struct.Struct("<Q")
@@ -768,3 +756,20 @@ def read_texts(path: str) -> list[tuple[str, int, str]]:
         texts = _read_files(files, [], []).ordered_texts()
         out.extend((prefix + tag, step, text) for tag, step, text in texts)
     return out
+
+
+# The examples of the modules folded in above, run by doctest as the docstrings' are.
+__test__ = {
+    "event_layouts": """
+    >>> from tensorboard.compat.proto import event_pb2, summary_pb2
+    >>> value = summary_pb2.Summary.Value(tag="loss_scale/scale", simple_value=1024.0)
+    >>> data = event_pb2.Event(step=300, summary=summary_pb2.Summary(value=[value])).SerializeToString()
+    >>> layout = layout_of(data)
+    >>> [(tag, dtype) for tag, _, dtype in layout.values], layout.step
+    ([('loss_scale/scale', '<f4')], (1, 2))
+""",
+    "records": """
+    >>> crc32c_rows(np.frombuffer(b"123456789", dtype=np.uint8).reshape(1, -1)).tolist()  # the check value
+    [3808858755]
+""",
+}
