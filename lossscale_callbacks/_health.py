@@ -15,7 +15,7 @@ from typing import Protocol
 
 from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._stacklevel import user_stacklevel
-from lossscale_callbacks._validation import check_int
+from lossscale_callbacks._validation import INT64_MAX, check_choice, check_int, check_number
 
 ACTIONS: tuple[str, ...] = ("warn", "raise", "stop")
 
@@ -49,16 +49,6 @@ class Rule(Protocol):
     def __call__(self, history: Sequence[Snapshot]) -> Verdict | None: ...
 
 
-def _check_action(action: str) -> None:
-    if action not in ACTIONS:
-        raise ValueError(f"action must be one of {list(ACTIONS)}, got {action!r}")
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class ConsecutiveSkips:
     """Fires when at least ``limit`` steps in a row were skipped.
@@ -73,8 +63,8 @@ class ConsecutiveSkips:
     action: str = "warn"
 
     def __post_init__(self) -> None:
-        _check_positive_int("limit", self.limit)
-        _check_action(self.action)
+        check_int("limit", self.limit, 1, INT64_MAX)
+        check_choice("action", self.action, ACTIONS)
 
     def describe(self) -> str:
         return f"no run of {self.limit} skipped steps in a row"
@@ -112,14 +102,10 @@ class SkipRate:
     action: str = "warn"
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_rate, bool) or not isinstance(self.max_rate, (int, float)) \
-                or not 0.0 < self.max_rate <= 1.0:
-            raise ValueError(f"max_rate must be a number in (0, 1], got {self.max_rate!r}")
-        _check_positive_int("window", self.window)
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
-                or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        _check_action(self.action)
+        check_number("max_rate", self.max_rate, 0.0, 1.0, low_open=True)
+        check_int("window", self.window, 1, INT64_MAX)
+        check_int("warmup_steps", self.warmup_steps, 0, INT64_MAX)
+        check_choice("action", self.action, ACTIONS)
 
     # Fewer steps after the warm-up than this, and the run's rate says too little to judge.
     min_final_steps: int = dataclasses.field(default=100, repr=False)
@@ -198,8 +184,8 @@ class StuckAtMinScale:
     action: str = "warn"
 
     def __post_init__(self) -> None:
-        _check_positive_int("limit", self.limit)
-        _check_action(self.action)
+        check_int("limit", self.limit, 1, INT64_MAX)
+        check_choice("action", self.action, ACTIONS)
 
     def describe(self) -> str:
         return f"never {self.limit} steps at the minimum scale"
@@ -242,10 +228,10 @@ class ScaleOnlyDecreases:
     action: str = "warn"
 
     def __post_init__(self) -> None:
-        _check_positive_int("min_backoffs", self.min_backoffs)
-        _check_positive_int("min_steps", self.min_steps)
-        _check_positive_int("during_steps", self.during_steps)
-        _check_action(self.action)
+        check_int("min_backoffs", self.min_backoffs, 1, INT64_MAX)
+        check_int("min_steps", self.min_steps, 1, INT64_MAX)
+        check_int("during_steps", self.during_steps, 1, INT64_MAX)
+        check_choice("action", self.action, ACTIONS)
 
     # The last look at a history, carried forward when the history only gained its newest snapshot
     # (and, when full, lost its oldest): a scale that never grows again (held at max_scale) would
@@ -333,7 +319,7 @@ def default_rules(action: str = "warn", growth_interval: int | None = None,
     intervals; without it, after its default 4000 steps. ``dynamic=False`` (a fixed scale, which
     never grows nor shrinks) leaves that rule out.
     """
-    _check_action(action)
+    check_choice("action", action, ACTIONS)
     if not dynamic:
         return (ConsecutiveSkips(action=action), SkipRate(action=action), StuckAtMinScale(action=action))
     decreasing = (ScaleOnlyDecreases(action=action) if growth_interval is None

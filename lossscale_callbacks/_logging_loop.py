@@ -47,7 +47,7 @@ from lossscale_callbacks._sinks import (
     named_sinks,
     owned_sinks,
 )
-from lossscale_callbacks._validation import check_bool, check_int, check_number
+from lossscale_callbacks._validation import INT64_MAX, check_bool, check_int, check_number
 
 __all__ = ["LoggingLoop"]
 
@@ -283,7 +283,7 @@ class LoggingLoop:
         without :meth:`restart_interval` starts again just before ``step``.
         """
         if type(step) is not int or step < -1:  # called every step: the full check only when needed
-            step = check_int("step", step, -1, 2**63 - 1)
+            step = check_int("step", step, -1, INT64_MAX)
         previous, self._mark = self._mark, step
         if step < previous:
             previous = step - 1
@@ -297,7 +297,7 @@ class LoggingLoop:
         """The integration's count starts again at ``at``: the next multiple of ``log_every`` it passes
         ends an interval (Keras: ``-1`` at each epoch, so that batch 0 logs, as ``WandbMetricsLogger``
         does; a monitor: the trainer's step count when training starts or resumes)."""
-        self._mark = check_int("at", at, -1, 2**63 - 1)
+        self._mark = check_int("at", at, -1, INT64_MAX)
 
     def maybe_observe(self, step: int, read: Callable[[], Any], sink_step: int | None = None,
                       read_forensics: Callable[[], IntervalForensics | None] | None = None,

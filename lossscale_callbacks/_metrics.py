@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
-from lossscale_callbacks._validation import check_int, check_number, host_number
+from lossscale_callbacks._validation import INT64_MAX, check_int, check_number, host_number
 
 SCALE = "loss_scale/scale"
 LOG2_SCALE = "loss_scale/log2_scale"
@@ -54,7 +54,6 @@ DASHBOARD_CHARTS: tuple[tuple[str, str], ...] = (
     ("loss scale", SCALE),
 )
 STEP_AXIS = "optimizer steps attempted (skipped steps included)"
-_INT64_MAX = 2**63 - 1
 _SNAPSHOT_COUNTS = ("step", "growth_counter", "hysteresis_left", "skipped_steps", "interval_steps",
                     "skipped_in_interval", "consecutive_skipped", "steps_at_min_scale",
                     "total_steps_at_min_scale")
@@ -100,7 +99,7 @@ class Snapshot:
     def _explain(self) -> None:
         """Raise the ``ValueError`` that names what is wrong with this snapshot."""
         for name in _SNAPSHOT_COUNTS:
-            check_int(f"Snapshot.{name}", getattr(self, name), 0, _INT64_MAX)
+            check_int(f"Snapshot.{name}", getattr(self, name), 0, INT64_MAX)
         check_number("Snapshot.skip_rate", self.skip_rate, 0.0, 1.0)
         if type(self.scale) is not float:
             raise ValueError(f"Snapshot.scale must be a float, got {self.scale!r}")
@@ -132,7 +131,7 @@ def log2_scale(scale: float) -> float:
 
 
 def _count(owner: str, name: str, value: Any) -> int:
-    return check_int(f"{owner}{name}", value, 0, _INT64_MAX, allow_integral_float=True)
+    return check_int(f"{owner}{name}", value, 0, INT64_MAX, allow_integral_float=True)
 
 
 def _raw_fields(state: Any) -> tuple[Any, ...]:
@@ -182,7 +181,7 @@ def observed_state(state: Any) -> LossScaleState:
     else:
         scale, growth, hysteresis, skipped, steps = _raw_fields(state)
     if not (type(growth) is int and type(hysteresis) is int and type(skipped) is int and type(steps) is int
-            and 0 <= growth <= _INT64_MAX and 0 <= hysteresis <= _INT64_MAX and 0 <= steps <= _INT64_MAX):
+            and 0 <= growth <= INT64_MAX and 0 <= hysteresis <= INT64_MAX and 0 <= steps <= INT64_MAX):
         growth, hysteresis, skipped, steps = (
             _count("state: ", name, host_number(value))
             for name, value in zip(STATE_FIELDS[1:], (growth, hysteresis, skipped, steps), strict=True))

@@ -21,7 +21,7 @@ import numpy as np
 
 from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
 
-_INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1  # the one bound of every count (steps, skips, counters): an int64
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _REAL_TYPES = (int, float, np.integer, np.floating)
 
@@ -184,7 +184,7 @@ def validate_state(policy: Any, values: LossScaleState | Mapping[str, Any], *, s
         if _is_real(value) and isinstance(value, (float, np.floating)) and math.isfinite(value) \
                 and float(value).is_integer():
             value = int(value)  # counters stored in float64 checkpoints (GradScaler's tracker)
-        counters[name] = check_int(f"{source}: {name}", value, 0, _INT64_MAX)
+        counters[name] = check_int(f"{source}: {name}", value, 0, INT64_MAX)
     if counters["growth_counter"] >= constants.growth_interval:
         # The rule resets the counter when it reaches the interval: a larger one was never saved by a run.
         raise ValueError(f"{source}: growth_counter must be in [0, {constants.growth_interval - 1}] (below "

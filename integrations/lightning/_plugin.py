@@ -10,7 +10,7 @@ import torch
 from torch.optim import LBFGS
 
 from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._validation import check_bool, check_int
+from lossscale_callbacks._validation import INT64_MAX, check_bool, check_int
 from lossscale_callbacks.lightning import _held_schedulers as held_schedulers
 from lossscale_callbacks.lightning._compat import bases, lightning_module_in, namespace_of, precision_base
 from lossscale_callbacks.lightning._settings import (
@@ -207,7 +207,7 @@ class _LossScaling:
         """
         scaler_state, own = split_plugin_state(type(self).__name__, self.precision, state_dict,
                                                ("lr_scheduler_lag",))
-        lag = check_int("load_state_dict: lr_scheduler_lag", own.get("lr_scheduler_lag", 0), 0, 2**63 - 1)
+        lag = check_int("load_state_dict: lr_scheduler_lag", own.get("lr_scheduler_lag", 0), 0, INT64_MAX)
         self.scaler.load_state_dict(scaler_state)
         self.lr_scheduler_lag = lag
 

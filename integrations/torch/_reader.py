@@ -18,7 +18,7 @@ import torch
 from lossscale_callbacks._forensics import IntervalForensics
 from lossscale_callbacks._policy import Policy
 from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import _INT64_MAX, check_int
+from lossscale_callbacks._validation import INT64_MAX, check_int
 from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
 from lossscale_callbacks.torch._scaler import LossScaler
 from lossscale_callbacks.torch._stock import StockSkipCounter, check_stock_state
@@ -106,7 +106,7 @@ class ScalerReader:
         Only the counts a scaler does not keep itself move (a stock GradScaler's, a bare DeepSpeed
         loss scaler's); our scaler and a DeepSpeed engine count their own steps, which stay.
         """
-        steps = check_int("steps", steps, 0, _INT64_MAX)
+        steps = check_int("steps", steps, 0, INT64_MAX)
         if self._deepspeed is not None:
             self._deepspeed.steps = steps
         elif self._stock is not None:
@@ -178,7 +178,7 @@ class ScalerReader:
         if set(state) != keys:
             raise ValueError(f"state must have exactly the keys {sorted(keys)}; missing "
                              f"{sorted(keys - set(state))}, unknown {sorted(set(state) - keys)}")
-        steps = check_int("state: steps", state["steps"], 0, _INT64_MAX)
+        steps = check_int("state: steps", state["steps"], 0, INT64_MAX)
         if self._stock is not None:
             self._load_stock(steps, state["scaler"], state["stock"])
         else:

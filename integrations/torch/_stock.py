@@ -19,7 +19,7 @@ import torch
 
 from lossscale_callbacks._policy import DynamicPolicy
 from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import _INT64_MAX, check_int, validate_state
+from lossscale_callbacks._validation import INT64_MAX, check_int, validate_state
 from lossscale_callbacks.torch._grad_scaler_compat import GRAD_SCALER_KEYS
 
 __all__ = ["GRAD_SCALER_STATE_KEYS", "StockSkipCounter", "check_stock_state"]
@@ -137,7 +137,7 @@ def check_stock_state(scaler_state: Any, counts: Any, *, source: str = "load_sta
                              f"{sorted(keys - set(value))}, unknown {sorted(set(value) - keys)}")
     policy = _stock_policy(scaler_state)
     for name in ("steps", "skipped_steps"):
-        check_int(f"{source}: stock's {name}", counts[name], 0, _INT64_MAX)
+        check_int(f"{source}: stock's {name}", counts[name], 0, INT64_MAX)
     values = {"scale": scaler_state["scale"], "growth_counter": scaler_state["_growth_tracker"],
               "hysteresis_left": 1, **counts}
     return validate_state(policy, values, source=f"{source} (torch.amp.GradScaler)")
