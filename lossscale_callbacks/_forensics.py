@@ -127,16 +127,6 @@ class LayerHeadroom:
     total: int
 
     @property
-    def log2_headroom(self) -> float:
-        """``log2(65504 / max |scaled gradient|)``: how many doublings of the scale still fit (``inf`` for
-        all-zero gradients, ``nan`` for non-finite ones; negative when the largest is above float16's max)."""
-        if not math.isfinite(self.max_abs_scaled):
-            return math.nan
-        if self.max_abs_scaled == 0:
-            return math.inf
-        return math.log2(FP16_MAX / self.max_abs_scaled)
-
-    @property
     def underflow_share(self) -> float:
         return self.underflow / self.total if self.total else 0.0
 
@@ -191,10 +181,6 @@ class IntervalForensics:
     @property
     def skipped(self) -> int:
         return sum(int(v) for v in self.causes.values())
-
-    @property
-    def skipped_with_finite_loss(self) -> int:
-        return self.skipped - int(self.causes.get("loss_nonfinite", 0))
 
     def metrics(self) -> dict[str, int | float]:
         """Skips per cause in this interval (``loss_scale/skips/<cause>``), per flagged layer

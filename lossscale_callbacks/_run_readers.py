@@ -6,8 +6,8 @@ in the sink integrations (``lossscale_callbacks.tensorboard._reader``,
 entry-point group, so the core never imports TensorBoard or W&B.
 
 Example:
-    >>> sorted(available_readers())  # doctest: +SKIP
-    ['tensorboard', 'wandb']
+    >>> load_reader("tensorboard").__name__  # doctest: +SKIP
+    'read_run'
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ __all__ = [
     "RunReadError",
     "RunSeries",
     "Series",
-    "available_readers",
     "discover_runs",
     "is_event_file_name",
     "is_regular_file",
@@ -221,20 +220,6 @@ def _entry_points() -> dict[str, Any]:
 
 def _install(name: str) -> str | None:
     return install_hint(name) if name in EXTRAS else None
-
-
-def available_readers() -> dict[str, Reader]:
-    """The run readers installed in this environment, by name (``tensorboard``, ``wandb``, ...).
-
-    A reader whose integration cannot be imported (its outside package is missing) is left out.
-    """
-    readers: dict[str, Reader] = {}
-    for name in _entry_points():
-        try:
-            readers[name] = load_reader(name)
-        except RunReadError:
-            continue
-    return readers
 
 
 def load_reader(name: str) -> Reader:

@@ -18,7 +18,7 @@ from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._cli import main
 from lossscale_callbacks._report_cli import write_png
-from lossscale_callbacks._run_readers import available_readers
+from lossscale_callbacks._run_readers import READER_GROUP, load_reader
 from lossscale_callbacks._run_report import build_report
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.wandb import WandbSink
@@ -68,7 +68,11 @@ def tensorboard_run(tmp_path_factory):
 
 
 def test_readers_are_found_through_entry_points():
-    assert {"tensorboard", "wandb"} <= set(available_readers())
+    from importlib.metadata import entry_points
+
+    names = {entry.name for entry in entry_points(group=READER_GROUP)}
+    assert {"tensorboard", "wandb"} <= names
+    assert all(callable(load_reader(name)) for name in ("tensorboard", "wandb"))
 
 
 def test_report_on_a_tensorboard_run_prints_the_summary_and_writes_a_png(tensorboard_run, tmp_path, capsys):
