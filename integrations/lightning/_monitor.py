@@ -19,7 +19,7 @@ from lossscale_callbacks._validation import check_bool
 from lossscale_callbacks.lightning._compat import bases
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.torch._deepspeed_reader import has_deepspeed_scaler
-from lossscale_callbacks.torch._reader import ScalerReader
+from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
 from lossscale_callbacks.torch._scaler import LossScaler
 
 _INTERVALS = (None, "step", "epoch")
@@ -184,11 +184,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
     @staticmethod
     def _warn_no_scaler(trainer: Any) -> None:
         if trainer.is_global_zero:
-            warnings.warn(
-                "[lossscale-callbacks] LossScaleMonitor found no loss scaler: use "
-                "plugins=[LossScalePlugin(...)], precision='16-mixed' on a GPU, or DeepSpeed with fp16. "
-                "Nothing will be logged.",
-                UserWarning, stacklevel=3)
+            warn_no_scaler("LossScaleMonitor", "use plugins=[LossScalePlugin(...)], precision='16-mixed' on "
+                           "a GPU, or DeepSpeed with fp16", stacklevel=3)
 
     def _make_reader(self, trainer: Any) -> ScalerReader | None:
         """The reader, made when training starts: after a checkpoint restored the scaler, and after

@@ -10,6 +10,7 @@ what it read to the core's :class:`~lossscale_callbacks.LoggingLoop`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -208,3 +209,12 @@ class ScalerReader:
         if self._deepspeed is not None:
             raise ValueError("a DeepSpeed loss scaler is checkpointed by DeepSpeed itself "
                              "(engine.save_checkpoint / load_checkpoint), not through this reader")
+
+
+def warn_no_scaler(who: str, why: str, stacklevel: int) -> None:
+    """The one warning of a monitor that finds no loss scaler to read (``why``: what to do about it).
+
+    ``stacklevel`` counts from the caller, as ``warnings.warn``'s does.
+    """
+    warnings.warn(f"[lossscale-callbacks] {who} found no loss scaler: {why}. Nothing will be logged.",
+                  UserWarning, stacklevel=stacklevel + 1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -17,7 +16,7 @@ from lossscale_callbacks._logging_loop import LoggingLoop
 from lossscale_callbacks._policy import Policy, check_policy
 from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks.accelerate._install import install_loss_scaler
-from lossscale_callbacks.torch._reader import ScalerReader
+from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
 
 __all__ = ["LossScaleTrainerCallback"]
 
@@ -181,8 +180,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         why = ("TrainingArguments(fp16=True) on the CPU: Accelerate makes no scaler and no autocast there, "
                "so this run trains in float32; LossScaleTrainerCallback(policy=...) installs a scaler and "
                "makes fp16 real" if args.fp16 else "no fp16 training (TrainingArguments(fp16=True))")
-        warnings.warn(f"[lossscale-callbacks] LossScaleTrainerCallback found no loss scaler: {why}. "
-                      "Nothing will be logged.", UserWarning, stacklevel=2)
+        warn_no_scaler("LossScaleTrainerCallback", why, stacklevel=2)
 
     def _request_stop(self) -> None:
         self._stop_requested = True
