@@ -11,7 +11,12 @@ costs one pass of the framing, not a million parses. What it checks, and what a 
 * the data's checksum of every record kept: a damaged record is left out and reported, the file
   goes on (its neighbours are framed by their own lengths);
 * a file that ends inside a record is what a run still being written (or a copy cut short) looks
-  like: what came before is kept and a note says where the file ends.
+  like: what came before is kept and a note says where the file ends (the rule every reader shares,
+  :func:`~lossscale_callbacks.run_readers.ended_inside_record`; a file cut inside its first record
+  holds nothing to read, an error);
+* a record longer than a chunk is never held: a length past the end of the file is a file cut
+  short, and a long record that is there is stepped over (left out as damage if it mentions
+  ``wanted``). Memory is bounded by two chunks, whatever the file or its length fields say.
 
 The checksums are computed with NumPy, all records of one length at once (a CRC-32C table lookup per
 byte column), since a pure-Python CRC would cost more than everything else the reader does.
@@ -27,14 +32,17 @@ import dataclasses
 import os
 import struct
 from collections.abc import Iterator
+from typing import BinaryIO
 
 import numpy as np
+
+from lossscale_callbacks.run_readers import ended_inside_record
 
 __all__ = ["FileReading", "RecordRows", "crc32c_rows", "iter_record_batches", "masked_crc32c_rows"]
 
 _LENGTH = struct.Struct("<Q")
 _HEADER, _FOOTER = 12, 4
-_CHUNK = 16 * 2**20  # bytes read at once: memory is bounded by this, not by the file
+_CHUNK = 16 * 2**20  # bytes read at once: memory is bounded by two of these, not by the file
 _MASK_DELTA = np.uint32(0xA282EAD8)
 
 
@@ -179,8 +187,35 @@ def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
         reading.damage.append(f"{reading.path}: the length of the record at byte {offset} fails its "
                               f"checksum: the last {len(rest)} bytes cannot be read")
         return
-    reading.ended_early = (f"{reading.path} ends inside the record at byte {offset} (a run still being "
-                           "written, or a copy cut short): read up to there")
+    reading.ended_early = ended_inside_record(reading.path, offset, reading.records_read)
+
+
+def _long_record(handle: BinaryIO, carry: bytes, offset: int, size: int, wanted: bytes,
+                 reading: FileReading) -> bool:
+    """Step over the record at ``offset`` (``carry`` starts with it) when it is longer than a chunk; whether
+    it did. Memory stays at one chunk: a length past the end of the file is a file cut short (read up to
+    there), and a record that is there is scanned piece by piece for ``wanted`` (a loss-scale event is a
+    few hundred bytes: one that long is left out, as damage) and never held."""
+    if len(carry) < _HEADER or _header_damaged(carry[:_HEADER]):
+        return False
+    total = _HEADER + _LENGTH.unpack_from(carry)[0] + _FOOTER
+    if total <= _CHUNK:
+        return False
+    if offset + total > size:
+        reading.ended_early = ended_inside_record(reading.path, offset, reading.records_read)
+        return True
+    handle.seek(offset + _HEADER)
+    left, tail, found = total - _HEADER - _FOOTER, b"", False
+    while left and not found:
+        piece = handle.read(min(left, _CHUNK))
+        found, left = wanted in tail + piece, left - len(piece)
+        tail = piece[-len(wanted):]
+    if found:
+        reading.damage.append(f"{reading.path}: the record at byte {offset} is {total} bytes long, more than "
+                              f"the {_CHUNK} this reader holds at once (left out)")
+    handle.seek(offset + total)
+    reading.records_read += 1
+    return True
 
 
 def _chunk_groups(buffer: bytes, base: int, wanted: bytes, first: bool, more: bool,
@@ -212,6 +247,7 @@ def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Itera
     module). The first record (offset 0) is in the first batch, unless it is damaged.
     """
     base, carry, first = 0, b"", True
+    size = os.path.getsize(path)
     with open(path, "rb") as handle:
         while True:
             data = handle.read(_CHUNK)
@@ -222,10 +258,14 @@ def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Itera
                 yield groups
             if bad_header is not None:
                 reading.damage.append(f"{path}: the length of the record at byte {bad_header} fails its "
-                                      f"checksum: the {os.path.getsize(path) - bad_header} bytes from there "
-                                      "cannot be read")
+                                      f"checksum: the {size - bad_header} bytes from there cannot be read")
                 return
             base, carry = base + used, buffer[used:]
+            if data and _long_record(handle, carry, base, size, wanted, reading):
+                if reading.ended_early:
+                    return
+                base, carry, first = handle.tell(), b"", False
+                continue
             if not data:
                 _end_of_file(carry, base, reading)
                 return
