@@ -22,10 +22,8 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +40,7 @@ from lossscale_callbacks.check_limits import (
     ModelTooDeepError,
     run_deep,
 )
-from lossscale_callbacks.cli_common import fail, integer, positive_number
+from lossscale_callbacks.cli_common import fail, integer, positive_number, quiet_native_stderr
 from lossscale_callbacks.extras import MissingExtraError, install_hint
 
 _TF32 = {"auto": None, "on": True, "off": False}
@@ -96,27 +94,6 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def _quiet_native_stderr():
-    """Silence what TensorFlow's C++ start-up writes to file descriptor 2 (oneDNN, CPU features, absl)
-    while it is imported; Python's own errors are raised after it, not lost."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    try:
-        saved = os.dup(2)
-    except OSError:  # no real stderr (embedded interpreters): nothing to silence
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            sys.stderr.flush()
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def _status_line(report: AlignmentReport, fail_on: str) -> tuple[int, str]:
     if fail_on == "never":
         return 0, "Exit status 0: --fail-on never."
@@ -153,7 +130,7 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
         if check_file is None:
             framework = framework_of_file(path)
             _require_keras_and_tensorflow()
-            with _quiet_native_stderr():
+            with quiet_native_stderr():
                 check_file = load_checker(framework).check_model_file
     except MissingExtraError:
         raise  # the console script says it in one line; main() callers get the ImportError

@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
-from lossscale_callbacks.cli_common import PROG, fail, positive_number
+from lossscale_callbacks import run_readers
+from lossscale_callbacks._printable import printable
+from lossscale_callbacks.cli_common import PROG, fail, positive_number, quiet_native_stderr
 from lossscale_callbacks.extras import install_hint, require
 from lossscale_callbacks.report_outcomes import (
     NO_LOSS_SCALE,
@@ -27,7 +29,7 @@ from lossscale_callbacks.report_outcomes import (
     judge_runs,
 )
 from lossscale_callbacks.report_output import JsonWriter, TextWriter
-from lossscale_callbacks.run_discovery import discover_runs
+from lossscale_callbacks.run_discovery import FoundRun, discover_runs
 from lossscale_callbacks.run_picture import write_png
 
 __all__ = ["add_report_parser", "run_report"]
@@ -35,8 +37,27 @@ __all__ = ["add_report_parser", "run_report"]
 EXIT_OK, EXIT_UNHEALTHY = 0, 1
 
 
-def _fail(message: str) -> int:
+def _fail(args: argparse.Namespace, message: str, outcomes: Sequence[RunOutcome] = ()) -> int:
+    """Bad input: one line on stderr; with ``--json`` also one JSON document on stdout (the runs found,
+    and the message as its ``error``), so that a script always has a document to read."""
+    if args.json:
+        writer = JsonWriter(args.run, sys.stdout)
+        for outcome in outcomes:
+            writer.add(outcome)
+        writer.finish(None, _counts(outcomes), error=message)
     return fail("report", message)
+
+
+def _load_readers(runs: Sequence[FoundRun]) -> None:
+    """Import the readers the runs need with TensorFlow's start-up lines silenced (a reader's package may
+    import it); one that cannot be loaded is said by its runs' outcomes."""
+    kinds = {run.kind for run in runs}
+    with quiet_native_stderr():
+        for kind in sorted(kinds - {None}) if None not in kinds else run_readers.available_readers():
+            try:
+                run_readers.load_reader(kind)
+            except run_readers.RunReadError:
+                continue
 
 
 _PICTURE_FORMATS = ("png", "svg", "pdf")
@@ -102,26 +123,34 @@ def _single(outcome: RunOutcome, args: argparse.Namespace, png_format: str | Non
         reason = outcome.reason or f"{outcome.path}: cannot be read"
         if outcome.install and outcome.install not in reason:
             reason += f"; install: {outcome.install}"
-        return _fail(reason)
+        return _fail(args, reason, [outcome])
     try:
         png = _draw([outcome], args.png, png_format) if png_format else None
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(args, str(exc), [outcome])
+    counts = _counts([outcome])
     if args.json:
         writer = JsonWriter(args.run, sys.stdout)
         writer.add(outcome)
-        writer.finish(png, _counts([outcome]))
+        writer.finish(png, counts, error=_none_read(args, counts))
     else:
         print(outcome.report.text())
         if png:
-            print(f"Picture: {png}")
-    return _exit_status(args, _counts([outcome]))
+            print(printable(f"Picture: {png}"))
+    return _exit_status(args, counts)
+
+
+def _none_read(args: argparse.Namespace, counts: dict[str, int]) -> str | None:
+    if counts[READ]:
+        return None
+    return (f"{args.run}: none of its {counts['runs']} runs could be read as a loss-scale run (each is "
+            "listed above with the reason)")
 
 
 def _exit_status(args: argparse.Namespace, counts: dict[str, int]) -> int:
-    if counts[READ] == 0:
-        return _fail(f"{args.run}: none of its {counts['runs']} runs could be read as a loss-scale run "
-                     "(each is listed above with the reason)")
+    error = _none_read(args, counts)
+    if error:
+        return fail("report", error)
     failed = counts["unhealthy"] + counts["damaged"] + counts[UNREADABLE]
     if args.fail_unhealthy and failed:
         words = [f"{counts['unhealthy']} of {counts[READ]} run(s) unhealthy"]
@@ -135,6 +164,8 @@ def _exit_status(args: argparse.Namespace, counts: dict[str, int]) -> int:
 def run_report(args: argparse.Namespace) -> int:
     """Run the ``report`` command; returns the exit status (0 done, 1 --fail-unhealthy, 2 bad input).
 
+    With ``--json`` it prints one JSON document whatever happens short of a missing extra.
+
     Raises:
         MissingExtraError: ``--png`` without matplotlib (the ``[plot]`` extra), before anything is read.
     """
@@ -143,12 +174,13 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         png_format = _picture_format(args.png) if args.png else None
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(args, str(exc))
     runs = discover_runs(args.run)
     if not runs:
-        return _fail(f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
+        return _fail(args, f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
                      f"{args.run}: no TensorBoard or W&B run here (no events.out.tfevents.* file and no "
                      ".wandb file in it or below)")
+    _load_readers(runs)
     if len(runs) == 1:
         return _single(judge_run(runs[0], args.min_scale), args, png_format)
     tally = _Tally()
@@ -159,13 +191,13 @@ def run_report(args: argparse.Namespace) -> int:
             outcomes = _one_picture(iter(outcomes), args.run)
             png = _draw(outcomes, args.png, png_format)
         except ValueError as exc:
-            return _fail(str(exc))
+            return _fail(args, str(exc))
     writer = JsonWriter(args.run, sys.stdout) if args.json else TextWriter(args.run, [r.path for r in runs],
                                                                            sys.stdout)
     for outcome in outcomes:
         writer.add(outcome)
     if args.json:
-        writer.finish(png, tally.counts)
+        writer.finish(png, tally.counts, error=_none_read(args, tally.counts))
     else:
         writer.finish(png)
     return _exit_status(args, tally.counts)
@@ -190,8 +222,10 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("run", metavar="RUN", help="run folder, event file, .wandb file, or a folder of runs")
     parser.add_argument("--json", action="store_true",
-                        help='print every run as JSON: {"runs": [...], "png": ..., "counts": {...}}, '
-                             "the same shape for one run or many; each run has a status (read, "
+                        help='print every run as JSON: {"runs": [...], "png": ..., "counts": {...}, '
+                             '"error": ...}, one document whatever was found (error: why the exit status '
+                             "is 2, else null); the same shape for one run or many; each run has a status "
+                             "(read, "
                              "no_loss_scale, unreadable), the numbers and series when read, else the reason "
                              "and what to install")
     parser.add_argument("--png", metavar="PATH", help="also draw the scale and the skip rate into PATH "

@@ -3,10 +3,13 @@
 Both writers print each run as it is judged and keep no report once it is printed, so a sweep of
 a thousand runs costs the memory of one. The JSON has one shape whatever the number of runs: an
 object whose ``runs`` list holds every run found, read or not (``status``, ``reason``,
-``install``), followed by ``png`` and the ``counts``.
+``install``), followed by ``png``, the ``counts`` and the ``error`` (why the command failed, else
+null): whatever the command found, ``--json`` prints exactly one JSON document.
 
-The text is the run's summary in plain words when the folder holds one readable run (the runs not
-read are listed after it), and a table with one row per run, read or not, when it holds several.
+Every line of the text goes out through :func:`~lossscale_callbacks._printable.printable`: a run
+named with a newline or an escape sequence cannot add a row or drive the terminal. The text is the
+run's summary in plain words when the folder holds one readable run (the runs not read are listed
+after it), and a table with one row per run, read or not, when it holds several.
 To print the single summary the writer waits for the second readable run before it starts the
 table, so it holds one report at most.
 
@@ -29,6 +32,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from lossscale_callbacks._printable import printable
 from lossscale_callbacks.report_outcomes import NO_LOSS_SCALE, RunOutcome
 from lossscale_callbacks.run_report import RunReport
 
@@ -79,9 +83,14 @@ class TextWriter:
         self._table = False
 
     def _name(self, path: str) -> str:
-        return "." if path == self.root else os.path.relpath(path, self.root)
+        return printable("." if path == self.root else os.path.relpath(path, self.root))
+
+    def _print(self, line: str) -> None:
+        """Every line goes out through the one escaping rule (names come from the disk)."""
+        print(printable(line), file=self.out)
 
     def _line(self, cells: Sequence[str]) -> str:
+        cells = [printable(cell) for cell in cells]  # escaped before padding: the columns stay aligned
         padded = [cell.ljust(w) for cell, w in zip(cells[:-1], self._widths, strict=True)]
         return "  ".join([*padded, cells[-1]]).rstrip()
 
@@ -96,10 +105,10 @@ class TextWriter:
 
     def _start_table(self) -> None:
         self._table = True
-        print(self._line(_HEADER), file=self.out)
-        print("  ".join("-" * w for w in (*self._widths, len(_HEADER[-1]))), file=self.out)
+        self._print(self._line(_HEADER))
+        self._print("  ".join("-" * w for w in (*self._widths, len(_HEADER[-1]))))
         for held in self._held:
-            print(self._row(held), file=self.out)
+            self._print(self._row(held))
         self._held = []
 
     def add(self, outcome: RunOutcome) -> None:
@@ -107,7 +116,7 @@ class TextWriter:
         if not self._table and outcome.report is not None and any(h.report for h in self._held):
             self._start_table()
         if self._table:
-            print(self._row(outcome), file=self.out)
+            self._print(self._row(outcome))
         else:
             self._held.append(outcome)
 
@@ -116,15 +125,15 @@ class TextWriter:
         read = [h for h in self._held if h.report is not None]
         if read and not self._table:
             assert read[0].report is not None
-            print(read[0].report.text(), file=self.out)
+            print(read[0].report.text(), file=self.out)  # escaped line by line by the report
             if png:
-                print(f"Picture: {png}", file=self.out)
+                self._print(f"Picture: {png}")
             others = [h for h in self._held if h.report is None]
             if others:
-                print(f"\nNot read ({len(others)} of the {len(self._held)} runs below {self.root}):",
-                      file=self.out)
+                print(file=self.out)
+                self._print(f"Not read ({len(others)} of the {len(self._held)} runs below {self.root}):")
                 for other in others:
-                    print(f"  {self._name(other.path)}: {_not_read(other)}", file=self.out)
+                    self._print(f"  {self._name(other.path)}: {_not_read(other)}")
         elif self._held:
             self._start_table()
 
@@ -149,8 +158,8 @@ class JsonWriter:
         print(("\n" if self._first else ",\n") + textwrap.indent(text, "    "), file=self.out, end="")
         self._first = False
 
-    def finish(self, png: str | None, counts: Mapping[str, Any]) -> None:
-        """Close the list and the object with the picture and the counts."""
-        tail = {"png": png, "counts": dict(counts)}
+    def finish(self, png: str | None, counts: Mapping[str, Any], error: str | None = None) -> None:
+        """Close the list and the object with the picture, the counts and the error (None when done)."""
+        tail = {"png": png, "counts": dict(counts), "error": error}
         rest = json.dumps(tail, indent=2, sort_keys=True)[1:]  # the object's own "{" is open already
         print(("\n  " if not self._first else "") + "],\n" + rest.lstrip("\n"), file=self.out)

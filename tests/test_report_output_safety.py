@@ -1,0 +1,129 @@
+"""What ``report`` prints can be trusted by a terminal and a script: names escaped, one JSON document always,
+counters that are no numbers named, TensorFlow's start-up lines silenced.
+
+Runtime: about 5 s (TensorBoard runs of a few points).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from lossscale_callbacks import metrics as m
+from lossscale_callbacks import run_readers
+from lossscale_callbacks.cli import main
+from lossscale_callbacks.forensics import CAUSE_METRICS
+from lossscale_callbacks.tensorboard import TensorBoardSink
+
+FORGED = "evil\nforged          9999       0          0.00%      1            OK"
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\u202eterm"
+
+
+def _run(folder, overrides=None, points=5):
+    sink = TensorBoardSink(folder)
+    for i in range(1, points + 1):
+        metrics = {m.SCALE: 1024.0, m.GROWTH_COUNTER: float(i), m.SKIPPED_STEPS: 1.0,
+                   m.SKIPPED_IN_INTERVAL: 0.0, m.SKIP_RATE: 0.0}
+        sink.write(100 * i, {**metrics, **(overrides or {})} if i == points else metrics)
+    sink.close()
+
+
+def _no_raw_controls(text: str) -> None:
+    unsafe = [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or c == "\u202e")]
+    assert unsafe == [], text
+
+
+def test_a_run_named_with_a_newline_cannot_forge_a_row(tmp_path, capsys):
+    for name in (FORGED, "good"):
+        _run(tmp_path / name)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 4, out  # header, rule, two runs
+    assert any(line.startswith("evil\\nforged") for line in lines)
+    assert not any(line.startswith("forged") for line in lines)
+
+
+@pytest.mark.parametrize("layout", ["table", "summary", "not read"])
+def test_escape_sequences_in_a_name_never_reach_the_terminal_raw(tmp_path, capsys, layout):
+    _run(tmp_path / ESCAPES)
+    if layout == "table":
+        _run(tmp_path / "other")
+    elif layout == "not read":
+        (tmp_path / "good").mkdir()
+        _run(tmp_path / "good")
+        (tmp_path / ESCAPES / "events.out.tfevents.1.x").write_bytes(b"\x00" * 20)
+    main(["report", str(tmp_path)])
+    captured = capsys.readouterr()
+    _no_raw_controls(captured.out)
+    _no_raw_controls(captured.err)
+    assert "\\x1b]0;owned\\x07" in captured.out
+
+
+def test_an_error_naming_a_hostile_path_is_escaped_on_stderr(tmp_path, capsys):
+    assert main(["report", str(tmp_path / ESCAPES)]) == 2
+    err = capsys.readouterr().err
+    _no_raw_controls(err)
+    assert "\\x1b[2J" in err
+
+
+def _cases(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cut = tmp_path / "cut" / "a"
+    cut.mkdir(parents=True)
+    (cut / "events.out.tfevents.1.x").write_bytes(b"\x00" * 20)
+    (tmp_path / "cut" / "b").mkdir()
+    (tmp_path / "cut" / "b" / "events.out.tfevents.1.x").write_bytes(b"\x01" * 20)
+    _run(tmp_path / "good")
+    return {
+        "nothing there": ([str(tmp_path / "missing")], 2),
+        "no run found": ([str(tmp_path / "empty")], 2),
+        "one run, unreadable": ([str(cut)], 2),
+        "none readable": ([str(tmp_path / "cut")], 2),
+        "a bad --png name": ([str(tmp_path / "good"), "--png", str(tmp_path / "p.txt")], 2),
+        "done": ([str(tmp_path / "good")], 0),
+    }
+
+
+def test_json_is_always_exactly_one_document(tmp_path, capsys):
+    for case, (args, status) in _cases(tmp_path).items():
+        assert main(["report", *args, "--json"]) == status, case
+        payload = json.loads(capsys.readouterr().out)  # one document, nothing before or after it
+        assert set(payload) == {"root", "runs", "png", "counts", "error"}, case
+        assert (payload["error"] is None) == (status == 0), case
+        if case == "one run, unreadable":
+            (run,) = payload["runs"]
+            assert run["status"] == "unreadable" and "fails its checksum" in run["reason"]
+
+
+@pytest.mark.parametrize(("tag", "value"), [(m.SKIPPED_STEPS, math.nan), (m.GROWTH_COUNTER, math.inf),
+                                            (m.STEPS, -math.inf), (CAUSE_METRICS["grad_inf"], math.nan)])
+def test_a_counter_that_is_no_number_is_named(tmp_path, capsys, tag, value):
+    _run(tmp_path, {tag: value, **({CAUSE_METRICS["grad_nan"]: 0.0} if tag in CAUSE_METRICS.values()
+                                   else {})})
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"the {tag} series holds {value!r} at step 500: not a count" in err
+    assert "convert" not in err and "Overflow" not in err
+
+
+def test_report_silences_what_a_reader_import_writes_to_stderr(tmp_path, capfd, monkeypatch):
+    _run(tmp_path)
+    load, noisy = run_readers.load_reader, []
+
+    def load_like_tensorflow(name):
+        if not noisy:  # a framework logs once, when it is first imported
+            noisy.append(name)
+            os.write(2, b"I0000 tensorflow/core/util/port.cc:153] oneDNN custom operations are on.\n")
+        return load(name)
+
+    monkeypatch.setattr(run_readers, "load_reader", load_like_tensorflow)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "")  # recorded, so that the teardown puts it back as it was
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    assert main(["report", str(tmp_path)]) == 0
+    captured = capfd.readouterr()
+    assert noisy and "oneDNN" not in captured.err and "Optimizer steps attempted: 500" in captured.out
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "3"  # a TensorFlow imported later stays quiet too
