@@ -18,7 +18,8 @@ from lossscale_callbacks.run_report import RunReport, snapshots_from_series
 __all__ = ["write_png"]
 
 def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
-    """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
+    """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval
+    (a run that skipped nothing says "no skipped steps" on that panel).
 
     ``fmt`` is the picture format (``"png"``, ``"svg"``, ``"pdf"``); the CLI takes it from the file
     name. matplotlib is imported here only. The figure is drawn with matplotlib's object API and
@@ -59,6 +60,9 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
     bottom.set_ylabel("skip rate per interval")
     bottom.set_xlabel(m.STEP_AXIS)
     bottom.set_ylim(0, max(0.05, max((s.skip_rate for s in snapshots), default=0.0) * 1.1))
+    if not skipped:  # an empty panel would look like a drawing that failed
+        words = "skipped steps not logged" if report.skipped_steps is None else "no skipped steps"
+        bottom.text(0.5, 0.5, words, transform=bottom.transAxes, ha="center", va="center", color="grey")
     bottom.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format=fmt)

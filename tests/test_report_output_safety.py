@@ -127,3 +127,15 @@ def test_report_silences_what_a_reader_import_writes_to_stderr(tmp_path, capfd, 
     captured = capfd.readouterr()
     assert noisy and "oneDNN" not in captured.err and "Optimizer steps attempted: 500" in captured.out
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "3"  # a TensorFlow imported later stays quiet too
+
+
+@pytest.mark.parametrize(("skipped", "said"), [(0.0, True), (3.0, False)])
+def test_the_skip_rate_panel_says_when_nothing_was_skipped(tmp_path, skipped, said):
+    matplotlib = pytest.importorskip("matplotlib")
+    from lossscale_callbacks.run_picture import write_png
+    from lossscale_callbacks.run_report import build_report
+
+    series = {m.SCALE: [(100, 1024.0), (200, 2048.0)], m.SKIPPED_STEPS: [(100, 0.0), (200, skipped)]}
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, to be read back
+        write_png(build_report("run", series), str(tmp_path / "run.svg"), "svg")
+    assert ("no skipped steps" in (tmp_path / "run.svg").read_text()) == said
