@@ -157,7 +157,7 @@ def test_tensorboard_memory_does_not_grow_with_a_long_record(tensorboard_run, tm
     print(f"tensorboard {length}: +{extra / 2**20:.1f} MiB, {seconds:.2f} s")
     assert extra < 64 * 2**20 and points == STEPS, (extra, points)
     assert bool(notes) == (length == 2**40)
-    assert seconds < 10
+    assert seconds < 20  # linear: about 2 s on 2 shared cores; a loaded CI machine gets slack
 
 
 def test_wandb_memory_does_not_grow_with_a_sparse_tail(wandb_run, tmp_path):
@@ -166,4 +166,4 @@ def test_wandb_memory_does_not_grow_with_a_sparse_tail(wandb_run, tmp_path):
     extra, seconds, points, _ = _extra_peak("wandb", wandb_run, tailed)
     print(f"wandb: +{extra / 2**20:.1f} MiB, {seconds:.2f} s")
     assert extra < 64 * 2**20 and points == STEPS, (extra, points)
-    assert seconds < 10
+    assert seconds < 20  # linear: about 2 s on 2 shared cores; a loaded CI machine gets slack

@@ -43,6 +43,7 @@ __all__ = ["FileReading", "RecordRows", "crc32c_rows", "iter_record_batches", "m
 _LENGTH = struct.Struct("<Q")
 _HEADER, _FOOTER = 12, 4
 _CHUNK = 16 * 2**20  # bytes read at once: memory is bounded by two of these, not by the file
+_SCAN = 2**20  # a record longer than a chunk is looked through this many bytes at a time
 _MASK_DELTA = np.uint32(0xA282EAD8)
 
 
@@ -190,6 +191,23 @@ def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
     reading.ended_early = ended_inside_record(reading.path, offset, reading.records_read)
 
 
+def _mentions(handle: BinaryIO, length: int, wanted: bytes) -> bool:
+    """Whether the next ``length`` bytes of ``handle`` contain ``wanted``, read into one small buffer."""
+    keep = len(wanted) - 1  # the end of a piece, kept for a match across two pieces
+    window = bytearray(keep + _SCAN)
+    view, held = memoryview(window), 0
+    while length > 0:
+        got = handle.readinto(view[held: held + min(length, _SCAN)])
+        if not got:
+            return False
+        end, length = held + got, length - got
+        if window.find(wanted, 0, end) >= 0:
+            return True
+        held = min(keep, end)
+        window[:held] = window[end - held: end]
+    return False
+
+
 def _long_record(handle: BinaryIO, carry: bytes, offset: int, size: int, wanted: bytes,
                  reading: FileReading) -> bool:
     """Step over the record at ``offset`` (``carry`` starts with it) when it is longer than a chunk; whether
@@ -205,11 +223,7 @@ def _long_record(handle: BinaryIO, carry: bytes, offset: int, size: int, wanted:
         reading.ended_early = ended_inside_record(reading.path, offset, reading.records_read)
         return True
     handle.seek(offset + _HEADER)
-    left, tail, found = total - _HEADER - _FOOTER, b"", False
-    while left and not found:
-        piece = handle.read(min(left, _CHUNK))
-        found, left = wanted in tail + piece, left - len(piece)
-        tail = piece[-len(wanted):]
+    found = _mentions(handle, total - _HEADER - _FOOTER, wanted)
     if found:
         reading.damage.append(f"{reading.path}: the record at byte {offset} is {total} bytes long, more than "
                               f"the {_CHUNK} this reader holds at once (left out)")

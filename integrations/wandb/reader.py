@@ -67,6 +67,7 @@ _BLOCK = 32 * 1024
 _CHUNK = struct.Struct("<IHB")
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 _MAX_RECORD = 16 * 2**20  # a record is held whole to be parsed: longer ones are left out
+_READ = 32 * _BLOCK  # bytes read at once (whole blocks)
 _STEP = "_step"
 
 
@@ -124,13 +125,13 @@ class _Framing:
         at = self.started if self.pending is not None or self.oversized else offset
         self.notes.append(ended_inside_record(self.path, at, self.produced))
 
-    def take(self, kind: int, body: bytes, at: int) -> bytes | None:
+    def take(self, kind: int, body: memoryview, at: int) -> bytes | None:
         """One chunk's data: the record it completes, or None (held, or stepped over: see the module)."""
         if kind in (_FULL, _FIRST):
             self.pending, self.oversized, self.started = None, False, at
             if kind == _FULL:
                 self.produced += 1
-                return body
+                return bytes(body)
             self.pending = bytearray(body)
             return None
         if self.pending is None and not self.oversized:
@@ -148,7 +149,8 @@ class _Framing:
         return None if record is None else bytes(record)
 
 
-def _block_chunks(block: bytes, start: int, framing: _Framing) -> Iterator[tuple[int, bytes, int] | int]:
+def _block_chunks(block: memoryview, start: int,
+                  framing: _Framing) -> Iterator[tuple[int, memoryview, int] | int]:
     """The chunks of one block as ``(kind, data, offset)``, or the offset where the file ends inside one."""
     pos = _HEADER.size if start == 0 else 0
     while _BLOCK - pos >= _CHUNK.size and pos < len(block):  # a shorter block tail is padding
@@ -182,15 +184,17 @@ def _raw_records(file_path: str, damage: list[str], notes: list[str]) -> Iterato
             raise RunReadError(f"{file_path}: corrupt W&B run file (bad header {head!r})")
         start = 0
         fh.seek(0)
-        while block := fh.read(_BLOCK):
-            for chunk in _block_chunks(block, start, framing):
-                if isinstance(chunk, int):
-                    framing.cut_short(chunk)
-                    return
-                record = framing.take(*chunk)
-                if record is not None:
-                    yield record
-            start += len(block)
+        while data := fh.read(_READ):
+            view = memoryview(data)
+            for at in range(0, len(data), _BLOCK):
+                for chunk in _block_chunks(view[at: at + _BLOCK], start, framing):
+                    if isinstance(chunk, int):
+                        framing.cut_short(chunk)
+                        return
+                    record = framing.take(*chunk)
+                    if record is not None:
+                        yield record
+                start += min(_BLOCK, len(data) - at)
     if framing.pending is not None or framing.oversized:
         framing.cut_short(start)
 
