@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from lossscale_callbacks import run_readers
 from lossscale_callbacks._printable import printable
 from lossscale_callbacks.cli_common import PROG, fail, positive_number, quiet_native_stderr
-from lossscale_callbacks.extras import install_hint, require
+from lossscale_callbacks.extras import MissingExtraError, install_hint, require
 from lossscale_callbacks.report_outcomes import (
     NO_LOSS_SCALE,
     READ,
@@ -164,13 +164,19 @@ def _exit_status(args: argparse.Namespace, counts: dict[str, int]) -> int:
 def run_report(args: argparse.Namespace) -> int:
     """Run the ``report`` command; returns the exit status (0 done, 1 --fail-unhealthy, 2 bad input).
 
-    With ``--json`` it prints one JSON document whatever happens short of a missing extra.
+    With ``--json`` it prints one JSON document whatever happens (a missing extra too: its message is the
+    document's ``error``, then it is raised).
 
     Raises:
         MissingExtraError: ``--png`` without matplotlib (the ``[plot]`` extra), before anything is read.
     """
     if args.png:
-        require("matplotlib.figure", "plot", feature="report --png")  # before anything is read
+        try:
+            require("matplotlib.figure", "plot", feature="report --png")  # before anything is read
+        except MissingExtraError as exc:
+            if args.json:
+                JsonWriter(args.run, sys.stdout).finish(None, _counts(()), error=str(exc))
+            raise
     try:
         png_format = _picture_format(args.png) if args.png else None
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """``lossscale-callbacks check`` on the README's own Keras model: every finding says what to do, and a long
 check says where its time goes (issue 30).
 
-Runtime: about 10 s (two small models saved, loaded and traced by Keras on TensorFlow).
+Runtime: about 25 s on 2 shared cores (a small model saved, then loaded and traced by Keras four times).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Both run readers: a file cut short is said to be cut short, and memory stays bounded by a constant.
 
-Runtime: about 15 s (one W&B offline run, two subprocesses reading 256 MiB sparse tails).
+Runtime: about 15 to 30 s on 2 shared cores (one W&B offline run, three subprocesses reading 256 MiB sparse
+tails).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What ``report`` prints can be trusted by a terminal and a script: names escaped, one JSON document always,
 counters that are no numbers named, TensorFlow's start-up lines silenced.
 
-Runtime: about 5 s (TensorBoard runs of a few points).
+Runtime: about 20 s on 2 shared cores (TensorBoard runs of a few points, one subprocess).
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +141,14 @@ def test_the_skip_rate_panel_says_when_nothing_was_skipped(tmp_path, skipped, sa
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, to be read back
         write_png(build_report("run", series), str(tmp_path / "run.svg"), "svg")
     assert ("no skipped steps" in (tmp_path / "run.svg").read_text()) == said
+
+
+def test_json_is_one_document_when_the_plot_extra_is_missing(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None\n"
+            "from lossscale_callbacks.cli import console; sys.exit(console(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "report", "nowhere", "--png", "x.png", "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    payload = json.loads(done.stdout)
+    assert done.returncode == 2 and payload["runs"] == [] and "lossscale-callbacks[plot]" in payload["error"]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("lossscale-callbacks: error: report --png needs")
