@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import numpy as np
 import pytest
@@ -168,3 +169,42 @@ def test_wandb_memory_does_not_grow_with_a_sparse_tail(wandb_run, tmp_path):
     print(f"wandb: +{extra / 2**20:.1f} MiB, {seconds:.2f} s")
     assert extra < 64 * 2**20 and points == STEPS, (extra, points)
     assert seconds < 20  # linear: about 2 s on 2 shared cores; a loaded CI machine gets slack
+
+
+def _wandb_file(path, records: list[bytes]) -> None:
+    """A ``.wandb`` file framed as W&B's writer frames it: 32 KiB blocks of checksummed chunks."""
+    out = bytearray(struct.pack("<4sHB", b":W&B", 0xBEE1, 0))
+    block = 32 * 1024
+    for record in records:
+        first = True
+        while True:
+            left = block - len(out) % block
+            if left < 7:
+                out += bytes(left)
+                continue
+            piece, record = record[: left - 7], record[left - 7:]
+            kind = (1 if not record else 2) if first else (4 if not record else 3)
+            crc = zlib.crc32(piece, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF
+            out += struct.pack("<IHB", crc, len(piece), kind) + piece
+            first = False
+            if not record:
+                break
+    path.write_bytes(bytes(out))
+
+
+def test_a_wandb_record_longer_than_the_reader_holds_is_left_out_as_damage(tmp_path):
+    from wandb.proto import wandb_internal_pb2
+
+    def history(step: int, padding: int = 0) -> bytes:
+        record = wandb_internal_pb2.Record()
+        for key, value in (("loss_scale/scale", 1024), ("_step", step), ("pad", "x" * padding)):
+            item = record.history.item.add()
+            item.key, item.value_json = key, json.dumps(value)
+        return record.SerializeToString()
+
+    path = tmp_path / "run-x.wandb"
+    _wandb_file(path, [history(1), history(2, padding=17 * 2**20), history(3)])
+    series = read_wandb(str(path))
+    assert series[m.SCALE] == [(1, 1024.0), (3, 1024.0)]
+    (damage,) = series.damage
+    assert "is longer than the 16777216 bytes this reader holds at once (left out)" in damage

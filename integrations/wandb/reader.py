@@ -174,7 +174,7 @@ def _block_chunks(block: memoryview, start: int,
 
 
 def _raw_records(file_path: str, damage: list[str], notes: list[str]) -> Iterator[bytes]:
-    """The file's records, reassembled from its chunks, one 32 KiB block in memory at a time."""
+    """The file's records, reassembled from its chunks, read 1 MiB (32 blocks) at a time."""
     framing = _Framing(file_path, damage, notes)
     with open(file_path, "rb") as fh:
         head = fh.read(_HEADER.size)
