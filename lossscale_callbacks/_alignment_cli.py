@@ -8,7 +8,9 @@ whole report as JSON). Exit status: 0 when nothing is at least as severe as ``--
 is silenced. Needs Keras and its TensorFlow backend (``pip install "lossscale-callbacks[keras]"
 tensorflow``); a missing one is named with that command before anything is loaded. What a file may
 cost is bounded first (:mod:`lossscale_callbacks._check_limits`): ``--max-unzipped-mib``,
-``--batch-size`` up to 2**31 - 1, and ``--recursion-limit`` for deeply nested models.
+``--batch-size`` up to 2**31 - 1, and ``--recursion-limit`` for deeply nested models. Each stage
+(Keras' load, the trace, the rules) is said on stderr as it starts and ends (``--progress``; by
+default when stderr is a terminal), and a last line says the seconds each took.
 
 Example:
     >>> import argparse
@@ -22,10 +24,8 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +39,7 @@ from lossscale_callbacks._check_limits import (
     ModelTooDeepError,
     run_deep,
 )
-from lossscale_callbacks._cli import fail, integer, positive_number
+from lossscale_callbacks._cli import fail, integer, positive_number, quiet_native_stderr
 from lossscale_callbacks._extras import MissingExtraError, install_hint
 from lossscale_callbacks.alignment._checkers import framework_of_file, load_checker
 from lossscale_callbacks.alignment._report import AlignmentReport
@@ -92,29 +92,11 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
                         type=integer("--recursion-limit", 100),
                         metavar="FRAMES", help="Python frames the check may use to load and trace the model "
                         f"(Keras recurses a few per layer of a chain; default {DEFAULT_RECURSION_LIMIT})")
+    parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                        help="say each stage (load, trace, rules) on stderr as it starts and ends, with its "
+                             "seconds (default auto: when stderr is a terminal)")
     parser.set_defaults(handler=run_check)
     return parser
-
-
-@contextlib.contextmanager
-def _quiet_native_stderr():
-    """Silence what TensorFlow's C++ start-up writes to file descriptor 2 (oneDNN, CPU features, absl)
-    while it is imported; Python's own errors are raised after it, not lost."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    try:
-        saved = os.dup(2)
-    except OSError:  # no real stderr (embedded interpreters): nothing to silence
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            sys.stderr.flush()
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _status_line(report: AlignmentReport, fail_on: str) -> tuple[int, str]:
@@ -153,14 +135,15 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
         if check_file is None:
             framework = framework_of_file(path)
             _require_keras_and_tensorflow()
-            with _quiet_native_stderr():
+            with quiet_native_stderr():
                 check_file = load_checker(framework).check_model_file
     except MissingExtraError:
         raise  # the console script says it in one line; main() callers get the ImportError
     except (ValueError, ImportError) as exc:
         return _fail(err, str(exc))
     check = functools.partial(check_file, str(path), batch_size=args.batch_size, target=args.target,
-                              tf32=_TF32[args.tf32], max_unzipped_mib=args.max_unzipped_mib)
+                              tf32=_TF32[args.tf32], max_unzipped_mib=args.max_unzipped_mib,
+                              **_progress(args, err))
     try:
         report = run_deep(check, args.recursion_limit)
     except ArchiveTooLargeError as exc:
@@ -177,5 +160,23 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
     else:
         print(f"{report.header()} (from {path.name})", file=out)
         print(report, file=out)
+        seconds = report.context.get("seconds")
+        if seconds:
+            print(_time_line(seconds), file=out)
         print(line, file=out)
     return status
+
+
+def _progress(args: argparse.Namespace, err: TextIO) -> dict:
+    """The ``progress=`` argument of the model loader: a line on ``err`` per stage, when asked for (or when
+    ``err`` is a terminal), else nothing."""
+    wanted = args.progress == "on" or (args.progress == "auto" and getattr(err, "isatty", bool)())
+    return {"progress": lambda line: print(f"check: {line}", file=err, flush=True)} if wanted else {}
+
+
+def _time_line(seconds: dict) -> str:
+    """Where the check's time went: Keras' own load, the trace of one step, the rules."""
+    stages = {"load": "loading the model (Keras)", "capture": "tracing one step (TensorFlow)",
+              "rules": "the rules"}
+    parts = [f"{words} {seconds[key]:.1f} s" for key, words in stages.items() if key in seconds]
+    return f"Time: {', '.join(parts)}."

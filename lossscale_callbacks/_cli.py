@@ -17,14 +17,16 @@ read; the console script (:func:`console`) prints it as one line and exits with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
 from lossscale_callbacks._extras import MissingExtraError
+from lossscale_callbacks._printable import printable
 from lossscale_callbacks._version import __version__
 
 # ---------------------------------------- folded in from _cli_common
@@ -39,11 +41,12 @@ EXIT_BAD_INPUT = 2
 def fail(command: str, message: object, err: TextIO | None = None) -> int:
     """Print ``message`` as one line on ``err`` (stderr) and return the bad-input exit status, 2.
 
-    One line, whatever the cause: these messages end up in CI logs and shell scripts. ``command``
+    One line, whatever the cause: these messages end up in CI logs and shell scripts (names in it are
+    escaped by :func:`~lossscale_callbacks._printable.printable`). ``command``
     (``"report"``, ``"check"``, or ``""`` for the program itself) starts the line.
     """
     where = f"{PROG} {command}" if command else PROG
-    print(f"{where}: error: {' '.join(str(message).split())}", file=err or sys.stderr)
+    print(f"{where}: error: {printable(' '.join(str(message).split()))}", file=err or sys.stderr)
     return EXIT_BAD_INPUT
 
 
@@ -75,6 +78,36 @@ def positive_number(flag: str) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Silence what TensorFlow's C++ start-up writes to file descriptor 2 (oneDNN, CPU features, absl)
+    while a framework or a reader is imported; Python's own errors are raised after it, not lost.
+
+    ``TF_CPP_MIN_LOG_LEVEL`` is set to 3 (unless the user set it), so a TensorFlow imported later
+    stays quiet too. Both commands import through it (``check`` its model loader, ``report`` its
+    readers).
+
+    Example:
+        >>> with quiet_native_stderr():
+        ...     import json
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        saved = os.dup(2)
+    except OSError:  # no real stderr (embedded interpreters): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            sys.stderr.flush()
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 EXIT_OK = 0

@@ -21,8 +21,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks._cli import PROG, fail, positive_number
-from lossscale_callbacks._extras import install_hint, require
+from lossscale_callbacks import _run_readers as run_readers
+from lossscale_callbacks._cli import PROG, fail, positive_number, quiet_native_stderr
+from lossscale_callbacks._extras import MissingExtraError, install_hint, require
+from lossscale_callbacks._printable import printable
 from lossscale_callbacks._run_readers import (
     FoundRun,
     NoLossScaleError,
@@ -122,8 +124,27 @@ def judge_runs(runs: Iterable[FoundRun], min_scale: float | None = None) -> Iter
 EXIT_OK, EXIT_UNHEALTHY = 0, 1
 
 
-def _fail(message: str) -> int:
+def _fail(args: argparse.Namespace, message: str, outcomes: Sequence[RunOutcome] = ()) -> int:
+    """Bad input: one line on stderr; with ``--json`` also one JSON document on stdout (the runs found,
+    and the message as its ``error``), so that a script always has a document to read."""
+    if args.json:
+        writer = JsonWriter(args.run, sys.stdout)
+        for outcome in outcomes:
+            writer.add(outcome)
+        writer.finish(None, _counts(outcomes), error=message)
     return fail("report", message)
+
+
+def _load_readers(runs: Sequence[FoundRun]) -> None:
+    """Import the readers the runs need with TensorFlow's start-up lines silenced (a reader's package may
+    import it); one that cannot be loaded is said by its runs' outcomes."""
+    kinds = {run.kind for run in runs}
+    with quiet_native_stderr():
+        for kind in sorted(kinds - {None}) if None not in kinds else sorted(run_readers._entry_points()):
+            try:
+                run_readers.load_reader(kind)
+            except run_readers.RunReadError:
+                continue
 
 
 _PICTURE_FORMATS = ("png", "svg", "pdf")
@@ -189,26 +210,34 @@ def _single(outcome: RunOutcome, args: argparse.Namespace, png_format: str | Non
         reason = outcome.reason or f"{outcome.path}: cannot be read"
         if outcome.install and outcome.install not in reason:
             reason += f"; install: {outcome.install}"
-        return _fail(reason)
+        return _fail(args, reason, [outcome])
     try:
         png = _draw([outcome], args.png, png_format) if png_format else None
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(args, str(exc), [outcome])
+    counts = _counts([outcome])
     if args.json:
         writer = JsonWriter(args.run, sys.stdout)
         writer.add(outcome)
-        writer.finish(png, _counts([outcome]))
+        writer.finish(png, counts, error=_none_read(args, counts))
     else:
         print(outcome.report.text())
         if png:
-            print(f"Picture: {png}")
-    return _exit_status(args, _counts([outcome]))
+            print(printable(f"Picture: {png}"))
+    return _exit_status(args, counts)
+
+
+def _none_read(args: argparse.Namespace, counts: dict[str, int]) -> str | None:
+    if counts[READ]:
+        return None
+    return (f"{args.run}: none of its {counts['runs']} runs could be read as a loss-scale run (each is "
+            "listed above with the reason)")
 
 
 def _exit_status(args: argparse.Namespace, counts: dict[str, int]) -> int:
-    if counts[READ] == 0:
-        return _fail(f"{args.run}: none of its {counts['runs']} runs could be read as a loss-scale run "
-                     "(each is listed above with the reason)")
+    error = _none_read(args, counts)
+    if error:
+        return fail("report", error)
     failed = counts["unhealthy"] + counts["damaged"] + counts[UNREADABLE]
     if args.fail_unhealthy and failed:
         words = [f"{counts['unhealthy']} of {counts[READ]} run(s) unhealthy"]
@@ -222,20 +251,29 @@ def _exit_status(args: argparse.Namespace, counts: dict[str, int]) -> int:
 def run_report(args: argparse.Namespace) -> int:
     """Run the ``report`` command; returns the exit status (0 done, 1 --fail-unhealthy, 2 bad input).
 
+    With ``--json`` it prints one JSON document whatever happens (a missing extra too: its message is the
+    document's ``error``, then it is raised).
+
     Raises:
         MissingExtraError: ``--png`` without matplotlib (the ``[plot]`` extra), before anything is read.
     """
     if args.png:
-        require("matplotlib.figure", "plot", feature="report --png")  # before anything is read
+        try:
+            require("matplotlib.figure", "plot", feature="report --png")  # before anything is read
+        except MissingExtraError as exc:
+            if args.json:
+                JsonWriter(args.run, sys.stdout).finish(None, _counts(()), error=str(exc))
+            raise
     try:
         png_format = _picture_format(args.png) if args.png else None
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(args, str(exc))
     runs = discover_runs(args.run)
     if not runs:
-        return _fail(f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
+        return _fail(args, f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
                      f"{args.run}: no TensorBoard or W&B run here (no events.out.tfevents.* file and no "
                      ".wandb file in it or below)")
+    _load_readers(runs)
     if len(runs) == 1:
         return _single(judge_run(runs[0], args.min_scale), args, png_format)
     tally = _Tally()
@@ -246,13 +284,13 @@ def run_report(args: argparse.Namespace) -> int:
             outcomes = _one_picture(iter(outcomes), args.run)
             png = _draw(outcomes, args.png, png_format)
         except ValueError as exc:
-            return _fail(str(exc))
+            return _fail(args, str(exc))
     writer = JsonWriter(args.run, sys.stdout) if args.json else TextWriter(args.run, [r.path for r in runs],
                                                                            sys.stdout)
     for outcome in outcomes:
         writer.add(outcome)
     if args.json:
-        writer.finish(png, tally.counts)
+        writer.finish(png, tally.counts, error=_none_read(args, tally.counts))
     else:
         writer.finish(png)
     return _exit_status(args, tally.counts)
@@ -277,8 +315,10 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("run", metavar="RUN", help="run folder, event file, .wandb file, or a folder of runs")
     parser.add_argument("--json", action="store_true",
-                        help='print every run as JSON: {"runs": [...], "png": ..., "counts": {...}}, '
-                             "the same shape for one run or many; each run has a status (read, "
+                        help='print every run as JSON: {"runs": [...], "png": ..., "counts": {...}, '
+                             '"error": ...}, one document whatever was found (error: why the exit status '
+                             "is 2, else null); the same shape for one run or many; each run has a status "
+                             "(read, "
                              "no_loss_scale, unreadable), the numbers and series when read, else the reason "
                              "and what to install")
     parser.add_argument("--png", metavar="PATH", help="also draw the scale and the skip rate into PATH "
@@ -352,9 +392,14 @@ class TextWriter:
         self._table = False
 
     def _name(self, path: str) -> str:
-        return "." if path == self.root else os.path.relpath(path, self.root)
+        return printable("." if path == self.root else os.path.relpath(path, self.root))
+
+    def _print(self, line: str) -> None:
+        """Every line goes out through the one escaping rule (names come from the disk)."""
+        print(printable(line), file=self.out)
 
     def _line(self, cells: Sequence[str]) -> str:
+        cells = [printable(cell) for cell in cells]  # escaped before padding: the columns stay aligned
         padded = [cell.ljust(w) for cell, w in zip(cells[:-1], self._widths, strict=True)]
         return "  ".join([*padded, cells[-1]]).rstrip()
 
@@ -369,10 +414,10 @@ class TextWriter:
 
     def _start_table(self) -> None:
         self._table = True
-        print(self._line(_HEADER), file=self.out)
-        print("  ".join("-" * w for w in (*self._widths, len(_HEADER[-1]))), file=self.out)
+        self._print(self._line(_HEADER))
+        self._print("  ".join("-" * w for w in (*self._widths, len(_HEADER[-1]))))
         for held in self._held:
-            print(self._row(held), file=self.out)
+            self._print(self._row(held))
         self._held = []
 
     def add(self, outcome: RunOutcome) -> None:
@@ -380,7 +425,7 @@ class TextWriter:
         if not self._table and outcome.report is not None and any(h.report for h in self._held):
             self._start_table()
         if self._table:
-            print(self._row(outcome), file=self.out)
+            self._print(self._row(outcome))
         else:
             self._held.append(outcome)
 
@@ -389,15 +434,15 @@ class TextWriter:
         read = [h for h in self._held if h.report is not None]
         if read and not self._table:
             assert read[0].report is not None
-            print(read[0].report.text(), file=self.out)
+            print(read[0].report.text(), file=self.out)  # escaped line by line by the report
             if png:
-                print(f"Picture: {png}", file=self.out)
+                self._print(f"Picture: {png}")
             others = [h for h in self._held if h.report is None]
             if others:
-                print(f"\nNot read ({len(others)} of the {len(self._held)} runs below {self.root}):",
-                      file=self.out)
+                print(file=self.out)
+                self._print(f"Not read ({len(others)} of the {len(self._held)} runs below {self.root}):")
                 for other in others:
-                    print(f"  {self._name(other.path)}: {_not_read(other)}", file=self.out)
+                    self._print(f"  {self._name(other.path)}: {_not_read(other)}")
         elif self._held:
             self._start_table()
 
@@ -422,9 +467,9 @@ class JsonWriter:
         print(("\n" if self._first else ",\n") + textwrap.indent(text, "    "), file=self.out, end="")
         self._first = False
 
-    def finish(self, png: str | None, counts: Mapping[str, Any]) -> None:
-        """Close the list and the object with the picture and the counts."""
-        tail = {"png": png, "counts": dict(counts)}
+    def finish(self, png: str | None, counts: Mapping[str, Any], error: str | None = None) -> None:
+        """Close the list and the object with the picture, the counts and the error (None when done)."""
+        tail = {"png": png, "counts": dict(counts), "error": error}
         rest = json.dumps(tail, indent=2, sort_keys=True)[1:]  # the object's own "{" is open already
         print(("\n  " if not self._first else "") + "],\n" + rest.lstrip("\n"), file=self.out)
 
@@ -435,7 +480,8 @@ class JsonWriter:
 
 
 def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
-    """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
+    """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval
+    (a run that skipped nothing says "no skipped steps" on that panel).
 
     ``fmt`` is the picture format (``"png"``, ``"svg"``, ``"pdf"``); the CLI takes it from the file
     name. matplotlib is imported here only. The figure is drawn with matplotlib's object API and
@@ -476,6 +522,9 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
     bottom.set_ylabel("skip rate per interval")
     bottom.set_xlabel(m.STEP_AXIS)
     bottom.set_ylim(0, max(0.05, max((s.skip_rate for s in snapshots), default=0.0) * 1.1))
+    if not skipped:  # an empty panel would look like a drawing that failed
+        words = "skipped steps not logged" if report.skipped_steps is None else "no skipped steps"
+        bottom.text(0.5, 0.5, words, transform=bottom.transAxes, ha="center", va="center", color="grey")
     bottom.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format=fmt)

@@ -36,6 +36,7 @@ __all__ = [
     "RunSeries",
     "Series",
     "discover_runs",
+    "ended_inside_record",
     "is_event_file_name",
     "is_regular_file",
     "kind_of_file",
@@ -205,6 +206,32 @@ class RunSeries(dict[str, list[tuple[int, float]]]):
         super().__init__(series or {})
         self.damage = list(damage)
         self.notes = list(notes)
+
+
+def ended_inside_record(path: str, offset: int, records_before: int) -> str:
+    """The one rule every reader applies to a file that ends inside a record (TensorBoard, W&B).
+
+    A file cut inside a record looks like a run still being written, or a copy cut short: what came
+    before is kept, and the returned note (for :attr:`RunSeries.notes`) says where the file ends.
+    A file that ends before its first record is whole holds nothing to read: that is an error.
+
+    Args:
+        path: the file read.
+        offset: the byte where the unfinished record starts.
+        records_before: the whole records read before it.
+
+    Raises:
+        RunReadError: no whole record came before (nothing can be read).
+
+    Example:
+        >>> ended_inside_record("run.wandb", 4096, 12).split(" (")[0]
+        'run.wandb ends inside the record at byte 4096'
+    """
+    if records_before == 0:
+        raise RunReadError(f"{path} ends inside its first record (at byte {offset}): nothing can be read "
+                           "(a copy cut short, or a writer that has not written one whole record yet)")
+    return (f"{path} ends inside the record at byte {offset} (a run still being written, or a copy cut "
+            "short): read up to there")
 
 
 _LABELS = {TENSORBOARD: "TensorBoard", WANDB: "W&B"}

@@ -21,9 +21,15 @@ from typing import Any
 import numpy as np
 
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks._forensics import totals_from_series
+from lossscale_callbacks._forensics import (
+    CAUSE_METRICS,
+    LAYER_METRIC_PREFIX,
+    ORIGIN_METRIC_PREFIX,
+    totals_from_series,
+)
 from lossscale_callbacks._health import HealthMonitor, Rule, Verdict, assess, default_rules
 from lossscale_callbacks._metrics import MetricsTracker, Snapshot
+from lossscale_callbacks._printable import printable
 from lossscale_callbacks._run_readers import (
     GROWTH_INTERVAL,
     MAX_SCALE,
@@ -166,13 +172,29 @@ def _drop_out_of_bounds(series: dict[str, Points], prefix: str, damage: list[str
     series[tag] = [point for point, keep in zip(series[tag], inside.tolist(), strict=True) if keep]
 
 
+# Series whose values the report counts with: a NaN or an Inf in one is no count.
+_COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT,
+           *CAUSE_METRICS.values())
+_COUNT_PREFIXES = (LAYER_METRIC_PREFIX, ORIGIN_METRIC_PREFIX)
+
+
 def _checked_scale(series: Mapping[str, Points], prefix: str) -> None:
+    """Refuse, naming the series, the step and the value, a scale that is no loss scale and a count that
+    is no number (NaN, Inf): what a report would otherwise fail on deep inside, in other words."""
     values = _values_of(series[prefix + m.SCALE])
     bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
     if bad.size:
         step, value = series[prefix + m.SCALE][bad[0]]
         raise RunReadError(f"the {prefix}{m.SCALE} series holds {value!r} at step {step}: "
                            "not a loss scale (a finite number > 0)")
+    for tag, points in series.items():
+        name = tag.removeprefix(prefix)
+        if name in _COUNTS or name.startswith(_COUNT_PREFIXES):
+            bad = np.flatnonzero(~np.isfinite(_values_of(points)))
+            if bad.size:
+                step, value = points[bad[0]]
+                raise RunReadError(f"the {tag} series holds {value!r} at step {step}: not a count (a "
+                                   "finite number)")
 
 
 def _aligned(points: Points, steps: list[int], default: float | None) -> list[float]:
@@ -344,9 +366,10 @@ class RunReport:
         return self.health or assess((), list(self.snapshots), self.verdicts)
 
     def text(self) -> str:
-        """The summary in plain words."""
+        """The summary in plain words, each line escaped by :func:`~lossscale_callbacks._printable.printable`
+        (a name from the disk cannot add a line or drive the terminal)."""
         if self.steps == 0:
-            return f"{self.path}: the run logged its loss scale, but no optimizer step was taken."
+            return printable(f"{self.path}: the run logged its loss scale, but no optimizer step was taken.")
         at_min = (f"about {self.steps_at_min_scale}" if self.steps_at_min_scale else "none seen")
         lines = [
             f"Run: {self.path} (read as {self.reader}, {self.log_points} log points)",
@@ -366,7 +389,7 @@ class RunReport:
             lines.append(f"Damaged records, left out ({len(self.damage)}): {_listed(self.damage)}")
         if self.notes:
             lines.append(f"Note: {_listed(self.notes)}")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)
 
 
 @dataclasses.dataclass

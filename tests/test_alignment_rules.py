@@ -193,7 +193,7 @@ def test_report_table_markdown_json_and_severity_helpers():
                                 "FLOPs", "fix", "/", "note"]
     assert table[1].split()[:6] == ["high", "fc", "features_in", "50", "8", "56"]
     md = report.to_markdown()
-    assert "| high | fc | features_in | 50 | 8 | 56 | 384 | 100.0% |  |" in md
+    assert "| high | fc | features_in | 50 | 8 | 56 | 384 | 100.0% | pad the data to 56 |" in md
     data = json.loads(report.to_json())
     assert data["findings"][0]["dimension"] == "features_in" and data["findings"][1]["layers"] == ["fc"]
     assert Finding(**{**data["findings"][0], "layers": tuple(data["findings"][0]["layers"]),

@@ -108,7 +108,7 @@ def test_every_run_is_listed_in_text_and_json(mixed, capsys):
 
     assert main(["report", str(mixed), "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
-    assert set(payload) == {"root", "runs", "png", "counts"}
+    assert set(payload) == {"root", "runs", "png", "counts", "error"}
     statuses = {os.path.relpath(r["path"], mixed): r["status"] for r in payload["runs"]}
     assert statuses.pop("no_scale") == "no_loss_scale" and set(statuses.values()) == {"read"}
     assert payload["counts"] == {"runs": 6, "read": 5, "no_loss_scale": 1, "unreadable": 0, "unhealthy": 0,

@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -530,21 +532,38 @@ def check_alignment(model, sample: Any = None, *, batch_size: int = 8, target: s
     Returns:
         An :class:`~lossscale_callbacks.alignment.AlignmentReport`.
     """
+    return _check(model, sample, batch_size, target, tf32, loss, _silent)[0]
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def _check(model, sample: Any, batch_size: int, target: str | None, tf32: bool | None,
+           loss: Callable[[Any], Any] | None, say: Callable[[str], None]) -> tuple[AlignmentReport, dict]:
+    """:func:`check_alignment`, saying each stage to ``say``; also returns the seconds of each stage."""
     get_target(target)
     if tf32 is None and keras.backend.backend() == "tensorflow":
         tf32 = bool(tf.config.experimental.tensor_float_32_execution_enabled())
+    start = time.perf_counter()
     cap = capture(model, sample, batch_size=batch_size, tf32=tf32, loss=loss)
+    traced = time.perf_counter()
+    say(f"traced one training step in {traced - start:.1f} s ({len(cap.records)} GEMM/convolution ops); "
+        "applying the rules")
     report = analyze(cap, target=target)
+    seconds = {"capture": round(traced - start, 3), "rules": round(time.perf_counter() - traced, 3)}
+    say(f"rules applied in {seconds['rules']:.1f} s")
     first = tf.nest.flatten(sample)[0] if sample is not None else None
     batch = int(first.shape[0]) if first is not None and first.shape and first.shape[0] else batch_size
     report.context = {"model": model.name, "framework": "keras", "parameters": int(model.count_params()),
                       "precision": _model_policy(model), "batch_size": batch, "tf32": tf32}
     return warn_if_nothing_checked(report, "build the model under keras.config.set_dtype_policy("
-                                   "'mixed_float16') (or 'mixed_bfloat16'), as you train it")
+                                   "'mixed_float16') (or 'mixed_bfloat16'), as you train it"), seconds
 
 
 def check_model_file(path: str, *, batch_size: int = 8, target: str | None = None, tf32: bool | None = None,
-                     max_unzipped_mib: float = DEFAULT_MAX_UNZIPPED_MIB) -> AlignmentReport:
+                     max_unzipped_mib: float = DEFAULT_MAX_UNZIPPED_MIB,
+                     progress: Callable[[str], None] | None = None) -> AlignmentReport:
     """Load a ``.keras`` file (without compiling) and check it: the ``lossscale-callbacks check`` command.
 
     The file is looked at before Keras loads it (see :mod:`lossscale_callbacks._check_limits`): an
@@ -552,6 +571,8 @@ def check_model_file(path: str, *, batch_size: int = 8, target: str | None = Non
     size TensorFlow cannot trace. A model nested deeper than Python's recursion limit allows is a
     :class:`~lossscale_callbacks._check_limits.ModelTooDeepError`; run the check through
     :func:`~lossscale_callbacks._check_limits.run_deep` (as the command does) for a higher limit.
+    ``progress`` is called with a line as each stage (load, trace, rules) starts and ends; the seconds
+    of each go into the report's ``context["seconds"]``.
 
     Raises:
         ValueError: ``batch_size`` out of range.
@@ -560,10 +581,18 @@ def check_model_file(path: str, *, batch_size: int = 8, target: str | None = Non
     """
     check_batch_size(batch_size)
     check_archive(path, max_unzipped_mib)
+    say = progress or _silent
     try:
+        start = time.perf_counter()
+        say(f"loading {os.path.basename(path)} with Keras (its own load; the longest stage for a big model)")
         model = keras.saving.load_model(path, compile=False)
-        return check_alignment(model, batch_size=batch_size, target=target, tf32=tf32)
+        loaded = time.perf_counter() - start
+        say(f"loaded {sum(1 for _ in _walk_layers(model))} layers in {loaded:.1f} s; tracing one training "
+            f"step at batch size {batch_size}")
+        report, seconds = _check(model, None, batch_size, target, tf32, None, say)
     except RecursionError as exc:
         limit = sys.getrecursionlimit()
         raise ModelTooDeepError(f"{path}: loading and tracing the model needs more than Python's recursion "
                                 f"limit of {limit} frames", limit) from exc
+    report.context["seconds"] = {"load": round(loaded, 3), **seconds}
+    return report

@@ -29,6 +29,7 @@ import math
 import os
 import struct
 from collections.abc import Iterator, Sequence
+from typing import BinaryIO
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -40,6 +41,7 @@ from lossscale_callbacks._run_readers import (
     MIN_SCALE,
     RunReadError,
     RunSeries,
+    ended_inside_record,
     is_event_file_name,
     is_regular_file,
 )
@@ -255,7 +257,8 @@ _LENGTH = struct.Struct("<Q")
 _HEADER, _FOOTER = 12, 4
 
 
-_CHUNK = 16 * 2**20  # bytes read at once: memory is bounded by this, not by the file
+_CHUNK = 16 * 2**20  # bytes read at once: memory is bounded by two of these, not by the file
+_SCAN = 2**20  # a record longer than a chunk is looked through this many bytes at a time
 
 
 _MASK_DELTA = np.uint32(0xA282EAD8)
@@ -402,8 +405,48 @@ def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
         reading.damage.append(f"{reading.path}: the length of the record at byte {offset} fails its "
                               f"checksum: the last {len(rest)} bytes cannot be read")
         return
-    reading.ended_early = (f"{reading.path} ends inside the record at byte {offset} (a run still being "
-                           "written, or a copy cut short): read up to there")
+    reading.ended_early = ended_inside_record(reading.path, offset, reading.records_read)
+
+
+def _mentions(handle: BinaryIO, length: int, wanted: bytes) -> bool:
+    """Whether the next ``length`` bytes of ``handle`` contain ``wanted``, read into one small buffer."""
+    keep = len(wanted) - 1  # the end of a piece, kept for a match across two pieces
+    window = bytearray(keep + _SCAN)
+    view, held = memoryview(window), 0
+    while length > 0:
+        got = handle.readinto(view[held: held + min(length, _SCAN)])
+        if not got:
+            return False
+        end, length = held + got, length - got
+        if window.find(wanted, 0, end) >= 0:
+            return True
+        held = min(keep, end)
+        window[:held] = window[end - held: end]
+    return False
+
+
+def _long_record(handle: BinaryIO, carry: bytes, offset: int, size: int, wanted: bytes,
+                 reading: FileReading) -> bool:
+    """Step over the record at ``offset`` (``carry`` starts with it) when it is longer than a chunk; whether
+    it did. Memory stays at one chunk: a length past the end of the file is a file cut short (read up to
+    there), and a record that is there is scanned piece by piece for ``wanted`` (a loss-scale event is a
+    few hundred bytes: one that long is left out, as damage) and never held."""
+    if len(carry) < _HEADER or _header_damaged(carry[:_HEADER]):
+        return False
+    total = _HEADER + _LENGTH.unpack_from(carry)[0] + _FOOTER
+    if total <= _CHUNK:
+        return False
+    if offset + total > size:
+        reading.ended_early = ended_inside_record(reading.path, offset, reading.records_read)
+        return True
+    handle.seek(offset + _HEADER)
+    found = _mentions(handle, total - _HEADER - _FOOTER, wanted)
+    if found:
+        reading.damage.append(f"{reading.path}: the record at byte {offset} is {total} bytes long, more than "
+                              f"the {_CHUNK} this reader holds at once (left out)")
+    handle.seek(offset + total)
+    reading.records_read += 1
+    return True
 
 
 def _chunk_groups(buffer: bytes, base: int, wanted: bytes, first: bool, more: bool,
@@ -435,6 +478,7 @@ def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Itera
     module). The first record (offset 0) is in the first batch, unless it is damaged.
     """
     base, carry, first = 0, b"", True
+    size = os.path.getsize(path)
     with open(path, "rb") as handle:
         while True:
             data = handle.read(_CHUNK)
@@ -445,10 +489,14 @@ def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Itera
                 yield groups
             if bad_header is not None:
                 reading.damage.append(f"{path}: the length of the record at byte {bad_header} fails its "
-                                      f"checksum: the {os.path.getsize(path) - bad_header} bytes from there "
-                                      "cannot be read")
+                                      f"checksum: the {size - bad_header} bytes from there cannot be read")
                 return
             base, carry = base + used, buffer[used:]
+            if data and _long_record(handle, carry, base, size, wanted, reading):
+                if reading.ended_early:
+                    return
+                base, carry, first = handle.tell(), b"", False
+                continue
             if not data:
                 _end_of_file(carry, base, reading)
                 return

@@ -5,7 +5,11 @@ version 0), then 32 KiB blocks of chunks, each with a 7-byte header (CRC-32 of t
 and data, length, type: full/first/middle/last). Each reassembled record is a serialized
 ``wandb.proto.wandb_internal_pb2.Record``. W&B no longer ships a Python reader for it (the
 file is written by its Go service), so this module decodes the framing itself and leaves
-the record contents to W&B's own protobuf classes.
+the record contents to W&B's own protobuf classes. The file is read one block at a time and a
+record longer than 16 MiB is never held (it is left out, as damage): memory stays bounded whatever
+the file holds. A file that ends inside a record (a run still being written, or a copy cut short)
+is read up to there with a note, by the rule every reader shares
+(:func:`~lossscale_callbacks._run_readers.ended_inside_record`); so is a run without its exit record.
 
 History values are JSON (W&B stores ``1024.0`` as ``1024``); every number is returned as a
 float. A metric put on a custom axis with ``define_metric(..., step_metric=...)`` is returned
@@ -37,7 +41,14 @@ from typing import Any
 from wandb.proto import wandb_internal_pb2
 
 from lossscale_callbacks._metrics import SCALE
-from lossscale_callbacks._run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError
+from lossscale_callbacks._run_readers import (
+    GROWTH_INTERVAL,
+    MAX_SCALE,
+    MIN_SCALE,
+    RunReadError,
+    RunSeries,
+    ended_inside_record,
+)
 
 __all__ = [
     "RunInfo",
@@ -55,6 +66,8 @@ _IDENT, _MAGIC, _VERSION = b":W&B", 0xBEE1, 0
 _BLOCK = 32 * 1024
 _CHUNK = struct.Struct("<IHB")
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+_MAX_RECORD = 16 * 2**20  # a record is held whole to be parsed: longer ones are left out
+_READ = 32 * _BLOCK  # bytes read at once (whole blocks)
 _STEP = "_step"
 
 
@@ -96,59 +109,109 @@ def _chunk_crc(kind: int, data: bytes) -> int:
     return zlib.crc32(data, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF
 
 
-def _raw_records(file_path: str) -> Iterator[bytes]:
-    with open(file_path, "rb") as fh:
-        data = fh.read()
-    if len(data) < _HEADER.size:
-        raise RunReadError(f"{file_path}: corrupt W&B run file (shorter than its header)")
-    ident, magic, version = _HEADER.unpack_from(data)
-    if ident != _IDENT or magic != _MAGIC or version != _VERSION:
-        raise RunReadError(f"{file_path}: corrupt W&B run file (bad header {data[:7]!r})")
-    pos = _HEADER.size
-    pending: bytearray | None = None
-    produced = 0
-    while pos < len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < _CHUNK.size:  # the tail of a block too short for a chunk header is padding
-            pos += left
-            continue
-        if pos + _CHUNK.size > len(data):
-            if produced:
-                return  # a run still being written: the last chunk header is not complete yet
-            raise RunReadError(f"{file_path}: corrupt W&B run file (truncated at byte {pos})")
-        crc, length, kind = _CHUNK.unpack_from(data, pos)
+@dataclasses.dataclass
+class _Framing:
+    """Where the chunk walk of one file stands: the record being put together, and what was found."""
+
+    path: str
+    damage: list[str]
+    notes: list[str]
+    produced: int = 0
+    pending: bytearray | None = None  # the chunks so far of a record that spans blocks
+    started: int = 0  # the byte where the pending (or the oversized) record starts
+    oversized: bool = False  # stepping over a record longer than _MAX_RECORD
+
+    def cut_short(self, offset: int) -> None:
+        at = self.started if self.pending is not None or self.oversized else offset
+        self.notes.append(ended_inside_record(self.path, at, self.produced))
+
+    def take(self, kind: int, body: memoryview, at: int) -> bytes | None:
+        """One chunk's data: the record it completes, or None (held, or stepped over: see the module)."""
+        if kind in (_FULL, _FIRST):
+            self.pending, self.oversized, self.started = None, False, at
+            if kind == _FULL:
+                self.produced += 1
+                return bytes(body)
+            self.pending = bytearray(body)
+            return None
+        if self.pending is None and not self.oversized:
+            raise RunReadError(f"{self.path}: corrupt W&B run file (record continues nothing at byte {at})")
+        if self.pending is not None and len(self.pending) + len(body) > _MAX_RECORD:
+            self.damage.append(f"{self.path}: the record at byte {self.started} is longer than the "
+                               f"{_MAX_RECORD} bytes this reader holds at once (left out)")
+            self.pending, self.oversized = None, True
+        if self.pending is not None:
+            self.pending += body
+        if kind != _LAST:
+            return None
+        record, self.pending, self.oversized = self.pending, None, False
+        self.produced += record is not None
+        return None if record is None else bytes(record)
+
+
+def _block_chunks(block: memoryview, start: int,
+                  framing: _Framing) -> Iterator[tuple[int, memoryview, int] | int]:
+    """The chunks of one block as ``(kind, data, offset)``, or the offset where the file ends inside one."""
+    pos = _HEADER.size if start == 0 else 0
+    while _BLOCK - pos >= _CHUNK.size and pos < len(block):  # a shorter block tail is padding
+        if pos + _CHUNK.size > len(block):
+            yield start + pos
+            return
+        crc, length, kind = _CHUNK.unpack_from(block, pos)
         if kind == 0 and length == 0 and crc == 0:  # zero padding to the end of the block
-            pos += left
-            continue
-        if kind not in (_FULL, _FIRST, _MIDDLE, _LAST) or length > left - _CHUNK.size:
-            raise RunReadError(f"{file_path}: corrupt W&B run file (bad chunk header at byte {pos})")
-        body = data[pos + _CHUNK.size: pos + _CHUNK.size + length]
+            return
+        if kind not in (_FULL, _FIRST, _MIDDLE, _LAST) or length > _BLOCK - pos - _CHUNK.size:
+            raise RunReadError(f"{framing.path}: corrupt W&B run file (bad chunk header at byte "
+                               f"{start + pos})")
+        body = block[pos + _CHUNK.size: pos + _CHUNK.size + length]
         if len(body) < length:
-            if produced:
-                return  # the last chunk of a run still being written
-            raise RunReadError(f"{file_path}: corrupt W&B run file (truncated at byte {pos})")
+            yield start + pos
+            return
         if _chunk_crc(kind, body) != crc:
-            raise RunReadError(f"{file_path}: corrupt W&B run file (bad checksum at byte {pos})")
+            raise RunReadError(f"{framing.path}: corrupt W&B run file (bad checksum at byte {start + pos})")
+        yield kind, body, start + pos
         pos += _CHUNK.size + length
-        if kind == _FULL:
-            produced += 1
-            yield bytes(body)
-        elif kind == _FIRST:
-            pending = bytearray(body)
-        elif pending is None:
-            raise RunReadError(f"{file_path}: corrupt W&B run file (record continues nothing at byte {pos})")
-        else:
-            pending += body
-            if kind == _LAST:
-                produced += 1
-                yield bytes(pending)
-                pending = None
 
 
-def iter_records(path: str) -> Iterator[wandb_internal_pb2.Record]:
-    """Every record of the run at ``path`` (see :func:`find_run_file`), in the order written."""
+def _raw_records(file_path: str, damage: list[str], notes: list[str]) -> Iterator[bytes]:
+    """The file's records, reassembled from its chunks, read 1 MiB (32 blocks) at a time."""
+    framing = _Framing(file_path, damage, notes)
+    with open(file_path, "rb") as fh:
+        head = fh.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            raise RunReadError(f"{file_path}: corrupt W&B run file (shorter than its header)")
+        if _HEADER.unpack(head) != (_IDENT, _MAGIC, _VERSION):
+            raise RunReadError(f"{file_path}: corrupt W&B run file (bad header {head!r})")
+        start = 0
+        fh.seek(0)
+        while data := fh.read(_READ):
+            view = memoryview(data)
+            for at in range(0, len(data), _BLOCK):
+                for chunk in _block_chunks(view[at: at + _BLOCK], start, framing):
+                    if isinstance(chunk, int):
+                        framing.cut_short(chunk)
+                        return
+                    record = framing.take(*chunk)
+                    if record is not None:
+                        yield record
+                start += min(_BLOCK, len(data) - at)
+    if framing.pending is not None or framing.oversized:
+        framing.cut_short(start)
+
+
+def iter_records(path: str, damage: list[str] | None = None,
+                 notes: list[str] | None = None) -> Iterator[wandb_internal_pb2.Record]:
+    """Every record of the run at ``path`` (see :func:`find_run_file`), in the order written.
+
+    A file that ends inside a record (a run still being written, or a copy cut short) is read up to
+    there and a sentence saying so goes to ``notes``; a record too long to hold is left out and said
+    in ``damage`` (see the module).
+
+    Raises:
+        RunReadError: no run at ``path``, a corrupt file, or one that ends inside its first record.
+    """
     file_path = find_run_file(path)
-    for raw in _raw_records(file_path):
+    for raw in _raw_records(file_path, [] if damage is None else damage, [] if notes is None else notes):
         record = wandb_internal_pb2.Record()
         try:
             record.ParseFromString(raw)
@@ -206,6 +269,8 @@ class RunInfo:
         step_metrics: metric name or glob -> its ``step_metric`` from ``define_metric``.
         history: every logged row, values decoded from JSON.
         finished: whether the run wrote its exit record.
+        damage: records left out (one sentence each).
+        notes: what is worth saying but is no damage (a file that ends early, a run not finished).
     """
 
     file: str
@@ -215,6 +280,8 @@ class RunInfo:
     step_metrics: dict[str, str] = dataclasses.field(default_factory=dict)
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     finished: bool = False
+    damage: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def step_metrics_of(self, name: str) -> list[str]:
         """The step metrics ``define_metric`` gave ``name``, most specific first (exact name, then the
@@ -234,7 +301,7 @@ def read_run_info(path: str) -> RunInfo:
     """
     info = RunInfo(file=find_run_file(path))
     seen = False
-    for record in iter_records(info.file):
+    for record in iter_records(info.file, info.damage, info.notes):
         seen = True
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -265,12 +332,15 @@ def read_run_info(path: str) -> RunInfo:
             info.finished = True
     if not seen:
         raise RunReadError(f"{info.file}: the W&B run file holds no record yet")
+    if not info.finished and not info.notes:
+        info.notes.append(f"{info.file} holds no exit record (a run still being written, or a copy cut "
+                          "short): read up to there")
     # W&B keeps its own bookkeeping in the config; users never set it.
     info.config.pop("_wandb", None)
     return info
 
 
-def read_run(path: str) -> dict[str, list[tuple[int, float]]]:
+def read_run(path: str) -> RunSeries:
     """The history of a W&B offline run: every numeric metric, by name, in the order logged.
 
     A restarted run's steps go back (an old checkpoint loaded, a new scaler); the order is kept so
@@ -280,11 +350,13 @@ def read_run(path: str) -> dict[str, list[tuple[int, float]]]:
     it has one, else W&B's ``_step``. W&B's own keys (``_step``, ``_runtime``, ``_timestamp``)
     and non-numeric values (tables, media) are left out.
 
+    Records left out and an early end are said in the result's ``damage`` and ``notes``.
+
     Raises:
         RunReadError: nothing at ``path``, no run there, or a corrupt ``.wandb`` file.
     """
     info = read_run_info(path)
-    series: dict[str, list[tuple[int, float]]] = {}
+    series = RunSeries(damage=info.damage, notes=info.notes)
     for row in info.history:
         for name, raw in row.items():
             if name.startswith("_"):

@@ -26,7 +26,8 @@ Rules, from NVIDIA's Deep Learning Performance Guide:
 * **One finding per fix**: a layer's input size is the output size of the layer before it, so an input
   dimension (``features_in``, ``channels_in``, ``rnn_input``) that an earlier layer produces with the
   same value is reported once, on that earlier layer, naming its argument (``units=1008``); only an
-  input read straight from the data stays on the layer that reads it.
+  input read straight from the data stays on the layer that reads it, and its fix is to pad the data
+  (``pad the data to 24``: no layer argument sets it, so the finding says what can be done).
 * **Severity by cost**: a dimension that breaks the rule is ``high`` when its GEMMs/convolutions carry
   at least 10 % of the model's recorded FLOPs (forward and backward), ``medium`` from 1 %, ``low``
   below (a small classifier head, a narrow side branch). A model output that is the number of
@@ -264,8 +265,9 @@ def analyze(capture: Capture, *, target: str | None = None) -> AlignmentReport:
     flops = [_flops(r) for r in capture.records]
     total = sum(flops)
     outputs = set(capture.output_layers)
-    findings = [f for f in (_judge(scan.groups[key], tgt, capture, flops, total, outputs) for key in order)
-                if f is not None]
+    first = min(scan.layer_order, key=scan.layer_order.__getitem__, default=None)  # it reads the data
+    findings = [f for f in (_judge(scan.groups[key], tgt, capture, flops, total, outputs, first)
+                            for key in order) if f is not None]
     if scan.nchw_layers:
         findings.append(_layout_finding(scan.nchw_layers, capture, flops, total))
     notes = scan.notes
@@ -374,7 +376,7 @@ def _param_cost(group: _Group, suggested: int) -> int | None:
 
 
 def _judge(group: _Group, tgt, capture: Capture, flops: list[int], total: int,
-           outputs: set[str]) -> Finding | None:
+           outputs: set[str], data_layer: str | None = None) -> Finding | None:
     value, multiple = group.value, group.multiple
     recommended = recommended_multiple(group.dtype, tgt)
     share = sum(flops[i] for i in group.record_ids) / total if total else None
@@ -403,10 +405,17 @@ def _judge(group: _Group, tgt, capture: Capture, flops: list[int], total: int,
     what = _HINTS.get(group.role, group.role)
     argument = _argument(group, capture)
     fix = f"{argument}={suggested}" if argument else ""
+    reads_data = not fix and group.layer == data_layer and group.role in _INPUT_ROLES and not group.consumers
+    if reads_data:  # no layer sets it: the data does, and padding the data is what can be done
+        fix = f"pad the data to {suggested}"
     if group.role == Role.VOCAB:
         advice = f"pad the vocabulary to {suggested} (the extra rows are never used as labels)"
     elif group.role == Role.TOKENS:
         advice = f"use a batch (x sequence) size that is a multiple of {used}"
+    elif reads_data:
+        advice = (f"it is the width of the data the model reads (no layer sets it): pad the data to "
+                  f"{suggested} with {suggested - value} zero column(s) in the input pipeline, or leave it "
+                  "if this layer's cost does not matter")
     elif is_head:
         advice = (f"it is the model's output ({value} classes?): pad the head to {suggested} and mask the "
                   "extra logits only if its cost matters")
