@@ -41,9 +41,25 @@ from lossscale_callbacks.ranks import is_rank_zero
 from lossscale_callbacks.sinks import GuardedSink, Sink, SinkGroup, guarded_sinks
 from lossscale_callbacks.summary import summarize
 
-__all__ = ["LoggingLoop"]
+__all__ = ["LoggingLoop", "check_log_every"]
 
 _KEEP: Any = object()  # start(policy=...) not given: the policy stays
+
+
+def check_log_every(log_every: Any, *, optional: bool = True) -> int | None:
+    """``log_every`` checked, the one rule of every integration: an integer >= 1, or ``None`` where
+    ``optional`` (an integration with another interval rule: a trainer's own, or ``every_seconds``).
+
+    Raises:
+        ValueError: ``log_every`` is not an integer >= 1 (or ``None`` where allowed), naming it.
+
+    Example:
+        >>> check_log_every(100), check_log_every(None)
+        (100, None)
+    """
+    if log_every is None and optional:
+        return None
+    return check_int("log_every", log_every)
 
 
 def _check_callable(name: str, value: Any) -> None:
@@ -131,7 +147,7 @@ class LoggingLoop:
         echo: Callable[[str], Any] | None = print,
     ) -> None:
         check_policy("policy", policy)
-        self.log_every = None if log_every is None else check_int("log_every", log_every)
+        self.log_every = check_log_every(log_every)
         self.every_seconds = (None if every_seconds is None else
                               check_number("every_seconds", every_seconds, 0.0, float("inf"), low_open=True))
         self._writer = None if writer is None else check_bool("writer", writer)

@@ -17,7 +17,7 @@ from lossscale_callbacks.keras.config import record_in_compile_config
 from lossscale_callbacks.keras.fit_sampling import FitSampling
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
 from lossscale_callbacks.keras.wrapping import wrap
-from lossscale_callbacks.logging_loop import LoggingLoop
+from lossscale_callbacks.logging_loop import LoggingLoop, check_log_every
 from lossscale_callbacks.metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks.policy import Policy, check_policy
 from lossscale_callbacks.sinks import Sink
@@ -157,8 +157,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
         # Every argument of the sinks and the interval is checked here, the extras required here.
-        self.loop = LoggingLoop(policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
-                                sinks=sinks, health=health, stop=self._stop)
+        self.loop = LoggingLoop(policy, log_every=check_log_every(log_every, optional=False),
+                                tensorboard=tensorboard, wandb=wandb, sinks=sinks, health=health,
+                                stop=self._stop)
         if check_alignment and keras.backend.backend() == "tensorflow":
             importlib.import_module("lossscale_callbacks.keras.alignment")  # fails now, not in fit()
         self.log_every = log_every

@@ -15,7 +15,7 @@ from lossscale_callbacks.forensics import check_diagnose
 from lossscale_callbacks.health import HealthSpec
 from lossscale_callbacks.lightning._compat import bases
 from lossscale_callbacks.lightning._loggers import logger_sink
-from lossscale_callbacks.logging_loop import LoggingLoop
+from lossscale_callbacks.logging_loop import LoggingLoop, check_log_every
 from lossscale_callbacks.metrics import SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks.sinks import Sink
 from lossscale_callbacks.torch.deepspeed_reader import has_deepspeed_scaler
@@ -131,9 +131,13 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         sinks: Iterable[Sink] = (),
         diagnose: bool | str = False,
     ) -> None:
-        is_count = isinstance(log_every, int) and not isinstance(log_every, bool)
-        if log_every not in _INTERVALS and not (is_count and log_every >= 1):
-            raise ValueError(f"log_every must be None, 'step', 'epoch' or an integer >= 1, got {log_every!r}")
+        is_count = log_every not in _INTERVALS
+        if is_count:  # the one check of a count, with this monitor's other choices named
+            try:
+                check_log_every(log_every, optional=False)
+            except ValueError as error:
+                raise ValueError(f"log_every must be None, 'step', 'epoch' or an integer >= 1, "
+                                 f"got {log_every!r}") from error
         check_bool("prog_bar", prog_bar)
         check_bool("check_alignment", check_alignment)
         if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
