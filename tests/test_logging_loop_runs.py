@@ -291,8 +291,8 @@ def test_a_loop_that_has_not_written_holds_no_file_or_run_and_pickles(tmp_path):
 def test_a_restart_never_lands_on_written_steps_of_a_tensorboard_chart(tmp_path):
     """Issue 30: after a restart the new segment was written at steps 100..200 again, one chart drew both."""
     pytest.importorskip("tensorboard")
-    from lossscale_callbacks.tensorboard.reader import read_run
     from lossscale_callbacks.run_report import build_report
+    from lossscale_callbacks.tensorboard.reader import read_run
 
     loop = LoggingLoop(DynamicPolicy(), tensorboard=str(tmp_path), echo=None, health=None)
     for step in (100, 200, 300):
