@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -115,6 +116,11 @@ def test_transformers_block(tmp_path, monkeypatch, capsys):
     finally:
         reset_accelerate()
     assert "Loss scaling: 40 optimizer steps" in capsys.readouterr().out
+    # Issue 30 acceptance 4: the file users read holds the scale (the Trainer copied the logs before).
+    (saved,) = (tmp_path / "out").glob("checkpoint-*/trainer_state.json")
+    history = json.loads(saved.read_text())["log_history"]
+    scales = [(entry["step"], entry["loss_scale/scale"]) for entry in history if "loss_scale/scale" in entry]
+    assert [step for step, _ in scales] == [10, 20, 30, 40] and all(scale > 0 for _, scale in scales)
 
 
 def test_dashboards_block(tmp_path, monkeypatch):

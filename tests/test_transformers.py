@@ -7,8 +7,12 @@ Accelerate's stock ``GradScaler`` and for ours, and check them against the core'
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
+import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -255,3 +259,29 @@ def test_without_its_packages_the_import_names_the_extra(hidden):
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScaleTrainerCallback(**kwargs)
+
+
+def test_the_scale_reaches_log_history_and_trainer_state_json(tmp_path):
+    """Issue 30: the Trainer copies the logs into log_history before the callbacks add to them."""
+    trainer = tiny.trainer(str(tmp_path), inject_at=(1,), max_steps=8, report_to=[], save_strategy="steps",
+                           save_steps=8)
+    callback_for("stock", echo=None).attach(trainer)
+    trainer.train()
+    logged = [(e["step"], e["loss_scale/skipped_steps"]) for e in trainer.state.log_history
+              if "loss_scale/scale" in e]
+    assert logged == [(4, 1), (8, 1)]
+    saved = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
+    scales = [(e["step"], e["loss_scale/scale"]) for e in saved if "loss_scale/scale" in e]
+    assert scales == [(4, 512.0), (8, 2048.0)]  # 1024, backed off at step 2, grown at 5 and 8
+
+
+def test_the_summary_starts_on_a_line_of_its_own_after_the_progress_bar(tmp_path):
+    """Issue 30: the summary was printed on the line of tqdm's finished progress bar."""
+    trainer = tiny.trainer(str(tmp_path), max_steps=4, report_to=[], disable_tqdm=False)
+    callback_for("ours").attach(trainer)
+    terminal = io.StringIO()  # stdout and stderr on one terminal, as a user sees them
+    with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(terminal):
+        trainer.train()
+    lines = re.split(r"[\r\n]", terminal.getvalue())
+    assert "4/4" in terminal.getvalue()  # the bar was drawn
+    assert any(line.startswith("Loss scaling: 4 optimizer steps") for line in lines), lines

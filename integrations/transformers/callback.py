@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
 from lossscale_callbacks.accelerate.install import install_loss_scaler
@@ -23,6 +24,20 @@ __all__ = ["LossScaleTrainerCallback"]
 
 # The logs of Trainer.evaluate()/predict() (every key prefixed), which the Trainer also returns.
 _EVALUATION_PREFIXES = ("eval_", "test_")
+
+
+def _above_progress_bars(text: str) -> None:
+    """Print ``text`` on lines of its own: the Trainer's tqdm bar is still open at ``on_train_end``
+    (its callback closes it after ours), and a plain print would continue the bar's line."""
+    tqdm.write(text)
+
+
+def _add_to_history(state: Any, logs: dict[str, Any], added: dict[str, Any]) -> None:
+    """``added`` also into the ``log_history`` entry the Trainer made of ``logs``: it appends a copy
+    before the callbacks run, and that copy is what ``trainer_state.json`` keeps."""
+    history = getattr(state, "log_history", None)
+    if history and history[-1].get("step") == state.global_step and set(logs) <= set(history[-1]):
+        history[-1].update(added)
 
 
 class LossScaleTrainerCallback(TrainerCallback):
@@ -73,7 +88,8 @@ class LossScaleTrainerCallback(TrainerCallback):
         wandb: True, or a dict of ``wandb.init`` arguments: also write to a
             :class:`~lossscale_callbacks.wandb.WandbSink`.
         sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
-        echo: prints the summary on the main process (``None``: silent).
+        echo: prints the summary on the main process (``None``: silent); the default ``print``
+            writes through tqdm, on lines of their own above the Trainer's progress bar.
 
     Attributes:
         installed: the scaler :meth:`attach` installed (``None`` when it reads the Trainer's own).
@@ -101,7 +117,8 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.installed: torch.amp.GradScaler | None = None
         # Every argument checked now (tensorboard=/wandb= need their extras now, not when training starts).
         self.loop = LoggingLoop(None, log_every=log_every, tensorboard=tensorboard, wandb=wandb, sinks=sinks,
-                                health=health, stop=self._request_stop, echo=echo)
+                                health=health, stop=self._request_stop,
+                                echo=_above_progress_bars if echo is print else echo)
         self.reader: ScalerReader | None = None
         self._trainer: weakref.ref[Trainer] | None = None
         self._read_at = 0
@@ -205,9 +222,9 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        logs.update(snapshot.metrics())
-        if forensics is not None:
-            logs.update(forensics.metrics())
+        added = {**snapshot.metrics(), **(forensics.metrics() if forensics is not None else {})}
+        _add_to_history(state, logs, added)
+        logs.update(added)
         if self._stop_requested:
             control.should_training_stop = True
 
