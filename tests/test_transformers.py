@@ -285,3 +285,37 @@ def test_the_summary_starts_on_a_line_of_its_own_after_the_progress_bar(tmp_path
     lines = re.split(r"[\r\n]", terminal.getvalue())
     assert "4/4" in terminal.getvalue()  # the bar was drawn
     assert any(line.startswith("Loss scaling: 4 optimizer steps") for line in lines), lines
+
+
+@pytest.mark.slow
+def test_resuming_a_stock_scaler_keeps_the_skips_before_the_checkpoint(tmp_path):
+    """Issue 30: with Accelerate's GradScaler (no count in scaler.pt) the skip count restarted on resume."""
+    full = tiny.trainer(str(tmp_path / "full"), inject_at=INJECT, save_strategy="steps", save_steps=6,
+                        report_to=[])
+    callback_for("stock", echo=None).attach(full)
+    full.train()
+    tiny_accelerate.reset_accelerate()
+    resumed = tiny.trainer(str(tmp_path / "resumed"), inject_at=INJECT, report_to=[])
+    callback = callback_for("stock", echo=None).attach(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    assert callback.summary.startswith("Loss scaling: 12 optimizer steps, 3 skipped")
+
+
+@pytest.mark.slow
+def test_taking_over_a_stock_trainer_checkpoint_with_a_policy_counts_on_from_its_step(tmp_path):
+    """Issue 30: a stock Trainer checkpoint (no callback) resumed with policy=: loss_scale/steps restarted at 0."""
+    full = tiny.trainer(str(tmp_path / "full"), inject_at=INJECT, save_strategy="steps", save_steps=6,
+                        report_to=[])
+    lossscale_callbacks.accelerate.install_loss_scaler(
+        full.accelerator, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3))
+    full.train()
+    tiny_accelerate.reset_accelerate()
+    record = RecordLogs()
+    resumed = tiny.trainer(str(tmp_path / "resumed"), inject_at=INJECT, report_to=[])
+    resumed.add_callback(record)
+    callback = callback_for("ours", echo=None).attach(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    assert record.series("loss_scale/steps") == [(8, 8), (12, 12)]
+    assert record.series("loss_scale/skipped_in_interval") == [(8, 0), (12, 1)]
+    # The skips before the checkpoint were not saved anywhere: the count says only what it knows.
+    assert callback.summary.startswith("Loss scaling: 12 optimizer steps, 1 skipped")

@@ -24,6 +24,9 @@ __all__ = ["LossScaleTrainerCallback"]
 
 # The logs of Trainer.evaluate()/predict() (every key prefixed), which the Trainer also returns.
 _EVALUATION_PREFIXES = ("eval_", "test_")
+# Where the counts a stock GradScaler does not checkpoint ride in trainer_state.json (not a callback's
+# class name: Trainer(restore_callback_states_from_checkpoint=True) would rebuild such a callback).
+COUNTS_KEY = "lossscale_callbacks"
 
 
 def _above_progress_bars(text: str) -> None:
@@ -188,8 +191,26 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.loop.start(policy=self.reader.policy, writer=bool(state.is_world_process_zero))
         self.loop.restart_interval(state.global_step)
         if state.global_step > 0:
+            self._resume_counts(state)
             # Resumed: one read now (not a step), so the first interval covers only its own steps.
             self.loop.baseline(self.reader.read())
+
+    def _resume_counts(self, state: Any) -> None:
+        """The counts saved with the checkpoint (a stock scaler keeps none); without them, a scaler that
+        took over a checkpoint counts from the Trainer's step (the skips before it are not known)."""
+        assert self.reader is not None
+        saved = (state.stateful_callbacks or {}).get(COUNTS_KEY)
+        if isinstance(saved, dict) and saved.get("steps") == state.global_step:
+            self.reader.resume_counts(state.global_step, saved.get("skipped_steps"))
+        else:
+            self.reader.resume_counts(state.global_step, 0)
+
+    def _save_counts(self, state: Any, control: Any) -> None:
+        """Before the Trainer writes a checkpoint: the counts into ``trainer_state.json`` (one host read)."""
+        if self.reader is not None and control.should_save:
+            counts = self.reader.read()
+            state.stateful_callbacks[COUNTS_KEY] = {"steps": counts.steps,
+                                                    "skipped_steps": counts.skipped_steps}
 
     def _warn_no_scaler(self, args: Any, state: Any) -> None:
         self.reader = None
@@ -212,6 +233,10 @@ class LossScaleTrainerCallback(TrainerCallback):
         # log_every asks the Trainer for a log event; the read itself happens in on_log.
         if self.reader is not None and self.loop.log_every is not None and self.loop.due(state.global_step):
             control.should_log = True
+        self._save_counts(state, control)  # after DefaultFlowCallback decided (attach puts us after it)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_counts(state, control)  # save_strategy="epoch"
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
