@@ -303,7 +303,7 @@ def test_resuming_a_stock_scaler_keeps_the_skips_before_the_checkpoint(tmp_path)
 
 @pytest.mark.slow
 def test_taking_over_a_stock_trainer_checkpoint_with_a_policy_counts_on_from_its_step(tmp_path):
-    """Issue 30: a stock Trainer checkpoint (no callback) resumed with policy=: loss_scale/steps restarted at 0."""
+    """Issue 30: a stock Trainer checkpoint resumed with policy=: loss_scale/steps restarted at 0."""
     full = tiny.trainer(str(tmp_path / "full"), inject_at=INJECT, save_strategy="steps", save_steps=6,
                         report_to=[])
     lossscale_callbacks.accelerate.install_loss_scaler(
