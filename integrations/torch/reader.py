@@ -112,12 +112,13 @@ class ScalerReader:
         elif self._stock is not None:
             self._steps = steps
 
-    def resume_counts(self, steps: int, skipped_steps: int) -> None:
+    def resume_counts(self, steps: int, skipped_steps: int, *, loading: bool = False) -> None:
         """Continue from counts a trainer saved beside a checkpoint that holds none (a stock scaler's).
 
         A stock scaler counts from ``steps`` with ``skipped_steps`` skipped before; our scaler takes
         them only when its own count is behind (it loaded a ``GradScaler`` dict, which has none):
-        its own counts are the truth otherwise. One host read for ours.
+        its own counts are the truth otherwise (one host read). ``loading``: the scaler's own
+        checkpoint is loaded next (Accelerate's ``load_state``), so ours only counts from ``steps``.
 
         Raises:
             ValueError: a count is not an integer, or ``skipped_steps > steps``, naming it.
@@ -129,6 +130,9 @@ class ScalerReader:
         if self._stock is not None:
             self._steps = steps
             self._stock.restore(skipped_steps)
+            return
+        if loading:
+            self._steps = steps
             return
         own = self.scaler.state_dict()
         if own["steps"] < steps:
