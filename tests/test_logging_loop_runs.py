@@ -324,3 +324,18 @@ def test_a_second_read_at_one_step_with_other_counts_is_ignored_with_one_warning
     loop.observe(_host(20, 3))  # the run goes on from the first read
     step, metrics = memory.records[-1]
     assert step == 20 and metrics[m.SKIPPED_IN_INTERVAL] == 1
+
+
+def test_a_short_run_says_in_a_few_words_that_its_skip_rate_was_not_judged():
+    """Issue 30: every short run printed the long 'only 0 steps came after the 100-step warm-up' line."""
+    loop = LoggingLoop(DynamicPolicy(), echo=None, log_every=10)
+    for step in range(10, 41, 10):
+        loop.observe(_host(step, 2))  # two skips while the scale settled, in the warm-up
+    text = loop.finish()
+    assert "the skip rate (0 logged steps after the warm-up, 100 needed)" in text
+    assert "came after" not in text
+    loop.start()
+    for step in range(10, 151, 10):
+        loop.observe(_host(step, 0 if step <= 120 else 2))  # skips after the warm-up: they matter
+    text = loop.finish()
+    assert "only 50 steps came after the 100-step warm-up (at least 100 are needed); overall 1.33%" in text
