@@ -18,7 +18,7 @@ from lossscale_callbacks.keras.fit_sampling import FitSampling
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
 from lossscale_callbacks.keras.wrapping import wrap
 from lossscale_callbacks.logging_loop import LoggingLoop, check_log_every
-from lossscale_callbacks.metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
+from lossscale_callbacks.metrics import COUNT_METRICS, METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks.policy import Policy, check_policy
 from lossscale_callbacks.sinks import Sink
 
@@ -232,7 +232,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
         if logs is not None and names:
             metrics = snapshot.metrics()
-            logs.update({name: metrics[name] for name in names})
+            logs.update({name: _Count(metrics[name]) if name in COUNT_METRICS else metrics[name]
+                         for name in names})
         return snapshot
 
     def _stop(self) -> None:
@@ -301,6 +302,19 @@ class LossScaleCallback(keras.callbacks.Callback):
             self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
         self._fit_sampling.end(self.model)
         self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
+
+
+class _Count(float):
+    """A count in Keras' ``logs``: a float to every consumer (History, CSVLogger, TensorBoard), shown
+    as an integer by the progress bar, which formats every value as ``{:.4e}`` or ``{:.4f}``
+    (``skipped_steps: 0.0000e+00``). Keras divides a value by its count of 1 before formatting."""
+
+    def __truediv__(self, other: Any) -> Any:
+        quotient = float(self) / other
+        return _Count(quotient) if other == 1 else quotient
+
+    def __format__(self, spec: str) -> str:
+        return str(int(self)) if float(self).is_integer() else float(self).__format__(spec)
 
 
 def _strategy_scope(model: keras.Model) -> Any:
