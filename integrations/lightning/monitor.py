@@ -218,7 +218,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self.reader.count_from(trainer.global_step)
         writer = bool(trainer.is_global_zero)
         self.loop.start(policy=self.reader.policy, writer=writer,
-                        sinks=[logger_sink(lg) for lg in trainer.loggers] if writer else [])
+                        sinks=[logger_sink(lg, lambda: trainer.current_epoch) for lg in trainer.loggers]
+                        if writer else [])
         self.loop.restart_interval(trainer.global_step)
         if trainer.global_step > 0:
             # Resumed: one read now (not a step), so the first interval covers only its own steps.
