@@ -38,7 +38,9 @@ PINS = ["torch==2.13.0", "tensorflow-cpu==2.21.0"]
 # full `tensorflow` wheel would install a second TensorFlow beside tensorflow-cpu, so it is
 # installed without dependencies (tensorflow-cpu provides the `tensorflow` it imports).
 NO_DEPS_PINS = ["tf_keras==2.21.0"]
-EXTRAS = "dev"
+EXTRAS = "all"
+# Development dependencies live beside the package, not in its published extras.
+DEV_REQUIREMENTS = ROOT / "requirements-dev.txt"
 
 QUIET_ENV = {
     "TF_CPP_MIN_LOG_LEVEL": "3",
@@ -56,6 +58,7 @@ def _python() -> Path:
 def _stamp() -> str:
     digest = hashlib.sha256()
     digest.update((ROOT / "pyproject.toml").read_bytes())
+    digest.update(DEV_REQUIREMENTS.read_bytes())
     digest.update(" ".join([*PINS, *NO_DEPS_PINS, EXTRAS, sys.version]).encode())
     return digest.hexdigest()
 
@@ -71,7 +74,7 @@ def setup() -> Path:
         return _python()
     print("[dev] installing lossscale-callbacks with its extras (about a minute)", flush=True)
     cmd = [str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-qq",
-           *PINS, "-e", f"{ROOT}[{EXTRAS}]"]
+           *PINS, "-e", f"{ROOT}[{EXTRAS}]", "-r", str(DEV_REQUIREMENTS)]
     subprocess.run(cmd, check=True, cwd=ROOT)
     subprocess.run([str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-qq", "--no-deps",
                     *NO_DEPS_PINS], check=True, cwd=ROOT)

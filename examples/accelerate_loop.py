@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> AccelerateLossScaleMonitor:
     model, optimizer, scheduler, data = accelerator.prepare(model, optimizer, scheduler, data)
     accelerator.init_trackers("accelerate_loop")
     monitor = AccelerateLossScaleMonitor(accelerator, log_every=args.log_every)
-    accelerator.register_for_checkpointing(monitor)  # save_state/load_state carry its counts too
+    # No register_for_checkpointing: save_state/load_state carry the monitor's counts in their own file.
 
     checkpoint, step = os.path.join(args.out, "accelerate_loop_checkpoint"), 0
     if args.resume:

@@ -161,10 +161,12 @@ class SkipRate:
 
     def not_judged(self, history: Sequence[Snapshot]) -> str | None:
         """Why this rule could not judge the run, in plain words; ``None`` when it could."""
-        steps = self._measured(history, self.window)[0] if history else 0
+        steps, skipped = self._measured(history, self.window) if history else (0, 0)
         if steps >= self.min_final_steps:
             return None
         total = history[-1].step if history else 0
+        if not skipped:  # nothing skipped after the warm-up: the gap alone, in a few words
+            return f"the skip rate ({steps} logged steps after the warm-up, {self.min_final_steps} needed)"
         overall = history[-1].skipped_steps / total if total else 0.0
         return (f"the skip rate could not be judged: only {steps} steps came after the "
                 f"{self.warmup_steps}-step warm-up (at least {self.min_final_steps} are needed); "
@@ -337,10 +339,9 @@ def assess(rules: Iterable[Rule], history: Sequence[Snapshot], verdicts: Sequenc
         >>> snap = MetricsTracker(1.0).observe({"steps": 300, "skipped_steps": 15, "scale": 1024.0,
         ...                                      "growth_counter": 0, "hysteresis_left": 1})
         >>> print(assess(default_rules(), [snap], []))  # doctest: +NORMALIZE_WHITESPACE
-        Health: no problem found, but not everything could be judged: the skip rate could not be
-        judged: only 0 steps came after the 100-step warm-up (at least 100 are needed); overall
-        5.00% of 300 steps were skipped; whether the scale recovers could not be judged before
-        4000 steps (the run has 300).
+        Health: no problem found, but not everything could be judged: the skip rate (0 logged steps
+        after the warm-up, 100 needed); whether the scale recovers could not be judged before 4000
+        steps (the run has 300).
     """
     rules = list(rules)
     if verdicts:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -47,11 +48,28 @@ from lossscale_callbacks._sinks import (
     named_sinks,
     owned_sinks,
 )
+from lossscale_callbacks._stacklevel import user_stacklevel
 from lossscale_callbacks._validation import INT64_MAX, check_bool, check_int, check_number
 
-__all__ = ["LoggingLoop"]
+__all__ = ["LoggingLoop", "check_log_every"]
 
 _KEEP: Any = object()  # start(policy=...) not given: the policy stays
+
+
+def check_log_every(log_every: Any, *, optional: bool = True) -> int | None:
+    """``log_every`` checked, the one rule of every integration: an integer >= 1, or ``None`` where
+    ``optional`` (an integration with another interval rule: a trainer's own, or ``every_seconds``).
+
+    Raises:
+        ValueError: ``log_every`` is not an integer >= 1 (or ``None`` where allowed), naming it.
+
+    Example:
+        >>> check_log_every(100), check_log_every(None)
+        (100, None)
+    """
+    if log_every is None and optional:
+        return None
+    return check_int("log_every", log_every)
 
 
 def _check_callable(name: str, value: Any) -> None:
@@ -80,7 +98,10 @@ class LoggingLoop:
     later metrics write carries ``loss_scale/segment`` (1, 2, ...; never written in a run without a
     restart), a ``loss_scale/restart`` text says from which step to which, the first read of the
     segment writes no interval metrics (its interval is not known), the health rules judge the new
-    segment from scratch and the summary names the restarts. Nothing is written over silently.
+    segment from scratch and the summary names the restarts. The sinks' step axis keeps increasing:
+    a segment whose steps would land on steps already written is shifted to continue after the
+    highest (its own optimizer steps stay in ``loss_scale/steps``), so nothing is written over and no
+    chart draws two segments on top of each other.
 
     Rank rules, the same in every integration: only the writer process (global rank 0 by default)
     writes to the sinks and prints; the health rules run on every rank (each rank holds the same
@@ -140,7 +161,7 @@ class LoggingLoop:
         echo: Callable[[str], Any] | None = print,
     ) -> None:
         check_policy("policy", policy)
-        self.log_every = None if log_every is None else check_int("log_every", log_every)
+        self.log_every = check_log_every(log_every)
         self.every_seconds = (None if every_seconds is None else
                               check_number("every_seconds", every_seconds, 0.0, float("inf"), low_open=True))
         self._writer = None if writer is None else check_bool("writer", writer)
@@ -200,6 +221,10 @@ class LoggingLoop:
         self.summary: str | None = None
         self.forensics = ForensicsTotals()
         self._last_at: int | None = None  # the sinks' step of the last metrics write (or the baseline's)
+        self._highest_at: int | None = None  # the highest sinks' step a metrics write used in this run
+        self._sink_offset = 0  # added to the steps of the current segment (see _sink_step)
+        self._segment_from: int | None = None  # a segment began: the step it starts after, if known
+        self._repeat_warned = False
         self.segment = 0
         self.restarts: list[tuple[int, int]] = []
         self._restart_text: str | None = None
@@ -320,7 +345,10 @@ class LoggingLoop:
         """
         state = observed_state(state)
         self._last_read_time = self.clock()
-        self._restart_if_needed(state)
+        if self._repeated(state):
+            return self.tracker.last
+        if self._restart_if_needed(state):
+            self._segment_from = int(state.steps)  # the segment's steps count from here
         if self._last_at is None:
             self._last_at = int(state.steps)
         return self.tracker.observe(state)
@@ -330,9 +358,12 @@ class LoggingLoop:
         """One host read of the state: a new snapshot goes to the sinks and through the health rules.
 
         A read at the step of the previous one (a second read at train end) adds nothing and
-        writes nothing. ``sink_step`` is the step the sinks write the metrics at (default: the
-        snapshot's, the optimizer steps attempted); Lightning passes its own logging step so its
-        loggers line the rows up with the rest of the run.
+        writes nothing, whatever its counts: one step is one record (a read at that step with other
+        counts cannot be placed, and is ignored with one ``RuntimeWarning`` a run). ``sink_step``
+        is the step the sinks write the metrics at (default: the snapshot's, the optimizer steps
+        attempted); Lightning passes its own logging step so its loggers line the rows up with the
+        rest of the run. After a restart, the segment's sink steps are shifted past the highest
+        already written (see the class).
 
         ``forensics`` (what a ``diagnose=True`` scaler accumulated over the interval) adds the skip
         causes to the metrics, a report (``loss_scale/forensics``) and a gradient histogram to the
@@ -347,13 +378,14 @@ class LoggingLoop:
         state = observed_state(state)
         self._last_read_time = self.clock()
         last = self.tracker.last
-        restarted = self._restart_if_needed(state)
-        if not restarted and last is not None and state.steps == last.step:
+        if last is not None and self._repeated(state):
             if forensics is not None:
-                self._add_forensics(forensics, last.step if sink_step is None else int(sink_step))
+                self._add_forensics(forensics, self._sink_offset + (last.step if sink_step is None
+                                                                    else int(sink_step)))
             return last
+        restarted = self._restart_if_needed(state)
         snapshot = self.tracker.observe(state)
-        at = snapshot.step if sink_step is None else int(sink_step)
+        at = self._sink_step(snapshot.step if sink_step is None else int(sink_step))
         if self.writer:
             self._write_metrics(at, snapshot, forensics, interval_known=not restarted)
         if forensics is not None:
@@ -363,6 +395,32 @@ class LoggingLoop:
             self._act(self._with_forensics(verdicts, forensics, snapshot.step))
         return snapshot
 
+    def _repeated(self, state: Any) -> bool:
+        """Whether ``state`` is at the step of the last read (nothing to record); other counts there warn."""
+        last = self.tracker.last
+        if last is None or state.steps != last.step:
+            return False
+        if state.skipped_steps != last.skipped_steps and not self._repeat_warned:
+            self._repeat_warned = True
+            warnings.warn(
+                f"[lossscale-callbacks] a second read at optimizer step {last.step} has other counts "
+                f"({state.skipped_steps} skipped, the first read {last.skipped_steps}): ignored, one step is "
+                "one record. Read one scaler per loop, after its step.", RuntimeWarning,
+                stacklevel=user_stacklevel())
+        return True
+
+    def _sink_step(self, step: int) -> int:
+        """The sinks' step for ``step``: the first write of a new segment that would land on or before
+        the highest step written shifts the segment past it (after the step it began from when known)."""
+        at = step + self._sink_offset
+        if self._segment_from is not None:
+            begins = self._segment_from + self._sink_offset if self._segment_from < step else at - 1
+            if self._highest_at is not None and begins < self._highest_at:
+                self._sink_offset += self._highest_at - begins
+                at = step + self._sink_offset
+            self._segment_from = None
+        return at
+
     def _restart_if_needed(self, state: Any) -> bool:
         """A new segment when ``state`` cannot follow the last read in one continuous run."""
         last = self.tracker.last
@@ -370,6 +428,7 @@ class LoggingLoop:
                                                 state.skipped_steps):
             return False
         self.segment += 1
+        self._segment_from = int(state.steps) - 1  # a read's own step is its segment's first known one
         self.restarts.append((last.step, state.steps))
         self.tracker.reset()
         if self.health is not None:
@@ -396,6 +455,7 @@ class LoggingLoop:
             metrics.update(values)
         self.sinks.write(at, metrics)
         self._last_at = at
+        self._highest_at = at if self._highest_at is None else max(self._highest_at, at)
         self._write_config_once()  # after the metrics: a text lands at their step
         self._write_restart_text()
 

@@ -39,6 +39,7 @@ METRIC_NAMES: tuple[str, ...] = (
 SUMMARY_TAG = "loss_scale/summary"
 RESTART_TAG = "loss_scale/restart"
 ALIGNMENT_TAG = "loss_scale/alignment"
+COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)  # whole numbers
 INTERVAL_METRICS: tuple[str, ...] = (SKIPPED_IN_INTERVAL, SKIP_RATE)
 
 # The "Loss scale" dashboard section: (chart title, tag), in order. The TensorBoard sink and the

@@ -50,6 +50,8 @@ class DynamicPolicy:
     Args:
         initial_scale: scale of the first step. Start high: a scale that is too high is lowered
             in a few skipped steps, one that is too low is raised only every ``growth_interval``.
+            The default, 2**15, is Keras' and tf.keras' (so a Keras run starts where it did);
+            torch's ``GradScaler`` starts at 2**16: pass ``initial_scale=2**16`` to start there.
         growth_interval: consecutive finite steps after which the scale is multiplied by
             ``growth_factor``. Integer >= 1.
         growth_factor: multiplier on growth, > 1.

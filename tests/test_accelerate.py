@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from lossscale_callbacks._metrics import METRIC_NAMES  # noqa: E402
 from lossscale_callbacks._policy import DynamicPolicy  # noqa: E402
 from lossscale_callbacks._sinks import InMemorySink  # noqa: E402
 from lossscale_callbacks.accelerate._install import install_loss_scaler  # noqa: E402
-from lossscale_callbacks.accelerate._monitor import AccelerateLossScaleMonitor  # noqa: E402
+from lossscale_callbacks.accelerate._monitor import COUNTS_FILE, AccelerateLossScaleMonitor  # noqa: E402
 from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
 LIBRARY = tuple(os.path.dirname(m.__file__) for m in (lossscale_callbacks, lossscale_callbacks.accelerate,
@@ -226,11 +227,44 @@ def test_save_state_and_load_state_resume_bit_identically(tmp_path):
         resumed, monitor = tiny.run(tiny.make_accelerator(kind_setup), kind_setup, first=6,
                                     resume_from=str(tmp_path / kind))
         assert_identical(resumed, full[kind][6:])
-        # The registered monitor resumed its counts (for GradScaler, which checkpoints no skips, too).
+        # The monitor resumed its counts from its own file (for GradScaler, which checkpoints no skips, too).
         assert monitor.summary.startswith("Loss scaling: 12 optimizer steps, 3 skipped (25.00%)")
     assert_identical(full["ours"], full["stock"])
     saved = torch.load(tmp_path / "ours" / "scaler.pt", weights_only=True)
     assert saved["policy"]["initial_scale"] == tiny.INITIAL_SCALE and saved["steps"] == 6
+
+
+@pytest.mark.parametrize("kind", ["ours", "stock"])
+def test_checkpoints_load_with_and_without_the_monitor(tmp_path, kind):
+    """Issue 30: register_for_checkpointing(monitor), as the README advised, made checkpoints that a loop
+    without the monitor could not load, and the reverse. The monitor's counts now ride in their own file."""
+    setup = tiny.Setup(scaler=kind, steps=6)
+    tiny.reset_accelerate()
+    tiny.run(tiny.make_accelerator(setup), setup, save_at=6, save_dir=str(tmp_path / "with"))
+    assert json.loads((tmp_path / "with" / COUNTS_FILE).read_text())["skipped_steps"] == 2  # steps 2, 3
+    tiny.reset_accelerate()
+    plain = tiny.make_accelerator(setup)  # a loop without the monitor loads it
+    plain.prepare(*tiny.model_and_data())
+    plain.load_state(str(tmp_path / "with"))
+    plain.save_state(str(tmp_path / "without"))  # ... and saves one without the counts
+    assert not (tmp_path / "without" / COUNTS_FILE).exists()
+    tiny.reset_accelerate()
+    longer = dataclasses.replace(setup, steps=8)
+    _, monitor = tiny.run(tiny.make_accelerator(longer), longer, first=6,
+                          resume_from=str(tmp_path / "without"))
+    assert monitor.summary.startswith("Loss scaling: 8 optimizer steps" if kind == "ours"
+                                      else "Loss scaling: 2 optimizer steps")  # a stock scaler kept no count
+
+
+def test_bad_saved_counts_are_refused_naming_the_file_and_field(tmp_path):
+    setup = tiny.Setup(scaler="stock", steps=2)
+    tiny.reset_accelerate()
+    tiny.run(tiny.make_accelerator(setup), setup, save_at=2, save_dir=str(tmp_path))
+    saved = json.loads((tmp_path / COUNTS_FILE).read_text())
+    (tmp_path / COUNTS_FILE).write_text(json.dumps({**saved, "skipped_steps": 5}))
+    tiny.reset_accelerate()
+    with pytest.raises(ValueError, match=r"loss_scale_counts.json: .*skipped_steps"):
+        tiny.run(tiny.make_accelerator(setup), setup, first=2, resume_from=str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------ monitor

@@ -152,3 +152,21 @@ def test_the_logging_loop_records_a_valid_read_or_refuses_it_and_stays_as_it_was
     else:
         assert 0 <= snapshot.skipped_in_interval <= snapshot.interval_steps
         assert snapshot.skipped_steps <= snapshot.step
+
+
+def test_a_warning_raised_in_a_callback_points_past_the_framework_at_the_users_line():
+    """Issue 30: WandbOfflineWarning was attributed to Keras' callback_list.py, not the user's fit()."""
+    import warnings as _warnings
+
+    from lossscale_callbacks._stacklevel import user_stacklevel
+
+    library: dict = {"__name__": "lossscale_callbacks.fake_sink", "user_stacklevel": user_stacklevel,
+                     "warnings": _warnings}
+    exec(compile("def warn_now():\n    warnings.warn('offline', UserWarning, stacklevel=user_stacklevel())",
+                 "lossscale_callbacks/fake_sink.py", "exec"), library)
+    framework: dict = {"__name__": "keras.src.callbacks.callback_list"}
+    exec(compile("def on_train_begin(callback):\n    callback()", "keras/callback_list.py", "exec"),
+         framework)
+    with pytest.warns(UserWarning, match="offline") as caught:
+        framework["on_train_begin"](library["warn_now"])  # the user's line
+    assert caught[0].filename == __file__

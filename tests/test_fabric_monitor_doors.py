@@ -167,3 +167,11 @@ def test_an_unknown_key_in_the_scalers_part_names_the_monitor_and_where():
     with pytest.raises(ValueError, match=r"FabricLossScaleMonitor\.load_state_dict: state\['scaler'\]: "
                                          r"unknown key\(s\) \['x'\]"):
         monitor.load_state_dict({**saved, "scaler": {**saved["scaler"], "x": 1}})
+
+
+@pytest.mark.parametrize("log_every", [None, 0, 1.5, True])
+def test_log_every_is_checked_by_the_one_interval_rule(log_every):
+    """Issue 30: ``log_every=None`` was accepted and logged nothing until ``finish()``."""
+    fabric = _fabric(LossScaleFabricPlugin(policy=POLICY))
+    with pytest.raises(ValueError, match="log_every must be an integer in"):
+        FabricLossScaleMonitor(fabric, log_every=log_every)

@@ -126,3 +126,14 @@ def test_csvlogger_without_validation_gets_no_loss_scale_columns_by_default(tmp_
     columns = csv_path.read_text().splitlines()[0].split(",")
     assert "loss" in columns and "val_loss" in columns  # Keras' own doubling, unchanged
     assert [c for c in columns if "loss_scale/" in c] == []
+
+
+@pytest.mark.parametrize("poisoned, shown", [((), "0"), ((1,), "1")])
+def test_the_progress_bar_shows_the_skipped_steps_as_an_integer(capsys, poisoned, shown):
+    """Issue 30: the bar showed ``loss_scale/skipped_steps: 0.0000e+00``."""
+    history = _fit([LossScaleCallback(log_every=2, policy=POLICY, health=None, log_metrics=[SKIPPED_STEPS])],
+                   poisoned=poisoned, verbose=1)
+    bar = capsys.readouterr().out.split("Loss scaling:")[0]
+    assert f"loss_scale/skipped_steps: {shown} " in bar or bar.rstrip().endswith(f"skipped_steps: {shown}")
+    assert "e+00" not in bar
+    assert history.history[SKIPPED_STEPS] == [float(shown)]  # History keeps a number

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import os
 import sys
@@ -95,6 +96,16 @@ def test_logs_the_schema_through_every_logger_at_log_every_n_steps(pl):
     for name in METRIC_NAMES:
         assert name in trainer.callback_metrics
     assert monitor.summary.startswith("Loss scaling: 8 optimizer steps, 1 skipped (12.50%)")
+
+
+def test_csv_logger_rows_of_ours_carry_the_epoch(pl, tmp_path):
+    """Issue 30: the CSVLogger rows of loss_scale/* had an empty ``epoch`` (Lightning adds it to its own)."""
+    logger = pl.loggers.CSVLogger(tmp_path, name="csv", version=0)
+    _fit(pl, LossScaleMonitor(), logger=logger, max_epochs=2, max_steps=-1, log_every_n_steps=2)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        ours = [row for row in csv.DictReader(f) if row.get("loss_scale/scale")]
+    assert ours and all(row["epoch"] != "" for row in ours)
+    assert {row["epoch"] for row in ours} == {"0", "1"}
 
 
 @pytest.mark.parametrize("interval, expected", [(3, [2, 5, 7]), ("epoch", [8, 10])])

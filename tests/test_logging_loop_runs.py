@@ -177,7 +177,9 @@ def test_steps_going_back_start_a_segment_that_is_marked_never_overwritten():
     with pytest.warns(match=r"10\.00% of the last 190 optimizer steps"):  # judged on the new segment only
         text = loop.finish()
     steps = [s for s, _ in memory.records]
-    assert steps == [100, 200, 300, 400, 500, 310, 400, 500]  # file order, nothing replaced
+    # Issue 30: the segment continues the sinks' axis after 500 (a chart drew both at 310..500).
+    assert steps == [100, 200, 300, 400, 500, 501, 591, 691]
+    assert [metrics[m.STEPS] for _, metrics in memory.records] == [100, 200, 300, 400, 500, 310, 400, 500]
     segments = [metrics.get(m.SEGMENT) for _, metrics in memory.records]
     assert segments == [None] * 5 + [1, 1, 1]
     first = memory.records[5][1]
@@ -205,8 +207,10 @@ def test_a_baseline_that_goes_back_starts_the_segment_and_the_next_interval_is_k
     loop.baseline(_host(3, 0))  # a checkpoint of step 3 loaded into the monitor
     loop.observe(_host(10, 1))
     step, metrics = memory.records[-1]
-    assert (step, metrics[m.SEGMENT], metrics[m.SKIPPED_IN_INTERVAL], metrics[m.SKIP_RATE]) == (10, 1, 1,
+    # The segment began at 3 (the baseline): its step 10 lands 7 after the highest step written, 20.
+    assert (step, metrics[m.SEGMENT], metrics[m.SKIPPED_IN_INTERVAL], metrics[m.SKIP_RATE]) == (27, 1, 1,
                                                                                                 1 / 7)
+    assert metrics[m.STEPS] == 10
     assert [tag for tag, _ in memory.texts].count(m.RESTART_TAG) == 1
 
 
@@ -282,3 +286,56 @@ def test_a_loop_that_has_not_written_holds_no_file_or_run_and_pickles(tmp_path):
     from lossscale_callbacks.lightning._monitor import LossScaleMonitor
 
     pickle.dumps(LossScaleMonitor(tensorboard=str(tmp_path / "tb")))
+
+
+def test_a_restart_never_lands_on_written_steps_of_a_tensorboard_chart(tmp_path):
+    """Issue 30: after a restart the new segment was written at steps 100..200 again, one chart drew both."""
+    pytest.importorskip("tensorboard")
+    from lossscale_callbacks._run_report import build_report
+    from lossscale_callbacks.tensorboard._reader import read_run
+
+    loop = LoggingLoop(DynamicPolicy(), tensorboard=str(tmp_path), echo=None, health=None)
+    for step in (100, 200, 300):
+        loop.observe(_host(step, 0))
+    loop.baseline(_host(100, 0))  # an old checkpoint loaded
+    for step in (200, 300):
+        loop.observe(_host(step, 1))
+    loop.finish()
+    series = read_run(str(tmp_path))
+    scale_steps = [step for step, _ in series[m.SCALE]]
+    assert scale_steps == [100, 200, 300, 400, 500] and scale_steps == sorted(set(scale_steps))
+    assert [int(v) for _, v in series[m.STEPS]] == [100, 200, 300, 200, 300]
+    report = build_report(str(tmp_path), series)
+    assert [(s.index, s.first_step, s.last_step) for s in report.segments] == [(0, 100, 300), (1, 200, 300)]
+
+
+def test_a_second_read_at_one_step_with_other_counts_is_ignored_with_one_warning():
+    """Issue 30: observe() at a repeated step with other counts wrote a second record (as a 'restart')."""
+    memory = InMemorySink()
+    loop = LoggingLoop(DynamicPolicy(), sinks=[memory], echo=None, health=None)
+    loop.observe(_host(10, 2))
+    with pytest.warns(RuntimeWarning, match="second read at optimizer step 10 has other counts") as caught:
+        first = loop.observe(_host(10, 3))
+        loop.observe(_host(10, 1))
+        loop.baseline(_host(10, 0))
+    assert len(caught) == 1 and caught[0].filename == __file__
+    assert first.skipped_steps == 2 and loop.segment == 0 and loop.restarts == []
+    assert [step for step, _ in memory.records] == [10]
+    loop.observe(_host(20, 3))  # the run goes on from the first read
+    step, metrics = memory.records[-1]
+    assert step == 20 and metrics[m.SKIPPED_IN_INTERVAL] == 1
+
+
+def test_a_short_run_says_in_a_few_words_that_its_skip_rate_was_not_judged():
+    """Issue 30: every short run printed the long 'only 0 steps came after the 100-step warm-up' line."""
+    loop = LoggingLoop(DynamicPolicy(), echo=None, log_every=10)
+    for step in range(10, 41, 10):
+        loop.observe(_host(step, 2))  # two skips while the scale settled, in the warm-up
+    text = loop.finish()
+    assert "the skip rate (0 logged steps after the warm-up, 100 needed)" in text
+    assert "came after" not in text
+    loop.start()
+    for step in range(10, 151, 10):
+        loop.observe(_host(step, 0 if step <= 120 else 2))  # skips after the warm-up: they matter
+    text = loop.finish()
+    assert "only 50 steps came after the 100-step warm-up (at least 100 are needed); overall 1.33%" in text

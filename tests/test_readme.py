@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+GRAD_SCALER_START = 2.0**16  # torch.amp.GradScaler's init_scale, where Accelerate and Lightning start
 
 
 def block_after(heading: str, index: int = 0) -> str:
@@ -76,6 +78,7 @@ def test_lightning_block(tmp_path, monkeypatch):
 
     assert isinstance(trainer.precision_plugin, LossScalePlugin)
     assert trainer.precision_plugin.scaler.policy.hysteresis == 2
+    assert trainer.precision_plugin.scaler.policy.initial_scale == GRAD_SCALER_START  # issue 30
     (monitor,) = [cb for cb in trainer.callbacks if isinstance(cb, LossScaleMonitor)]
     assert monitor.summary.startswith("Loss scaling: 32 optimizer steps")
     (run,) = (tmp_path / "runs").rglob("events.out.tfevents.*")
@@ -98,6 +101,8 @@ def test_accelerate_block(tmp_path, monkeypatch):
     from lossscale_callbacks.tensorboard._reader import read_run
 
     assert namespace["monitor"].summary.startswith("Loss scaling: 16 optimizer steps")
+    # Issue 30: the snippet starts where Accelerate's GradScaler would, not at half of it.
+    assert namespace["accelerator"].scaler.policy.initial_scale == GRAD_SCALER_START
     (run,) = {path.parent for path in (tmp_path / "runs").rglob("events.out.tfevents.*")}
     assert read_run(str(run))["loss_scale/steps"][-1] == (16, 16)
 
@@ -110,11 +115,18 @@ def test_transformers_block(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     reset_accelerate()
+    namespace: dict = {}
     try:
-        exec(block_after("Hugging Face Accelerate and Transformers", 1), {})
+        exec(block_after("Hugging Face Accelerate and Transformers", 1), namespace)
     finally:
         reset_accelerate()
+    assert namespace["trainer"].accelerator.scaler.policy.initial_scale == GRAD_SCALER_START
     assert "Loss scaling: 40 optimizer steps" in capsys.readouterr().out
+    # Issue 30 acceptance 4: the file users read holds the scale (the Trainer copied the logs before).
+    (saved,) = (tmp_path / "out").glob("checkpoint-*/trainer_state.json")
+    history = json.loads(saved.read_text())["log_history"]
+    scales = [(entry["step"], entry["loss_scale/scale"]) for entry in history if "loss_scale/scale" in entry]
+    assert [step for step, _ in scales] == [10, 20, 30, 40] and all(scale > 0 for _, scale in scales)
 
 
 def test_dashboards_block(tmp_path, monkeypatch):

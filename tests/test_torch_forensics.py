@@ -276,3 +276,16 @@ def test_the_origin_is_the_layer_nearest_the_loss_among_the_flagged_ones(fused):
     assert first["skips"] == {"0": 2} and first["origins"] == {"0": 2}
     assert any(s.startswith("The overflow started in layer `0` in all 2 skipped steps")
                for s in first["sentences"])
+
+
+def test_a_layer_added_after_watch_is_named_after_its_module():
+    """Issue 30: a layer added after watch() was reported as ``param0``."""
+    model = _mlp(1)
+    scaler = LossScaler(device="cpu", diagnose=True).watch(model)
+    model.add_module("head", torch.nn.Linear(4, 1))  # e.g. a task head added after the backbone
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    model.head.weight.grad[0, 0] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.read_forensics().layer_skips == {"head": 1}

@@ -7,8 +7,12 @@ Accelerate's stock ``GradScaler`` and for ours, and check them against the core'
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
+import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -255,3 +259,63 @@ def test_without_its_packages_the_import_names_the_extra(hidden):
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScaleTrainerCallback(**kwargs)
+
+
+def test_the_scale_reaches_log_history_and_trainer_state_json(tmp_path):
+    """Issue 30: the Trainer copies the logs into log_history before the callbacks add to them."""
+    trainer = tiny.trainer(str(tmp_path), inject_at=(1,), max_steps=8, report_to=[], save_strategy="steps",
+                           save_steps=8)
+    callback_for("stock", echo=None).attach(trainer)
+    trainer.train()
+    logged = [(e["step"], e["loss_scale/skipped_steps"]) for e in trainer.state.log_history
+              if "loss_scale/scale" in e]
+    assert logged == [(4, 1), (8, 1)]
+    saved = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
+    scales = [(e["step"], e["loss_scale/scale"]) for e in saved if "loss_scale/scale" in e]
+    assert scales == [(4, 512.0), (8, 2048.0)]  # 1024, backed off at step 2, grown at 5 and 8
+
+
+def test_the_summary_starts_on_a_line_of_its_own_after_the_progress_bar(tmp_path):
+    """Issue 30: the summary was printed on the line of tqdm's finished progress bar."""
+    trainer = tiny.trainer(str(tmp_path), max_steps=4, report_to=[], disable_tqdm=False)
+    callback_for("ours").attach(trainer)
+    terminal = io.StringIO()  # stdout and stderr on one terminal, as a user sees them
+    with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(terminal):
+        trainer.train()
+    lines = re.split(r"[\r\n]", terminal.getvalue())
+    assert "4/4" in terminal.getvalue()  # the bar was drawn
+    assert any(line.startswith("Loss scaling: 4 optimizer steps") for line in lines), lines
+
+
+@pytest.mark.slow
+def test_resuming_a_stock_scaler_keeps_the_skips_before_the_checkpoint(tmp_path):
+    """Issue 30: with Accelerate's GradScaler (no count in scaler.pt) the skip count restarted on resume."""
+    full = tiny.trainer(str(tmp_path / "full"), inject_at=INJECT, save_strategy="steps", save_steps=6,
+                        report_to=[])
+    callback_for("stock", echo=None).attach(full)
+    full.train()
+    tiny_accelerate.reset_accelerate()
+    resumed = tiny.trainer(str(tmp_path / "resumed"), inject_at=INJECT, report_to=[])
+    callback = callback_for("stock", echo=None).attach(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    assert callback.summary.startswith("Loss scaling: 12 optimizer steps, 3 skipped")
+
+
+@pytest.mark.slow
+def test_taking_over_a_stock_trainer_checkpoint_with_a_policy_counts_on_from_its_step(tmp_path):
+    """Issue 30: a stock Trainer checkpoint resumed with policy=: loss_scale/steps restarted at 0."""
+    full = tiny.trainer(str(tmp_path / "full"), inject_at=INJECT, save_strategy="steps", save_steps=6,
+                        report_to=[])
+    lossscale_callbacks.accelerate.install_loss_scaler(
+        full.accelerator, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3))
+    full.train()
+    tiny_accelerate.reset_accelerate()
+    record = RecordLogs()
+    resumed = tiny.trainer(str(tmp_path / "resumed"), inject_at=INJECT, report_to=[])
+    resumed.add_callback(record)
+    callback = callback_for("ours", echo=None).attach(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    assert record.series("loss_scale/steps") == [(8, 8), (12, 12)]
+    assert record.series("loss_scale/skipped_in_interval") == [(8, 0), (12, 1)]
+    # The skips before the checkpoint were not saved anywhere: the count says only what it knows.
+    assert callback.summary.startswith("Loss scaling: 12 optimizer steps, 1 skipped")

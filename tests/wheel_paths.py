@@ -126,10 +126,25 @@ def _build(out: Path) -> tuple[Path, Path]:
     return next(out.glob("*.whl")), next(out.glob("*.tar.gz"))
 
 
+# Extras are published in the wheel's metadata: only what users install may be one.
+DEVELOPMENT_EXTRAS = {"dev", "test", "tests", "docs", "lint"}
+
+
+def published_extras(wheel: Path) -> set[str]:
+    """The extras the wheel's METADATA offers (``Provides-Extra``), as a user's pip sees them."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
+        text = archive.read(metadata).decode()
+    return {line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Provides-Extra:")}
+
+
 def check_dists(wheel: Path, sdist: Path) -> list[str]:
-    """What the package page and a packager need: license, type marker, no half test suite, README's paths."""
+    """What the package page and a packager need: license, type marker, no half test suite, README's paths,
+    no development extra."""
     problems = []
     wheel_names = zipfile.ZipFile(wheel).namelist()
+    for extra in sorted(published_extras(wheel) & DEVELOPMENT_EXTRAS):
+        problems.append(f"wheel publishes the development extra [{extra}] (use requirements-dev.txt)")
     for needed in ("lossscale_callbacks/py.typed", "licenses/LICENSE"):
         if not any(name.endswith(needed) for name in wheel_names):
             problems.append(f"wheel lacks {needed}")

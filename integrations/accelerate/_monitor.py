@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -10,16 +11,18 @@ import torch
 from accelerate import Accelerator
 
 from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._metrics import Snapshot
+from lossscale_callbacks._metrics import Snapshot, observed_state
 from lossscale_callbacks._sinks import GuardedSink, Sink
+from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.accelerate._install import check_accelerator
 from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
 
-__all__ = [
-    "AccelerateLossScaleMonitor",
-    "TrackerSink",
-]
+__all__ = ["COUNTS_FILE", "AccelerateLossScaleMonitor", "TrackerSink"]
+
+# Written by save_state beside Accelerate's own files: a loop without the monitor never opens it.
+COUNTS_FILE = "loss_scale_counts.json"
+
 
 
 # ---------------------------------------- folded in from _trackers
@@ -96,14 +99,16 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
     (each holds the same state, so a ``"stop"`` rule sets :attr:`should_stop` on all alike; break
     out of the loop when it is true), the summary printed at the end.
 
-    To resume, register the monitor with ``accelerator.register_for_checkpointing(monitor)``:
-    ``save_state``/``load_state`` then carry its state (the scaler's state and step count, and a
-    stock scaler's skipped steps, which ``GradScaler`` does not checkpoint), checked through the
-    core's state gate, and the first interval after a resume counts only its own steps.
-    ``load_state`` loads the scaler (``scaler.pt``) before the registered objects, so the monitor's
-    scaler part is the same state again; a ``steps`` that disagrees with it is refused. The trackers
-    are Accelerate's to close (``accelerator.end_training()``); :meth:`finish` closes only the sinks
-    made from ``tensorboard=``/``wandb=``.
+    Resuming needs nothing more: the monitor hooks into ``accelerator.save_state``, which then also
+    writes ``loss_scale_counts.json`` (the state read at the save: the steps and the skipped steps,
+    which a stock ``GradScaler`` does not checkpoint), and ``load_state`` reads it back (checked,
+    ``ValueError`` naming the field), so the first interval after a resume counts only its own
+    steps. A loop without the monitor loads such a checkpoint (Accelerate ignores the file), and the
+    monitor loads one without it (a stock scaler then counts from 0). Do not register the monitor
+    with ``register_for_checkpointing``: a registered object makes checkpoints that only a loop
+    registering the same objects can load. The trackers are Accelerate's to close
+    (``accelerator.end_training()``); :meth:`finish` closes only the sinks made from
+    ``tensorboard=``/``wandb=``.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose scaler is read.
@@ -160,6 +165,29 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
                          sinks=sinks, writer=bool(accelerator.is_main_process), echo=echo,
                          run_sinks=[GuardedSink(TrackerSink(accelerator), name="Accelerate trackers")]
                          if trackers else [])
+        self._resumed: LossScaleState | None = None  # read by load_state, baselined at the next step
+        accelerator.register_save_state_pre_hook(self._save_counts)
+        accelerator.register_load_state_pre_hook(self._load_counts)
+
+    def _save_counts(self, models: Any, weights: Any, output_dir: str) -> None:
+        """``save_state``: the state read now into ``loss_scale_counts.json`` (the main process writes)."""
+        state = self.reader.read()  # on every process: a collective-free host read of its own scaler
+        if self.accelerator.is_main_process:
+            with open(os.path.join(output_dir, COUNTS_FILE), "w") as file:
+                json.dump(state._asdict(), file)
+
+    def _load_counts(self, models: Any, input_dir: str) -> None:
+        """``load_state`` (before it loads the scaler): the saved counts, if the checkpoint has them."""
+        path = os.path.join(input_dir, COUNTS_FILE)
+        if not os.path.isfile(path):
+            return
+        try:
+            with open(path) as file:
+                state = observed_state(json.load(file))
+        except (ValueError, TypeError) as error:  # json's errors are ValueErrors
+            raise ValueError(f"{path}: not the counts this monitor saves: {error}") from error
+        self.reader.resume_counts(state.steps, state.skipped_steps, loading=True)
+        self._resumed = state
 
     def step(self, log_step: int | None = None) -> Snapshot | None:
         """Call after each ``optimizer.step()``: counts the step, and reads the scaler when an interval ends.
@@ -178,6 +206,11 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
         """
         if log_step is not None:
             check_int("log_step", log_step, minimum=0)
+        if self._resumed is not None:  # the scaler is loaded by now: judge by its policy, from the save
+            resumed, self._resumed = self._resumed, None
+            self.loop.set_policy(self.reader.policy)
+            self.loop.restart_interval(resumed.steps)
+            self.loop.baseline(resumed)
         if self.reader.started and not self.accelerator.sync_gradients:
             return None  # an accumulation step: the prepared optimizer did not step
         return self._count_step(log_step)

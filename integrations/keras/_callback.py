@@ -13,8 +13,8 @@ import keras
 import numpy as np
 
 from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._logging_loop import LoggingLoop
-from lossscale_callbacks._metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
+from lossscale_callbacks._logging_loop import LoggingLoop, check_log_every
+from lossscale_callbacks._metrics import COUNT_METRICS, METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks._policy import DynamicPolicy, Policy, check_policy
 from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool, check_int, check_known
@@ -285,8 +285,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
         # Every argument of the sinks and the interval is checked here, the extras required here.
-        self.loop = LoggingLoop(policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
-                                sinks=sinks, health=health, stop=self._stop)
+        self.loop = LoggingLoop(policy, log_every=check_log_every(log_every, optional=False),
+                                tensorboard=tensorboard, wandb=wandb, sinks=sinks, health=health,
+                                stop=self._stop)
         if check_alignment and keras.backend.backend() == "tensorflow":
             importlib.import_module("lossscale_callbacks.keras._alignment")  # fails now, not in fit()
         self.log_every = log_every
@@ -359,7 +360,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
         if logs is not None and names:
             metrics = snapshot.metrics()
-            logs.update({name: metrics[name] for name in names})
+            logs.update({name: _Count(metrics[name]) if name in COUNT_METRICS else metrics[name]
+                         for name in names})
         return snapshot
 
     def _stop(self) -> None:
@@ -428,6 +430,19 @@ class LossScaleCallback(keras.callbacks.Callback):
             self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
         self._fit_sampling.end(self.model)
         self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
+
+
+class _Count(float):
+    """A count in Keras' ``logs``: a float to every consumer (History, CSVLogger, TensorBoard), shown
+    as an integer by the progress bar, which formats every value as ``{:.4e}`` or ``{:.4f}``
+    (``skipped_steps: 0.0000e+00``). Keras divides a value by its count of 1 before formatting."""
+
+    def __truediv__(self, other: Any) -> Any:
+        quotient = float(self) / other
+        return _Count(quotient) if other == 1 else quotient
+
+    def __format__(self, spec: str) -> str:
+        return str(int(self)) if float(self).is_integer() else float(self).__format__(spec)
 
 
 def _strategy_scope(model: keras.Model) -> Any:

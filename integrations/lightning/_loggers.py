@@ -7,12 +7,14 @@
 * ``WandbLogger``: a :class:`~lossscale_callbacks.wandb.WandbSink` on the logger's run, so a
   Lightning run gets what a ``WandbSink`` run gets: the ``loss_scale/step`` axis, the run
   summary, reports as ``wandb.Table``, the policy in the run config and health alerts.
-* Any other logger (``CSVLogger``, MLflow, ...): ``log_metrics``; no text channel.
+* Any other logger (``CSVLogger``, MLflow, ...): ``log_metrics``, with the trainer's ``epoch``
+  as Lightning adds it to its own rows (a ``CSVLogger`` row of ours had an empty ``epoch``); no
+  text channel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lossscale_callbacks._metrics import DASHBOARD_CHARTS, DASHBOARD_SECTION
@@ -26,17 +28,21 @@ def _is(obj: Any, class_name: str) -> bool:
 class LoggerSink:
     """Writes metrics with ``logger.log_metrics`` and text where the logger has a text channel."""
 
-    def __init__(self, logger: Any) -> None:
+    def __init__(self, logger: Any, epoch: Callable[[], int] | None = None) -> None:
         self.logger = logger
         self.step = 0
         self._layout_written = False
+        self._epoch = epoch
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         self.step = int(step)
         if not self._layout_written:
             self._layout_written = True
             self._write_layout()
-        self.logger.log_metrics(dict(metrics), step=int(step))
+        row = dict(metrics)
+        if self._epoch is not None:
+            row.setdefault("epoch", self._epoch())
+        self.logger.log_metrics(row, step=int(step))
 
     def _write_layout(self) -> None:
         experiment = getattr(self.logger, "experiment", None)
@@ -73,10 +79,12 @@ class LoggerSink:
         """Lightning finalizes its loggers itself."""
 
 
-def logger_sink(logger: Any) -> Sink:
-    """The sink for one Lightning logger (see the module docstring)."""
+def logger_sink(logger: Any, epoch: Callable[[], int] | None = None) -> Sink:
+    """The sink for one Lightning logger (see the module docstring); ``epoch`` gives the trainer's
+    current epoch, written into the rows of loggers other than TensorBoard's and W&B's."""
     if _is(logger, "WandbLogger"):
         from lossscale_callbacks.wandb import WandbSink
 
         return WandbSink(run=logger.experiment)
-    return LoggerSink(logger)
+    tabular = not _is(logger, "TensorBoardLogger")  # TensorBoard draws epoch from Lightning's own rows
+    return LoggerSink(logger, epoch if tabular else None)

@@ -12,7 +12,7 @@ import torch
 
 from lossscale_callbacks._forensics import check_diagnose
 from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._logging_loop import LoggingLoop, check_log_every
 from lossscale_callbacks._metrics import SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool
@@ -131,9 +131,13 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         sinks: Iterable[Sink] = (),
         diagnose: bool | str = False,
     ) -> None:
-        is_count = isinstance(log_every, int) and not isinstance(log_every, bool)
-        if log_every not in _INTERVALS and not (is_count and log_every >= 1):
-            raise ValueError(f"log_every must be None, 'step', 'epoch' or an integer >= 1, got {log_every!r}")
+        is_count = log_every not in _INTERVALS
+        if is_count:  # the one check of a count, with this monitor's other choices named
+            try:
+                check_log_every(log_every, optional=False)
+            except ValueError as error:
+                raise ValueError(f"log_every must be None, 'step', 'epoch' or an integer >= 1, "
+                                 f"got {log_every!r}") from error
         check_bool("prog_bar", prog_bar)
         check_bool("check_alignment", check_alignment)
         if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
@@ -211,7 +215,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self.reader.count_from(trainer.global_step)
         writer = bool(trainer.is_global_zero)
         self.loop.start(policy=self.reader.policy, writer=writer,
-                        sinks=[logger_sink(lg) for lg in trainer.loggers] if writer else [])
+                        sinks=[logger_sink(lg, lambda: trainer.current_epoch) for lg in trainer.loggers]
+                        if writer else [])
         self.loop.restart_interval(trainer.global_step)
         if trainer.global_step > 0:
             # Resumed: one read now (not a step), so the first interval covers only its own steps.

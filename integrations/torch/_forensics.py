@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -101,6 +102,18 @@ def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
             return model, prefix
 
 
+def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` after ``model``'s modules, wrappers looked through (see ``watch``)."""
+    inner, prefix = unwrap(model)
+    names = {}
+    for name, param in model.named_parameters():
+        name = name[len(prefix):] if name.startswith(prefix) else name
+        if "." not in name:  # the model's own parameter (a ViT's cls_token): the model is its layer
+            name = f"{type(inner).__name__}.{name}"
+        names[id(param)] = name
+    return names
+
+
 def _fill_index(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 tensor of ``values`` made on ``device`` by fills of equal runs: no host-to-device copy."""
     out = torch.empty(len(values), dtype=torch.int64, device=device)
@@ -148,6 +161,7 @@ class GradForensics:
         self.mode = mode
         self.headroom_every = headroom_every
         self._names: dict[int, str] = {}  # id(parameter) -> name, from watch()
+        self._watched: weakref.ref[torch.nn.Module] | None = None  # looked at again for a new parameter
         self._anonymous: dict[int, str] = {}  # names given to parameters nobody named
         self._device: torch.device | None = None
         self._steps = 0
@@ -177,21 +191,21 @@ class GradForensics:
         gives, which is the forward order of a model that defines its layers as it calls them): the
         origin of a skipped step is its last flagged layer in that order. Framework wrappers (DDP,
         ``torch.compile``, Lightning's and Fabric's, DeepSpeed's) are looked through by type
-        (:func:`unwrap`); the interval's layer counts start again.
+        (:func:`unwrap`); the interval's layer counts start again. A layer added to the model later
+        is named when its parameters first reach the scaler (numbered after the others).
         """
-        inner, prefix = unwrap(model)
-        self._names = {}
-        for name, param in model.named_parameters():
-            name = name[len(prefix):] if name.startswith(prefix) else name
-            if "." not in name:  # the model's own parameter (a ViT's cls_token): the model is its layer
-                name = f"{type(inner).__name__}.{name}"
-            self._names[id(param)] = name
+        self._watched = weakref.ref(model)
+        self._names = _parameter_names(model)
         self._reset_layers()
         for name in self._names.values():
             self._layer_id(layer_of(name))
 
     def _layer_name(self, param: torch.Tensor) -> str:
         name = self._names.get(id(param))
+        model = self._watched() if self._watched is not None else None
+        if name is None and model is not None:  # a layer added after watch(): look at the model again
+            self._names = _parameter_names(model)
+            name = self._names.get(id(param))
         if name is None:  # not watched: named by order of appearance
             return self._anonymous.setdefault(id(param), f"param{len(self._anonymous)}")
         return layer_of(name)

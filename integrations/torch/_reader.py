@@ -113,6 +113,33 @@ class ScalerReader:
         elif self._stock is not None:
             self._steps = steps
 
+    def resume_counts(self, steps: int, skipped_steps: int, *, loading: bool = False) -> None:
+        """Continue from counts a trainer saved beside a checkpoint that holds none (a stock scaler's).
+
+        A stock scaler counts from ``steps`` with ``skipped_steps`` skipped before; our scaler takes
+        them only when its own count is behind (it loaded a ``GradScaler`` dict, which has none):
+        its own counts are the truth otherwise (one host read). ``loading``: the scaler's own
+        checkpoint is loaded next (Accelerate's ``load_state``), so ours only counts from ``steps``.
+
+        Raises:
+            ValueError: a count is not an integer, or ``skipped_steps > steps``, naming it.
+        """
+        steps = check_int("steps", steps, 0, INT64_MAX)
+        skipped_steps = check_int("skipped_steps", skipped_steps, 0, steps)
+        if self._deepspeed is not None:
+            return
+        if self._stock is not None:
+            self._steps = steps
+            self._stock.restore(skipped_steps)
+            return
+        if loading:
+            self._steps = steps
+            return
+        own = self.scaler.state_dict()
+        if own["steps"] < steps:
+            self.scaler.load_state_dict({**own, "steps": steps, "skipped_steps": skipped_steps})
+            self._steps = steps
+
     def after_optimizer_step(self, steps: int = 1) -> None:
         """Count ``steps`` optimizer steps since the last call (a stock scaler's last overflow on the device).
 

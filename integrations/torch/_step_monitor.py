@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._logging_loop import LoggingLoop, check_log_every
 from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks.torch._reader import ScalerReader
@@ -62,6 +62,7 @@ class ScalerStepMonitor:
     def __init__(self, scaler: Any, *, log_every: int = 100, health: HealthSpec = "warn",
                  tensorboard: Any = None, wandb: Any = None, sinks: Iterable[Sink] = (),
                  writer: bool = True, echo: Any = print, run_sinks: Iterable[Sink] = ()) -> None:
+        check_log_every(log_every, optional=False)  # a step monitor has no other interval rule
         self.reader = ScalerReader(scaler)
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
                                 sinks=sinks, health=health, writer=writer, echo=echo)

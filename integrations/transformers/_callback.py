@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
 from lossscale_callbacks._forensics import check_diagnose
@@ -22,6 +23,23 @@ __all__ = ["LossScaleTrainerCallback"]
 
 # The logs of Trainer.evaluate()/predict() (every key prefixed), which the Trainer also returns.
 _EVALUATION_PREFIXES = ("eval_", "test_")
+# Where the counts a stock GradScaler does not checkpoint ride in trainer_state.json (not a callback's
+# class name: Trainer(restore_callback_states_from_checkpoint=True) would rebuild such a callback).
+COUNTS_KEY = "lossscale_callbacks"
+
+
+def _above_progress_bars(text: str) -> None:
+    """Print ``text`` on lines of its own: the Trainer's tqdm bar is still open at ``on_train_end``
+    (its callback closes it after ours), and a plain print would continue the bar's line."""
+    tqdm.write(text)
+
+
+def _add_to_history(state: Any, logs: dict[str, Any], added: dict[str, Any]) -> None:
+    """``added`` also into the ``log_history`` entry the Trainer made of ``logs``: it appends a copy
+    before the callbacks run, and that copy is what ``trainer_state.json`` keeps."""
+    history = getattr(state, "log_history", None)
+    if history and history[-1].get("step") == state.global_step and set(logs) <= set(history[-1]):
+        history[-1].update(added)
 
 
 class LossScaleTrainerCallback(TrainerCallback):
@@ -72,7 +90,8 @@ class LossScaleTrainerCallback(TrainerCallback):
         wandb: True, or a dict of ``wandb.init`` arguments: also write to a
             :class:`~lossscale_callbacks.wandb.WandbSink`.
         sinks: more :class:`~lossscale_callbacks.Sink` objects.
-        echo: prints the summary on the main process (``None``: silent).
+        echo: prints the summary on the main process (``None``: silent); the default ``print``
+            writes through tqdm, on lines of their own above the Trainer's progress bar.
 
     Attributes:
         installed: the scaler :meth:`attach` installed (``None`` when it reads the Trainer's own).
@@ -100,7 +119,8 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.installed: torch.amp.GradScaler | None = None
         # Every argument checked now (tensorboard=/wandb= need their extras now, not when training starts).
         self.loop = LoggingLoop(None, log_every=log_every, tensorboard=tensorboard, wandb=wandb, sinks=sinks,
-                                health=health, stop=self._request_stop, echo=echo)
+                                health=health, stop=self._request_stop,
+                                echo=_above_progress_bars if echo is print else echo)
         self.reader: ScalerReader | None = None
         self._trainer: weakref.ref[Trainer] | None = None
         self._read_at = 0
@@ -170,8 +190,26 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.loop.start(policy=self.reader.policy, writer=bool(state.is_world_process_zero))
         self.loop.restart_interval(state.global_step)
         if state.global_step > 0:
+            self._resume_counts(state)
             # Resumed: one read now (not a step), so the first interval covers only its own steps.
             self.loop.baseline(self.reader.read())
+
+    def _resume_counts(self, state: Any) -> None:
+        """The counts saved with the checkpoint (a stock scaler keeps none); without them, a scaler that
+        took over a checkpoint counts from the Trainer's step (the skips before it are not known)."""
+        assert self.reader is not None
+        saved = (state.stateful_callbacks or {}).get(COUNTS_KEY)
+        if isinstance(saved, dict) and saved.get("steps") == state.global_step:
+            self.reader.resume_counts(state.global_step, saved.get("skipped_steps"))
+        else:
+            self.reader.resume_counts(state.global_step, 0)
+
+    def _save_counts(self, state: Any, control: Any) -> None:
+        """Before the Trainer writes a checkpoint: the counts into ``trainer_state.json`` (one host read)."""
+        if self.reader is not None and control.should_save:
+            counts = self.reader.read()
+            state.stateful_callbacks[COUNTS_KEY] = {"steps": counts.steps,
+                                                    "skipped_steps": counts.skipped_steps}
 
     def _warn_no_scaler(self, args: Any, state: Any) -> None:
         self.reader = None
@@ -193,6 +231,10 @@ class LossScaleTrainerCallback(TrainerCallback):
         # log_every asks the Trainer for a log event; the read itself happens in on_log.
         if self.reader is not None and self.loop.log_every is not None and self.loop.due(state.global_step):
             control.should_log = True
+        self._save_counts(state, control)  # after DefaultFlowCallback decided (attach puts us after it)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_counts(state, control)  # save_strategy="epoch"
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
@@ -203,9 +245,9 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        logs.update(snapshot.metrics())
-        if forensics is not None:
-            logs.update(forensics.metrics())
+        added = {**snapshot.metrics(), **(forensics.metrics() if forensics is not None else {})}
+        _add_to_history(state, logs, added)
+        logs.update(added)
         if self._stop_requested:
             control.should_training_stop = True
 

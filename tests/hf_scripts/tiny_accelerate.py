@@ -84,7 +84,6 @@ def run(accelerator: Accelerator, setup: Setup, *, first: int = 0, save_at: int 
     model, optimizer, scheduler, data = accelerator.prepare(*model_and_data(fused=setup.fused))
     monitor = AccelerateLossScaleMonitor(accelerator, log_every=setup.log_every,
                                          **{"echo": None, **setup.monitor_kwargs})
-    accelerator.register_for_checkpointing(monitor)
     if resume_from is not None:
         accelerator.load_state(resume_from)
         data = accelerator.skip_first_batches(data, first * setup.accumulate)
