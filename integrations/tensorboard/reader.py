@@ -280,13 +280,25 @@ class _Collector:
 
 
 def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Collector:
+    """The records of a run's files. A file that cannot be read (empty, cut inside its first record,
+    corrupt) beside readable ones is left out as damage; the run is unreadable when none can be read."""
     collector = _Collector()
+    unreadable: list[str] = []
     for number, file_path in enumerate(files):
         reading = FileReading(file_path)
-        for groups in _batches(file_path, reading):
-            collector.add(file_path, number, groups)
+        try:
+            for groups in _batches(file_path, reading):
+                collector.add(file_path, number, groups)
+        except RunReadError as exc:
+            if len(files) == 1:
+                raise
+            unreadable.append(f"{exc} (the file is left out)")
+            continue
         damage.extend(reading.damage)
         notes.extend([reading.ended_early] if reading.ended_early else [])
+    if unreadable and len(unreadable) == len(files):
+        raise RunReadError(f"none of the {len(files)} event files can be read: {unreadable[0]}")
+    damage.extend(unreadable)
     return collector
 
 

@@ -181,8 +181,9 @@ def _header_damaged(header: bytes) -> bool:
 
 
 def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
-    """Judge the bytes left after the last whole record: nothing, a record cut short, or a damaged length."""
-    if not rest:
+    """Judge the bytes left after the last whole record: nothing, a record cut short, or a damaged length
+    (an empty file is one cut short before its first record)."""
+    if not rest and (offset or reading.damage):
         return
     if len(rest) >= _HEADER and _header_damaged(rest[:_HEADER]):
         reading.damage.append(f"{reading.path}: the length of the record at byte {offset} fails its "
