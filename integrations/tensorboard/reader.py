@@ -280,8 +280,9 @@ class _Collector:
 
 
 def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Collector:
-    """The records of a run's files. A file that cannot be read (empty, cut inside its first record,
-    corrupt) beside readable ones is left out as damage; the run is unreadable when none can be read."""
+    """The records of a run's files. A file that cannot be read (cut inside its first record, corrupt)
+    beside readable ones is left out as damage (an empty one with a note); the run is unreadable when
+    none can be read."""
     collector = _Collector()
     unreadable: list[str] = []
     for number, file_path in enumerate(files):
@@ -292,13 +293,18 @@ def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Colle
         except RunReadError as exc:
             if len(files) == 1:
                 raise
-            unreadable.append(f"{exc} (the file is left out)")
+            if os.path.getsize(file_path) == 0:  # nothing was written to it, so nothing is lost: a note
+                notes.append(f"{file_path} is empty (left out)")
+                unreadable.append("")
+            else:
+                unreadable.append(f"{exc} (the file is left out)")
             continue
         damage.extend(reading.damage)
         notes.extend([reading.ended_early] if reading.ended_early else [])
     if unreadable and len(unreadable) == len(files):
-        raise RunReadError(f"none of the {len(files)} event files can be read: {unreadable[0]}")
-    damage.extend(unreadable)
+        raise RunReadError(f"none of the {len(files)} event files can be read"
+                           + "".join(f": {u}" for u in unreadable if u)[:1000])
+    damage.extend(u for u in unreadable if u)
     return collector
 
 
