@@ -9,8 +9,9 @@ is silenced. Needs Keras and its TensorFlow backend (``pip install "lossscale-ca
 tensorflow``); a missing one is named with that command before anything is loaded. What a file may
 cost is bounded first (:mod:`lossscale_callbacks._check_limits`): ``--max-unzipped-mib``,
 ``--batch-size`` up to 2**31 - 1, and ``--recursion-limit`` for deeply nested models. Each stage
-(Keras' load, the trace, the rules) is said on stderr as it starts and ends (``--progress``; by
-default when stderr is a terminal), and a last line says the seconds each took.
+(the import of TensorFlow, Keras' load, the trace, the rules) is said on stderr as it starts and
+ends (``--progress``; by default when stderr is a terminal), and a ``Time:`` line says the seconds
+each took.
 
 Example:
     >>> import argparse
@@ -27,6 +28,7 @@ import argparse
 import functools
 import importlib.util
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -131,19 +133,17 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
         return _fail(err, f"{path}: no such file")
     if not path.is_file():
         return _fail(err, f"{path} is not a regular file: give a saved model file (.keras or .h5)")
+    say, imported = _progress(args, err), None
     try:
         if check_file is None:
-            framework = framework_of_file(path)
-            _require_keras_and_tensorflow()
-            with quiet_native_stderr():
-                check_file = load_checker(framework).check_model_file
+            check_file, imported = _load_check_file(path, say)
     except MissingExtraError:
         raise  # the console script says it in one line; main() callers get the ImportError
     except (ValueError, ImportError) as exc:
         return _fail(err, str(exc))
     check = functools.partial(check_file, str(path), batch_size=args.batch_size, target=args.target,
                               tf32=_TF32[args.tf32], max_unzipped_mib=args.max_unzipped_mib,
-                              **_progress(args, err))
+                              **({"progress": say} if say and imported is not None else {}))
     try:
         report = run_deep(check, args.recursion_limit)
     except ArchiveTooLargeError as exc:
@@ -162,21 +162,33 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
         print(report, file=out)
         seconds = report.context.get("seconds")
         if seconds:
-            print(_time_line(seconds), file=out)
+            print(_time_line({"import": imported, **seconds}), file=out)
         print(line, file=out)
     return status
 
 
-def _progress(args: argparse.Namespace, err: TextIO) -> dict:
-    """The ``progress=`` argument of the model loader: a line on ``err`` per stage, when asked for (or when
-    ``err`` is a terminal), else nothing."""
+def _progress(args: argparse.Namespace, err: TextIO) -> Callable[[str], None] | None:
+    """What says each stage on ``err`` when asked for (or when ``err`` is a terminal), else None."""
     wanted = args.progress == "on" or (args.progress == "auto" and getattr(err, "isatty", bool)())
-    return {"progress": lambda line: print(f"check: {line}", file=err, flush=True)} if wanted else {}
+    return (lambda line: print(f"check: {line}", file=err, flush=True)) if wanted else None
+
+
+def _load_check_file(path: Path, say: Callable[[str], None] | None) -> tuple[Callable, float]:
+    """The framework's ``check_model_file`` and the seconds its import took (TensorFlow's start-up
+    lines silenced)."""
+    framework = framework_of_file(path)
+    _require_keras_and_tensorflow()
+    if say:
+        say("importing Keras and TensorFlow")
+    start = time.perf_counter()
+    with quiet_native_stderr():
+        check_file = load_checker(framework).check_model_file
+    return check_file, time.perf_counter() - start
 
 
 def _time_line(seconds: dict) -> str:
     """Where the check's time went: Keras' own load, the trace of one step, the rules."""
-    stages = {"load": "loading the model (Keras)", "capture": "tracing one step (TensorFlow)",
-              "rules": "the rules"}
-    parts = [f"{words} {seconds[key]:.1f} s" for key, words in stages.items() if key in seconds]
+    stages = {"import": "importing Keras and TensorFlow", "load": "loading the model (Keras)",
+              "capture": "tracing one step (TensorFlow)", "rules": "the rules"}
+    parts = [f"{words} {seconds[key]:.1f} s" for key, words in stages.items() if seconds.get(key) is not None]
     return f"Time: {', '.join(parts)}."

@@ -213,7 +213,8 @@ def ended_inside_record(path: str, offset: int, records_before: int) -> str:
 
     A file cut inside a record looks like a run still being written, or a copy cut short: what came
     before is kept, and the returned note (for :attr:`RunSeries.notes`) says where the file ends.
-    A file that ends before its first record is whole holds nothing to read: that is an error.
+    A file that ends before its first record is whole (an empty one too) holds nothing to read: that
+    is an error. A reader of a run of several files leaves such a file out as damage.
 
     Args:
         path: the file read.
@@ -228,8 +229,9 @@ def ended_inside_record(path: str, offset: int, records_before: int) -> str:
         'run.wandb ends inside the record at byte 4096'
     """
     if records_before == 0:
-        raise RunReadError(f"{path} ends inside its first record (at byte {offset}): nothing can be read "
-                           "(a copy cut short, or a writer that has not written one whole record yet)")
+        raise RunReadError(f"{path}: not one whole record (the file is empty or ends inside its first "
+                           "record): nothing can be read (a copy cut short, or a writer that has not written "
+                           "one whole record yet)")
     return (f"{path} ends inside the record at byte {offset} (a run still being written, or a copy cut "
             "short): read up to there")
 

@@ -56,10 +56,12 @@ def test_progress_and_the_time_of_each_stage_are_said(readme_model):
     out, err = io.StringIO(), io.StringIO()
     run_check(_cli(["check", str(readme_model), "--progress", "on"]), out=out, err=err)
     stages = err.getvalue().splitlines()
-    assert [line.split()[1] for line in stages] == ["loading", "loaded", "traced", "rules"], stages
-    assert "loaded 2 layers in " in stages[1] and " GEMM/convolution ops" in stages[2]
+    words = [line.split()[1] for line in stages]
+    assert words == ["importing", "loading", "loaded", "traced", "rules"], stages
+    assert "loaded 2 layers in " in stages[2] and " GEMM/convolution ops" in stages[3]
     lines = out.getvalue().splitlines()
-    assert lines[-2].startswith("Time: loading the model (Keras) ") and ", the rules " in lines[-2]
+    assert lines[-2].startswith("Time: importing Keras and TensorFlow ")
+    assert ", loading the model (Keras) " in lines[-2] and ", the rules " in lines[-2]
     assert lines[-1].startswith("Exit status 1")
     quiet = io.StringIO()  # not a terminal: no progress unless asked for
     run_check(_cli(["check", str(readme_model)]), out=io.StringIO(), err=quiet)

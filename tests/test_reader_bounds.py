@@ -97,7 +97,7 @@ def test_a_file_cut_inside_its_first_record_cannot_be_read_by_either_reader(wand
     cut.write_bytes(cut.read_bytes()[:20])
     tensorboard_run.write_bytes(tensorboard_run.read_bytes()[:20])
     for read, path in ((read_wandb, cut), (read_tensorboard, tensorboard_run)):
-        with pytest.raises(RunReadError, match="ends inside its first record"):
+        with pytest.raises(RunReadError, match="not one whole record"):
             read(str(path))
 
 
@@ -109,10 +109,27 @@ def test_a_tensorboard_run_cut_to_20_bytes_beside_a_good_run_fails_the_check(ten
     assert main(["report", str(tmp_path), "--fail-unhealthy"]) == 1
     text = capsys.readouterr().out
     row = next(line for line in text.splitlines() if line.strip().startswith("bad"))
-    assert "not read" in row and "ends inside its first record" in row and "no loss-scale" not in row
+    assert "not read" in row and "not one whole record" in row and "no loss-scale" not in row
     assert main(["report", str(tmp_path), "--json"]) == 0
     runs = {run["path"]: run for run in json.loads(capsys.readouterr().out)["runs"]}
     assert runs[str(bad)]["status"] == "unreadable"
+
+
+def test_a_cut_or_empty_file_beside_a_good_one_in_a_run_is_left_out(tensorboard_run, tmp_path):
+    folder = tensorboard_run.parent
+    (folder / "events.out.tfevents.2.cut").write_bytes(tensorboard_run.read_bytes()[:20])
+    (folder / "events.out.tfevents.3.empty").write_bytes(b"")
+    series = read_tensorboard(str(folder))
+    assert len(series[m.SCALE]) == STEPS
+    (damage,) = series.damage  # a cut file lost what was written to it
+    assert "events.out.tfevents.2.cut: not one whole record" in damage
+    assert damage.endswith("(the file is left out)")
+    assert series.notes == [f"{folder / 'events.out.tfevents.3.empty'} is empty (left out)"]  # lost nothing
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "events.out.tfevents.1.empty").write_bytes(b"")
+    with pytest.raises(RunReadError, match="not one whole record"):
+        read_tensorboard(str(alone))
 
 
 def _tensorboard_header(length: int) -> bytes:

@@ -398,8 +398,9 @@ def _header_damaged(header: bytes) -> bool:
 
 
 def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
-    """Judge the bytes left after the last whole record: nothing, a record cut short, or a damaged length."""
-    if not rest:
+    """Judge the bytes left after the last whole record: nothing, a record cut short, or a damaged length
+    (an empty file is one cut short before its first record)."""
+    if not rest and (offset or reading.damage):
         return
     if len(rest) >= _HEADER and _header_damaged(rest[:_HEADER]):
         reading.damage.append(f"{reading.path}: the length of the record at byte {offset} fails its "
@@ -740,13 +741,31 @@ class _Collector:
 
 
 def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Collector:
+    """The records of a run's files. A file that cannot be read (cut inside its first record, corrupt)
+    beside readable ones is left out as damage (an empty one with a note); the run is unreadable when
+    none can be read."""
     collector = _Collector()
+    unreadable: list[str] = []
     for number, file_path in enumerate(files):
         reading = FileReading(file_path)
-        for groups in _batches(file_path, reading):
-            collector.add(file_path, number, groups)
+        try:
+            for groups in _batches(file_path, reading):
+                collector.add(file_path, number, groups)
+        except RunReadError as exc:
+            if len(files) == 1:
+                raise
+            if os.path.getsize(file_path) == 0:  # nothing was written to it, so nothing is lost: a note
+                notes.append(f"{file_path} is empty (left out)")
+                unreadable.append("")
+            else:
+                unreadable.append(f"{exc} (the file is left out)")
+            continue
         damage.extend(reading.damage)
         notes.extend([reading.ended_early] if reading.ended_early else [])
+    if unreadable and len(unreadable) == len(files):
+        raise RunReadError(f"none of the {len(files)} event files can be read"
+                           + "".join(f": {u}" for u in unreadable if u)[:1000])
+    damage.extend(u for u in unreadable if u)
     return collector
 
 

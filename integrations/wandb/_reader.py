@@ -208,7 +208,7 @@ def iter_records(path: str, damage: list[str] | None = None,
     in ``damage`` (see the module).
 
     Raises:
-        RunReadError: no run at ``path``, a corrupt file, or one that ends inside its first record.
+        RunReadError: no run at ``path``, a corrupt file, or one without a whole record.
     """
     file_path = find_run_file(path)
     for raw in _raw_records(file_path, [] if damage is None else damage, [] if notes is None else notes):
