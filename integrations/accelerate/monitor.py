@@ -41,27 +41,15 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
     (each holds the same state, so a ``"stop"`` rule sets :attr:`should_stop` on all alike; break
     out of the loop when it is true), the summary printed at the end.
 
-    To resume, register the monitor with ``accelerator.register_for_checkpointing(monitor)``:
-    ``save_state``/``load_state`` then carry its state (the scaler's state and step count, and a
-    stock scaler's skipped steps, which ``GradScaler`` does not checkpoint), checked through the
-    core's state gate, and the first interval after a resume counts only its own steps.
-    ``load_state`` loads the scaler (``scaler.pt``) before the registered objects, so the monitor's
-    scaler part is the same state again; a ``steps`` that disagrees with it is refused. The trackers
-    are Accelerate's to close (``accelerator.end_training()``); :meth:`finish` closes only the sinks
-    made from ``tensorboard=``/``wandb=``.
+    To resume, register it with ``accelerator.register_for_checkpointing(monitor)``: ``save_state``
+    and ``load_state`` then carry its counts (checked whole). :meth:`finish` closes only the sinks
+    made from ``tensorboard=``/``wandb=``; the trackers are Accelerate's to close.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose scaler is read.
-        log_every: optimizer steps between reads (>= 1).
-        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
-            for the default rules with that action, or rule objects).
+        log_every, health, tensorboard, wandb, sinks, echo: the shared logging arguments of
+            :class:`~lossscale_callbacks.LoggingLoop` (``log_every`` counts optimizer steps).
         trackers: also write through ``accelerator.log`` to the trackers of ``init_trackers``.
-        tensorboard: a log directory: also write to a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
-        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
-            :class:`~lossscale_callbacks.wandb.WandbSink` (the active run if there is one).
-        sinks: more :class:`~lossscale_callbacks.sinks.Sink` objects.
-        echo: prints the end-of-run summary on the main process (``None``: silent).
 
     Raises:
         ValueError: a bad argument (naming it), or an accelerator without an enabled scaler.

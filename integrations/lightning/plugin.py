@@ -261,10 +261,9 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
     before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
     otherwise; see :mod:`lossscale_callbacks.torch.scaler`.
 
-    Checkpoints: the scaler's whole state (and :attr:`lr_scheduler_lag`) is saved under
-    ``"LossScalePlugin"``, and what Lightning's own ``MixedPrecision`` reads under
-    ``"MixedPrecision"`` (:meth:`on_save_checkpoint`), so a run resumed with the stock plugin keeps
-    its scale; a checkpoint of the stock plugin resumes here too (:meth:`on_load_checkpoint`).
+    Checkpoints carry the scaler's state (and ``lr_scheduler_lag``) under ``"LossScalePlugin"`` and
+    what Lightning's own ``MixedPrecision`` reads under ``"MixedPrecision"``, so either plugin resumes
+    the other's run.
 
     The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
     optimization and several optimizers, give each optimizer its own ``manual_backward`` before
@@ -294,11 +293,9 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
             and can ask ``plugin.scaler.last_step_skipped()``). Lightning has no way to skip a
             scheduler step, so while the Trainer fits, those schedulers are wrapped in a
             :class:`~lossscale_callbacks.lightning.held_schedulers.HeldLRScheduler` (what
-            ``trainer.lr_scheduler_configs``, ``self.lr_schedulers()`` and your
-            ``lr_scheduler_step`` hook see; your scheduler is its ``.scheduler``, and its state is
-            what checkpoints hold); your objects are back when ``fit`` ends.
-            :attr:`lr_scheduler_lag` counts the scheduler steps held back (how far the schedule
-            lags the steps attempted); it is saved in checkpoints with the scaler.
+            ``trainer.lr_scheduler_configs`` and your hooks see; your scheduler is its
+            ``.scheduler``); your objects are back when ``fit`` ends. ``plugin.lr_scheduler_lag``
+            counts the scheduler steps held back; it is saved in checkpoints with the scaler.
 
     Example:
         >>> from lossscale_callbacks import DynamicPolicy
