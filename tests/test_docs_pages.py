@@ -64,8 +64,10 @@ def script(page: str) -> str:
 
 
 def _needs(source: str) -> set[str]:
+    """The optional packages the script imports unconditionally (an import under ``if`` is the page's own
+    guard, e.g. a CUDA-only block)."""
     names = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.parse(source).body:
         if isinstance(node, ast.Import):
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
