@@ -165,6 +165,8 @@ def _parser_lines(parser: argparse.ArgumentParser, name: str) -> list[str]:
             for opt in action.option_strings) or (action.metavar or action.dest)
         help_lines = _help(parser, action).splitlines()
         lines += [f".. option:: {spelling}", "", *("   " + line for line in help_lines), ""]
+    if parser.epilog:
+        lines += [parser.epilog, ""]
     for sub_name, sub_parser in subcommands:
         lines += _parser_lines(sub_parser, sub_name)
     return lines
