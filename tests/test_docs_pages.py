@@ -58,7 +58,8 @@ def script(page: str) -> str:
                 command = line.split("#", 1)[0].strip()
                 if command and not command.startswith("pip install"):
                     assert command.startswith("lossscale-callbacks "), f"{page}: cannot run {line!r}"
-                    args = [str(Path(sys.executable).parent / "lossscale-callbacks"), *shlex.split(command)[1:]]
+                    command_line = shlex.split(command)[1:]
+                    args = [str(Path(sys.executable).parent / "lossscale-callbacks"), *command_line]
                     parts.append(f"print(__import__('subprocess').run({args!r}, check=True))\n")
     return "\n".join(parts)
 

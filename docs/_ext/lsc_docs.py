@@ -11,7 +11,7 @@
 
 Example (a Markdown page)::
 
-    ```{lsc-argparse} lossscale_callbacks.cli:build_parser
+    ```{lsc-argparse} console:lossscale-callbacks:build_parser
     ```
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -172,14 +173,25 @@ def _parser_lines(parser: argparse.ArgumentParser, name: str) -> list[str]:
     return lines
 
 
+def parser_builder(spec: str) -> Any:
+    """``module:function``, or ``console:NAME:function``: that function in the module of the console
+    script NAME (so the page follows the command wherever its module moves)."""
+    if spec.startswith("console:"):
+        _, script, function = spec.split(":")
+        (entry,) = importlib.metadata.entry_points(group="console_scripts", name=script)
+        return getattr(importlib.import_module(entry.module), function)
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 class ArgparseDirective(SphinxDirective):
-    """``lsc-argparse module:function``: the function builds an ``argparse.ArgumentParser``."""
+    """``lsc-argparse module:function`` (or ``console:NAME:function``): the function builds an
+    ``argparse.ArgumentParser``."""
 
     required_arguments = 1
 
     def run(self) -> list[nodes.Node]:
-        module, _, function = self.arguments[0].partition(":")
-        parser = getattr(importlib.import_module(module), function)()
+        parser = parser_builder(self.arguments[0])()
         container = nodes.container()
         lines = StringList(_parser_lines(parser, parser.prog))
         self.state.nested_parse(lines, self.content_offset, container)

@@ -41,8 +41,9 @@ class LossScaleCallback(keras.callbacks.Callback):
     "Keras" page.
 
     Args:
-        log_every: read and log the state on the batches whose index in the epoch is a multiple of
-            this (>= 1; with ``steps_per_execution > 1``, after each execution that ran such a batch).
+        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop`, counted here in batches:
+            the batches whose index in the epoch is a multiple of this (>= 1; with
+            ``steps_per_execution > 1``, after each execution that ran such a batch).
         policy: the core policy of the installed optimizer. Default: Keras' own scale settings when
             replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
         tensorboard, wandb, sinks, health: the shared logging arguments of

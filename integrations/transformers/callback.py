@@ -47,8 +47,8 @@ class LossScaleTrainerCallback(TrainerCallback):
         diagnose: install a ``LossScaler`` with overflow forensics (``True`` or ``"every_step"``),
             naming the layers after the Trainer's model.
         scaler: install this scaler instead (a ``LossScaler`` or a ``torch.amp.GradScaler``).
-        log_every: also ask the Trainer to log every ``log_every`` optimizer steps (``None``: its
-            ``logging_steps`` alone decide).
+        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop` in optimizer steps: also
+            asks the Trainer to log then (``None``: its ``logging_steps`` alone decide).
         health, tensorboard, wandb, sinks, echo: the shared logging arguments of
             :class:`~lossscale_callbacks.LoggingLoop` (``health="stop"`` sets ``should_training_stop``).
 
