@@ -74,6 +74,10 @@ class LossScaleFabricPlugin(_FabricLossScaling, _FabricMixedPrecision):
         policy: the loss-scale policy (GradScaler's settings by default).
         sync_found_inf: passed to the scaler (``"auto"``: all-reduced for sharded parameters).
 
+    Raises:
+        ValueError: ``precision`` is not one of the two, ``scaler`` and ``policy`` are both given, or
+            another argument is invalid (named).
+
     Example:
         >>> plugin = LossScaleFabricPlugin(device="cpu")
         >>> plugin.precision, plugin.scaler.get_scale()

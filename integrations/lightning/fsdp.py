@@ -39,6 +39,9 @@ class LossScaleFSDPPlugin(_LossScaling, *bases("plugins.precision", "FSDPPrecisi
             gradients need it).
         hold_lr_schedulers: see :class:`~lossscale_callbacks.lightning.LossScalePlugin`.
 
+    Raises:
+        ValueError: as :class:`~lossscale_callbacks.lightning.LossScalePlugin`.
+
     Example:
         >>> plugin = LossScaleFSDPPlugin(device="cpu")
         >>> plugin.precision, plugin.scaler.sync_found_inf

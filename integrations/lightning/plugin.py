@@ -265,10 +265,8 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
     what Lightning's own ``MixedPrecision`` reads under ``"MixedPrecision"``, so either plugin resumes
     the other's run.
 
-    The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
-    optimization and several optimizers, give each optimizer its own ``manual_backward`` before
-    its ``step()``: gradients from one backward stepped by two optimizers would be unscaled by
-    two different scales when the first step changed it.
+    The scale is updated after every optimizer step; with manual optimization and several
+    optimizers, give each its own ``manual_backward`` before its ``step()``.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
@@ -296,6 +294,10 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
             ``trainer.lr_scheduler_configs`` and your hooks see; your scheduler is its
             ``.scheduler``); your objects are back when ``fit`` ends. ``plugin.lr_scheduler_lag``
             counts the scheduler steps held back; it is saved in checkpoints with the scaler.
+
+    Raises:
+        ValueError: ``precision`` is not one of the two, ``scaler`` and ``policy`` are both given, or
+            another argument is invalid (named).
 
     Example:
         >>> from lossscale_callbacks import DynamicPolicy
