@@ -46,9 +46,18 @@ def package_faces(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def face_names(faces: Iterable[str]) -> dict[str, list[str]]:
-    """``{face: [names of its __all__]}``, the version left out."""
-    return {face: [n for n in importlib.import_module(face).__all__ if n not in NOT_DOCUMENTED]
-            for face in faces}
+    """``{face: [names of its __all__]}``, the version left out.
+
+    Raises:
+        ValueError: a face defines no ``__all__`` (what it exports would be a guess).
+    """
+    names = {}
+    for face in faces:
+        listed = getattr(importlib.import_module(face), "__all__", None)
+        if listed is None:
+            raise ValueError(f"face {face} defines no __all__")
+        names[face] = [n for n in listed if n not in NOT_DOCUMENTED]
+    return names
 
 
 def missing_entries(names: dict[str, list[str]], documented: Iterable[str]) -> list[str]:
