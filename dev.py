@@ -6,6 +6,7 @@ The README's quick start is these two commands, on a machine with nothing but Py
     python3 dev.py demo    # set everything up, then train a small fp16 Keras model, logs under ./runs
     python3 dev.py test    # set everything up, then lint (ruff), run the test suite (pytest) and
                            # install the built wheel into a fresh venv and run the README there (smoke)
+    python3 dev.py docs    # build the documentation site into docs/_build/html (warnings are errors)
     python3 dev.py wheel   # the README's every install path, each in a fresh venv from the built wheel
     python3 dev.py gpu     # on a CUDA machine without network: the CUDA tests and GPU benchmarks, one
                            # markdown file of figures (docs/gpu.md); elsewhere a dry run that exits 0
@@ -122,8 +123,18 @@ def test(python: Path, extra: list[str]) -> int:
     rc = _run([str(python), "-m", "pytest", *extra])
     if rc != 0 or extra:  # a selection of tests (`dev.py test -k x`) skips the packaging check
         return rc
+    rc = docs(python, [])
+    if rc != 0:
+        return rc
     print("[dev] wheel smoke test: the built wheel in a fresh venv, as users install it", flush=True)
     return wheel(python, ["--smoke"])
+
+
+def docs(python: Path, extra: list[str]) -> int:
+    """The site, with warnings as errors (``-W --keep-going``) and every reference checked (``-n``)."""
+    print("[dev] docs: sphinx-build into docs/_build/html", flush=True)
+    return _run([str(python), "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
+                 "docs", "docs/_build/html", *extra])
 
 
 def wheel(python: Path, extra: list[str]) -> int:
@@ -136,7 +147,7 @@ def gpu(extra: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    commands = {"demo": demo, "test": test, "wheel": wheel}
+    commands = {"demo": demo, "test": test, "docs": docs, "wheel": wheel}
     if not argv or argv[0] not in (*commands, "gpu"):
         print(f"usage: python3 dev.py {{{'|'.join([*commands, 'gpu'])}}} [args...]", file=sys.stderr)
         return 2

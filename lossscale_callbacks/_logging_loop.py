@@ -83,30 +83,13 @@ class LoggingLoop:
     Call :meth:`maybe_observe` after each optimizer step with the step count and a function that
     reads the state (it runs only when :meth:`due` says an interval ended, so the device is read
     only then), or :meth:`observe` with a state you read yourself (a
-    :class:`~lossscale_callbacks.LossScaleState` or a mapping of host numbers); call
-    :meth:`finish` at the end of training.
+    :class:`~lossscale_callbacks._state.LossScaleState` or a mapping of host numbers); call
+    :meth:`finish` at the end of training. How runs, restarts and ranks are handled is on the
+    "Dashboards" page of the documentation.
 
-    Sinks: ``tensorboard=`` and ``wandb=`` are sinks the loop *owns*: it opens them for each run
-    (:meth:`start`) and closes them when the run ends (:meth:`finish`), so each run is its own W&B
-    run; a run that never finished (a crash) has its owned sinks closed when the next starts.
-    ``sinks=`` are the caller's: written and flushed, closed only by :meth:`close`. Every argument
-    is checked here, and the extras ``tensorboard=``/``wandb=`` need are required here
-    (:class:`~lossscale_callbacks.extend.MissingExtraError`), never in the middle of training.
-
-    Restarts: when the steps read go backwards (an old checkpoint loaded, a new scaler), or the
-    skips grow more than the steps (which no continuous run does), a new *segment* begins: every
-    later metrics write carries ``loss_scale/segment`` (1, 2, ...; never written in a run without a
-    restart), a ``loss_scale/restart`` text says from which step to which, the first read of the
-    segment writes no interval metrics (its interval is not known), the health rules judge the new
-    segment from scratch and the summary names the restarts. The sinks' step axis keeps increasing:
-    a segment whose steps would land on steps already written is shifted to continue after the
-    highest (its own optimizer steps stay in ``loss_scale/steps``), so nothing is written over and no
-    chart draws two segments on top of each other.
-
-    Rank rules, the same in every integration: only the writer process (global rank 0 by default)
-    writes to the sinks and prints; the health rules run on every rank (each rank holds the same
-    state), so ``"raise"`` raises and ``"stop"`` stops on every rank alike, while warnings are
-    printed by the writer only.
+    The arguments below from ``log_every`` to ``echo`` are the shared logging arguments: every
+    integration (the Keras callback, the Lightning, Fabric and Accelerate monitors, the Trainer
+    callback) takes them with this meaning and hands them to its loop.
 
     Args:
         policy: the loss-scale policy (its ``min_scale`` says what "at the minimum" means, its
@@ -115,20 +98,26 @@ class LoggingLoop:
             counts as its minimum). :meth:`set_policy` changes it later (a restored checkpoint).
         log_every: an interval ends each time the step count passes a multiple of this (>= 1).
         every_seconds: ... or once this many seconds passed since the last read.
-        tensorboard: a log directory: the loop writes a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
+        tensorboard: a log directory: the loop opens a
+            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there at each run's start and
+            closes it at its end (it *owns* it; a crashed run's is closed when the next starts).
         wandb: ``True`` (the active run, or a new one) or a dict of ``wandb.init`` arguments: the
-            loop writes a :class:`~lossscale_callbacks.wandb.WandbSink`.
-        sinks: more sinks (the caller's), each guarded (a failure warns once); or sinks by name,
-            ``{name: value}``, that the loop opens itself (see ``lossscale_callbacks.extend.register_sink``).
+            loop owns a :class:`~lossscale_callbacks.wandb.WandbSink` the same way (one W&B run per run).
+        sinks: more sinks, the caller's: written and flushed, closed only by :meth:`close`; each runs
+            guarded (a failure warns once and disables it; training goes on).
         health: ``None``/``False`` (off), ``True``/``"warn"``/``"raise"``/``"stop"`` (the default
             rules with that action) or rule objects.
         writer: whether this process writes to the sinks and prints (default: global rank 0,
-            looked up when first needed).
+            looked up when first needed; health rules run on every rank).
         clock: the time source for ``every_seconds`` (``time.monotonic``; tests pass a fake one).
         stop: called when a ``"stop"`` rule fires (a trainer's ``should_stop``); the loop's own
             :attr:`should_stop` turns true then too, for a hand-written loop to break on.
         echo: prints the end-of-run summary on the writer (default ``print``; ``None`` is silent).
+
+    Raises:
+        ValueError: an argument is invalid; the message names it.
+        MissingExtraError: ``tensorboard=``/``wandb=`` without their extra (an ``ImportError`` naming
+            the ``pip install`` command), raised here, never in the middle of training.
 
     Example:
         >>> from lossscale_callbacks import DynamicPolicy, InMemorySink, initial_state, next_state

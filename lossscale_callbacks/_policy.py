@@ -61,6 +61,10 @@ class DynamicPolicy:
         min_scale: the scale never backs off below this. ``<= initial_scale``.
         max_scale: the scale never grows above this. ``>= initial_scale``.
 
+    Raises:
+        ValueError: an argument outside its range, named with the range allowed
+            (``growth_factor must be in (1, 65536], got 0.5``).
+
     Example:
         >>> policy = DynamicPolicy(initial_scale=2**12, growth_interval=100, hysteresis=2)
         >>> DynamicPolicy.from_config(policy.to_config()) == policy
@@ -141,6 +145,9 @@ class FixedPolicy:
     Args:
         scale: the loss scale, a normal positive float32 value (1.0 disables scaling but
             keeps the skip-on-overflow protection, which is what bf16 training wants).
+
+    Raises:
+        ValueError: ``scale`` is not a normal positive float32 value.
 
     Example:
         >>> FixedPolicy(128.0).to_config()

@@ -99,29 +99,17 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
     (each holds the same state, so a ``"stop"`` rule sets :attr:`should_stop` on all alike; break
     out of the loop when it is true), the summary printed at the end.
 
-    Resuming needs nothing more: the monitor hooks into ``accelerator.save_state``, which then also
-    writes ``loss_scale_counts.json`` (the state read at the save: the steps and the skipped steps,
-    which a stock ``GradScaler`` does not checkpoint), and ``load_state`` reads it back (checked,
-    ``ValueError`` naming the field), so the first interval after a resume counts only its own
-    steps. A loop without the monitor loads such a checkpoint (Accelerate ignores the file), and the
-    monitor loads one without it (a stock scaler then counts from 0). Do not register the monitor
-    with ``register_for_checkpointing``: a registered object makes checkpoints that only a loop
-    registering the same objects can load. The trackers are Accelerate's to close
-    (``accelerator.end_training()``); :meth:`finish` closes only the sinks made from
-    ``tensorboard=``/``wandb=``.
+    To resume, nothing more is needed: the monitor hooks into ``accelerator.save_state``/``load_state``,
+    which then also carry ``loss_scale_counts.json`` (checked on loading), and a loop without the
+    monitor loads such a checkpoint as well. Do not register it with ``register_for_checkpointing``.
+    :meth:`finish` closes only the sinks made from ``tensorboard=``/``wandb=``; the trackers are
+    Accelerate's to close.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose scaler is read.
-        log_every: optimizer steps between reads (>= 1).
-        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
-            for the default rules with that action, or rule objects).
+        log_every, health, tensorboard, wandb, sinks, echo: the shared logging arguments of
+            :class:`~lossscale_callbacks.LoggingLoop` (``log_every`` counts optimizer steps).
         trackers: also write through ``accelerator.log`` to the trackers of ``init_trackers``.
-        tensorboard: a log directory: also write to a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
-        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
-            :class:`~lossscale_callbacks.wandb.WandbSink` (the active run if there is one).
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
-        echo: prints the end-of-run summary on the main process (``None``: silent).
 
     Raises:
         ValueError: a bad argument (naming it), or an accelerator without an enabled scaler.

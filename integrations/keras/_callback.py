@@ -157,98 +157,37 @@ QUIET_METRICS: tuple[str, ...] = (SCALE, SKIPPED_STEPS)
 class LossScaleCallback(keras.callbacks.Callback):
     """Run ``fit`` with the core's loss scaling and see the scale in every Keras logger.
 
-    When ``fit()`` hands it the model (``set_model``, before any callback's
-    ``on_train_begin``; again on ``on_train_begin`` if the model was recompiled) it installs a
-    :class:`~lossscale_callbacks.keras.LossScaleOptimizer`: it wraps the compiled
-    optimizer, or replaces the ``keras.optimizers.LossScaleOptimizer`` that Keras adds by
-    itself under ``mixed_float16`` (carrying over its current scale and counter), and
-    rebuilds ``model.train_function`` so the new optimizer is traced. A model already
-    compiled with our optimizer is left as it is. Repeated ``fit()`` calls reuse it. In a
-    custom loop driven through ``keras.callbacks.CallbackList`` nothing is installed:
-    ``model.optimizer`` must be the :class:`~lossscale_callbacks.keras.LossScaleOptimizer`
-    that the loop steps (``ValueError`` otherwise).
-
-    On every ``log_every``-th batch of an epoch (Keras' batch index ``0, n, 2n, ...``, the
-    batches ``WandbMetricsLogger(log_freq=n)`` logs; the core's
-    :class:`~lossscale_callbacks.LoggingLoop` decides, as for every integration) and
-    at the end of each epoch, the callback reads the state once (the only host synchronisation it
-    adds; none happens per step) and hands it to that loop, which writes every metric
-    (``loss_scale/scale``, ``loss_scale/log2_scale``, ``loss_scale/growth_counter``,
-    ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``, ``loss_scale/skip_rate``,
-    ``loss_scale/steps``) to the sinks and applies the health rules. By default the progress bar
-    shows the scale and the skipped steps (they go into the batch ``logs`` only, so History,
-    ``CSVLogger`` and ``EarlyStopping``, which read the epoch ``logs``, get no extra columns);
-    ``log_metrics=`` puts the metrics you choose into the batch *and* epoch ``logs`` (counts as
-    ints). **Put it before** ``TensorBoard``,
-    ``CSVLogger``, ``ModelCheckpoint``, ``EarlyStopping``, ``ReduceLROnPlateau`` and W&B's
-    Keras callbacks in ``callbacks=[...]``: Keras passes one ``logs`` dict down the list, so
-    only the callbacks after it see the metrics. (``BackupAndRestore`` may stand anywhere: the
-    optimizer is installed before it restores.) At the end of training it prints a
-    summary with an honest health verdict.
-
-    The sinks' step axis is the number of optimizer steps attempted (skipped ones
-    included), ``state.steps``; only the chief worker writes to sinks under
-    ``MultiWorkerMirroredStrategy``. The loop opens the sinks of ``tensorboard=``/``wandb=`` at
-    each ``fit()``'s start and closes them at its end (so each ``fit()`` is one W&B run; a ``fit()``
-    that raised has its sinks closed when the next starts); sinks passed in ``sinks=`` belong to
-    the caller and are only flushed. Every argument is checked here, at construction, and so is
-    the extra that ``tensorboard=``/``wandb=`` need (``MissingExtraError`` with the pip command),
-    never in the middle of ``fit()``.
-
-    ``CSVLogger`` without validation data: Keras' CSVLogger adds a ``val_`` twin of every key in
-    the epoch ``logs`` when the first epoch has no ``val_`` key (it keeps room for a validation that
-    may come later). With the default ``log_metrics`` ours are not in the epoch ``logs``, so no
-    ``val_loss_scale/*`` column appears; with ``log_metrics=`` set and no validation data, each
-    chosen metric gets such an ``NA`` twin, as Keras' own ``loss`` does.
-
-    Saving: the loss-scale state is saved with the model (``model.save()``, ``save_weights()``,
-    ``ModelCheckpoint``, ``BackupAndRestore``) and checked whole when it is loaded. When the callback
-    installed the optimizer (the model was compiled with a Keras optimizer) and the policy is the
-    default, or any ``DynamicPolicy`` that only changes ``initial_scale`` and ``growth_interval``, a
-    ``.keras`` file names Keras' own ``LossScaleOptimizer``: ``keras.models.load_model()`` in a process
-    that never imports this library (a serving job) gets the model compiled with Keras' class, its scale
-    and growth counter, and can keep training (Keras' class does not clamp the scale to ``[1, 2**24]``);
-    where ``lossscale_callbacks.keras`` is imported the same file comes back with our optimizer and its
-    whole state. Any other policy (hysteresis, other bounds or factors, a ``FixedPolicy``), or a model
-    compiled with our ``LossScaleOptimizer`` itself, needs this library: ``import
-    lossscale_callbacks.keras`` before ``load_model()``, or load with ``compile=False``; without it
-    Keras' error says so (and names the policy Keras' class cannot run).
-
-    Cost: the state read happens once per interval. Like any callback with a batch-end hook,
-    it makes Keras convert ``logs`` to Python numbers after every batch and dispatch batch ends
-    synchronously (``benchmarks/keras_overhead.py`` measures that separately).
+    When ``fit()`` hands it the model it installs a :class:`~lossscale_callbacks.keras.LossScaleOptimizer`
+    around the compiled optimizer, or in place of the ``keras.optimizers.LossScaleOptimizer`` Keras
+    adds under ``mixed_float16`` (carrying over its scale and counter), and rebuilds the train
+    function; a model compiled with our optimizer is left as it is. In a custom loop driven through
+    ``keras.callbacks.CallbackList`` nothing is installed: ``model.optimizer`` must be our optimizer.
+    Every ``log_every``-th batch of an epoch and at each epoch's end it reads the state once (the only
+    host read it adds) and hands it to its :class:`~lossscale_callbacks.LoggingLoop`. **Put it before**
+    the callbacks that read ``logs`` (``TensorBoard``, ``CSVLogger``, ``EarlyStopping``, W&B's): Keras
+    passes one ``logs`` dict down the list. Saving, CSV columns and the cost are on the documentation's
+    "Keras" page.
 
     Args:
-        log_every: read and log the state on the batches whose index in the epoch is a
-            multiple of this (>= 1); with ``steps_per_execution > 1`` Keras only reports the
-            last batch of each execution, so the callback logs after every execution that
-            ran such a batch.
-        policy: the core policy of the installed optimizer. Default: Keras' own scale
-            settings when replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
-        tensorboard: a log directory: also write to
-            ``lossscale_callbacks.tensorboard.TensorBoardSink(log_dir)``.
-        wandb: True, or a dict of ``wandb.init`` keyword arguments: also write to
-            ``lossscale_callbacks.wandb.WandbSink(**kwargs)``.
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
-        health: health rules: None/False (off), True/"warn", "raise", "stop" (sets
-            ``model.stop_training``), or rule objects.
-        log_metrics: ``None`` (default): ``loss_scale/scale`` and ``loss_scale/skipped_steps`` in
-            the batch ``logs`` only (the progress bar shows them; History and CSVLogger do not get
-            them). Otherwise the metrics go into the batch and the epoch ``logs`` (and so the
-            progress bar, History, CSVLogger, Keras' TensorBoard, ``EarlyStopping``): ``True`` (all
-            of ``lossscale_callbacks.METRIC_NAMES``), ``False`` (none; the sinks still get them) or
-            names from ``METRIC_NAMES``.
-        diagnose: overflow forensics on the installed optimizer, on every Keras backend (``True`` or
-            ``"every_step"``, see :mod:`lossscale_callbacks._forensics`): the skip causes and the
-            per-layer counts per interval join the sinks' metrics, the report (why steps were skipped
-            and in which layer the overflow started, in plain words) and the gradient histogram go to
-            the sinks, the health warnings and the summary name the layer. Layers are named by the
-            model's layer objects, in the model's order. No host read is added to the step (on torch
-            the step's own read of the skip flag serves them).
+        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop`, counted here in batches:
+            the batches whose index in the epoch is a multiple of this (>= 1; with
+            ``steps_per_execution > 1``, after each execution that ran such a batch).
+        policy: the core policy of the installed optimizer. Default: Keras' own scale settings when
+            replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
+        tensorboard, wandb, sinks, health: the shared logging arguments of
+            :class:`~lossscale_callbacks.LoggingLoop` (``health="stop"`` sets ``model.stop_training``).
+        log_metrics: ``None`` (default): ``loss_scale/scale`` and ``loss_scale/skipped_steps`` in the
+            batch ``logs`` only (the progress bar shows them; History and CSVLogger do not). Otherwise
+            the metrics go into the batch and the epoch ``logs``: ``True`` (all of
+            ``lossscale_callbacks.METRIC_NAMES``), ``False`` (none; the sinks still get them) or names
+            from ``METRIC_NAMES``.
+        diagnose: overflow forensics on every Keras backend (``True`` or ``"every_step"``): skip
+            causes, the layer where each overflow started and a gradient histogram go to the sinks,
+            the health warnings and the summary. No host read is added to the step.
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
         check_alignment: run the Tensor Core alignment checker once at the first
-            ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend,
-            whose checker is imported here; on JAX and torch it warns and training goes on).
+            ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend; on
+            JAX and torch it warns and training goes on).
 
     Raises:
         ValueError: an argument is invalid, named (``tensorboard=""``, ``wandb={"mode": "x"}``,

@@ -29,6 +29,9 @@ class DynamicLossScale(tf.Module):
         increment_period: consecutive finite steps before the scale grows (default 2000).
         multiplier: the growth factor; overflow divides by it (default 2.0).
 
+    Raises:
+        ValueError: an argument outside its range, named with the range allowed.
+
     Example:
         >>> loss_scale = DynamicLossScale(initial_loss_scale=1024.0, increment_period=2)
         >>> _, should_apply = loss_scale.update([tf.constant(float("inf"))])

@@ -65,16 +65,8 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
     ``LearningRateSchedule`` driven by it. The number of attempted steps, skipped ones
     included, is ``state.steps`` (the metrics' step axis).
 
-    Saving: the state (scale float32, growth counter, hysteresis left, skipped steps, steps;
-    counters int64) lives in non-trainable Keras variables, so ``model.save()``/
-    ``keras.models.load_model()``, ``model.save_weights()``, ``tf.train.Checkpoint`` and
-    ``keras.callbacks.BackupAndRestore`` restore it; a saved state is checked whole on loading
-    (a NaN, zero, negative or out-of-bounds scale, bad counters: a ``ValueError`` naming the
-    field, nothing loaded). Importing ``lossscale_callbacks.keras`` is what lets Keras find this
-    class; a model that :class:`~lossscale_callbacks.keras.LossScaleCallback` set up loads without
-    it when Keras' own class can run its policy (see :mod:`~lossscale_callbacks.keras._config`). As
-    for any Keras 3 optimizer, ``load_weights()`` restores the state only once the optimizer is
-    built (``optimizer.build(model.trainable_variables)``); it is skipped with a warning otherwise.
+    Saving: the state lives in non-trainable Keras variables, so every Keras way of saving keeps it,
+    and a loaded state is checked whole (see the documentation's "Keras" page).
 
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap (not a loss scale
@@ -95,6 +87,10 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
             :meth:`watch` names the layers by the model's layer objects, in its order (gradients are
             matched to layers by variable). Not in the config.
         headroom_every: steps between headroom samples.
+
+    Raises:
+        ValueError: an argument is invalid (named), e.g. an inner optimizer that is already a loss
+            scale optimizer, or ``dynamic_growth_steps`` with ``dynamic=False``.
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.25))

@@ -56,57 +56,33 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
 
     Works with :class:`~lossscale_callbacks.lightning.LossScalePlugin` and
     :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`, with Lightning's stock
-    ``MixedPrecision`` and ``FSDPPrecision`` plugins (``precision="16-mixed"`` on a GPU), whose
-    skipped steps it counts on the device, and with ``DeepSpeedStrategy`` in fp16, whose own loss
-    scaler and skipped-step count it reads from the engine: all through
-    :class:`~lossscale_callbacks.torch.ScalerReader`. The state is read from the device
-    once per log interval (never per step), once more at the end of training, and once when
-    training resumes from a checkpoint (so the first interval counts only its own steps), and
-    handed to the core's :class:`~lossscale_callbacks.LoggingLoop`, the same loop the
-    Keras callback runs, which also opens and closes the sinks of ``tensorboard=``/``wandb=``.
-
-    What goes where: every logger of the trainer (``TensorBoardLogger`` also gets the "Loss
-    scale" Custom Scalars section and the reports in its Text tab; ``WandbLogger`` gets what a
-    :class:`~lossscale_callbacks.wandb.WandbSink` run gets: the ``loss_scale/step`` axis, the
-    summary, report Tables, the policy in the config and alerts; ``CSVLogger`` rows), plus the
-    sinks of ``tensorboard=``, ``wandb=`` and ``sinks=``. Loggers write at Lightning's own logging
-    step, so their rows line up with the metrics of ``self.log``. Counts are ints. The
-    end-of-training summary (with an honest health verdict) and the alignment report are printed.
-    Loggers and sinks are written from rank 0 only, while ``callback_metrics`` and the health
-    rules run on every rank (the state is the same on all ranks), so
-    ``EarlyStopping(monitor="loss_scale/skip_rate")`` and a ``"stop"`` rule behave the same on
-    every rank.
+    ``MixedPrecision`` and ``FSDPPrecision`` plugins, whose skipped steps it counts on the device, and
+    with ``DeepSpeedStrategy`` in fp16, whose own scaler it reads from the engine (all through
+    :class:`~lossscale_callbacks.torch.ScalerReader`). The state is read once per log interval (never
+    per step), at the end of training and when training resumes, and handed to the core's
+    :class:`~lossscale_callbacks.LoggingLoop`. Loggers write at Lightning's own logging step, so their
+    rows line up with ``self.log``'s; ``TensorBoardLogger`` also gets the "Loss scale" section,
+    ``WandbLogger`` what a :class:`~lossscale_callbacks.wandb.WandbSink` run gets. Loggers and sinks
+    are written from rank 0 only; ``callback_metrics`` and the health rules run on every rank.
 
     Args:
         log_every: ``None`` or ``"step"``: at the trainer's ``log_every_n_steps``; ``"epoch"``: at the
-            end of each training epoch; an integer ``n >= 1``: at the end of every batch that took
-            the optimizer step count past a multiple of ``n``. The library's one name for the
-            interval (the Keras callback, the Fabric monitor and ``LoggingLoop`` use it too); it
-            takes the values of ``LearningRateMonitor(logging_interval=)`` and an integer, which
-            ``logging_interval`` does not.
+            end of each training epoch; an integer ``n >= 1``: as for
+            :class:`~lossscale_callbacks.LoggingLoop` (optimizer steps).
         prog_bar: also show the scale and the skipped steps in the progress bar.
-        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
-            for the default rules, or rules); ``"stop"`` sets ``trainer.should_stop``.
-        tensorboard: a log directory: also write to a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
-        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
-            :class:`~lossscale_callbacks.wandb.WandbSink` (uses the active run if there is one).
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
-        check_alignment: run the Tensor Core alignment check
-            (``lossscale_callbacks.torch._alignment.check_alignment``) once, on the first training
-            batch; print its report and write it to the loggers and sinks. The model input is
-            ``alignment_kwargs["sample"]`` if given, else the module's ``example_input_array``,
-            else the first element of an ``(inputs, targets)`` batch, else the batch itself;
-            ``dtype`` defaults to the trainer's precision (``"16-mixed"``...).
-        alignment_kwargs: more keyword arguments for ``check_alignment`` (``sample``, ``dtype``,
-            ``target``, ``forward``, ``loss_fn``...).
-        diagnose: overflow forensics (``True`` or ``"every_step"``; see
-            :mod:`lossscale_callbacks._forensics`): switches them on in the plugin's
-            :class:`~lossscale_callbacks.torch.LossScaler` (``LossScalePlugin`` or
-            ``LossScaleFSDPPlugin``; a stock scaler has none, and the monitor warns), which names
-            the layers after the LightningModule's modules. Each interval then also logs the skip
-            causes, writes the report and the gradient histogram, and the summary says which layer
-            overflowed and why. No host read is added to the training step.
+        health, tensorboard, wandb, sinks: the shared logging arguments of
+            :class:`~lossscale_callbacks.LoggingLoop` (``health="stop"`` sets ``trainer.should_stop``).
+        check_alignment: run the Tensor Core alignment check once, on the first training batch;
+            print its report and write it to the loggers and sinks. The model input is
+            ``alignment_kwargs["sample"]`` if given, else the module's ``example_input_array``, else
+            the first element of an ``(inputs, targets)`` batch, else the batch itself; ``dtype``
+            defaults to the trainer's precision.
+        alignment_kwargs: more keyword arguments for the check (``sample``, ``dtype``, ``target``,
+            ``forward``, ``loss_fn``...).
+        diagnose: overflow forensics (``True`` or ``"every_step"``), switched on in the plugin's
+            :class:`~lossscale_callbacks.torch.LossScaler` (a stock scaler has none: the monitor
+            warns); layers are named after the LightningModule's modules. No host read is added to
+            the training step.
 
     Raises:
         ValueError: an argument is invalid (checked here, with ``tensorboard=``/``wandb=``).

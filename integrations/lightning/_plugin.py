@@ -261,15 +261,12 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
     before the first applied update of a fused ``SGD`` with momentum), one (the skip decision)
     otherwise; see :mod:`lossscale_callbacks.torch._scaler`.
 
-    Checkpoints: the scaler's whole state (and :attr:`lr_scheduler_lag`) is saved under
-    ``"LossScalePlugin"``, and what Lightning's own ``MixedPrecision`` reads under
-    ``"MixedPrecision"`` (:meth:`on_save_checkpoint`), so a run resumed with the stock plugin keeps
-    its scale; a checkpoint of the stock plugin resumes here too (:meth:`on_load_checkpoint`).
+    Checkpoints carry the scaler's state (and ``lr_scheduler_lag``) under ``"LossScalePlugin"`` and
+    what Lightning's own ``MixedPrecision`` reads under ``"MixedPrecision"``, so either plugin resumes
+    the other's run.
 
-    The scale is updated after every optimizer step, as with Lightning's own plugin. With manual
-    optimization and several optimizers, give each optimizer its own ``manual_backward`` before
-    its ``step()``: gradients from one backward stepped by two optimizers would be unscaled by
-    two different scales when the first step changed it.
+    The scale is updated after every optimizer step; with manual optimization and several
+    optimizers, give each its own ``manual_backward`` before its ``step()``.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
@@ -294,11 +291,13 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
             and can ask ``plugin.scaler.last_step_skipped()``). Lightning has no way to skip a
             scheduler step, so while the Trainer fits, those schedulers are wrapped in a
             :class:`~lossscale_callbacks.lightning._held_schedulers.HeldLRScheduler` (what
-            ``trainer.lr_scheduler_configs``, ``self.lr_schedulers()`` and your
-            ``lr_scheduler_step`` hook see; your scheduler is its ``.scheduler``, and its state is
-            what checkpoints hold); your objects are back when ``fit`` ends.
-            :attr:`lr_scheduler_lag` counts the scheduler steps held back (how far the schedule
-            lags the steps attempted); it is saved in checkpoints with the scaler.
+            ``trainer.lr_scheduler_configs`` and your hooks see; your scheduler is its
+            ``.scheduler``); your objects are back when ``fit`` ends. ``plugin.lr_scheduler_lag``
+            counts the scheduler steps held back; it is saved in checkpoints with the scaler.
+
+    Raises:
+        ValueError: ``precision`` is not one of the two, ``scaler`` and ``policy`` are both given, or
+            another argument is invalid (named).
 
     Example:
         >>> from lossscale_callbacks import DynamicPolicy
@@ -358,6 +357,9 @@ class LossScaleFSDPPlugin(_LossScaling, *bases("plugins.precision", "FSDPPrecisi
         sync_found_inf: the scaler's all-reduce of the overflow flag; ``True`` by default here (sharded
             gradients need it).
         hold_lr_schedulers: see :class:`~lossscale_callbacks.lightning.LossScalePlugin`.
+
+    Raises:
+        ValueError: as :class:`~lossscale_callbacks.lightning.LossScalePlugin`.
 
     Example:
         >>> plugin = LossScaleFSDPPlugin(device="cpu")

@@ -74,6 +74,10 @@ class LossScaleFabricPlugin(_FabricLossScaling, _FabricMixedPrecision):
         policy: the loss-scale policy (GradScaler's settings by default).
         sync_found_inf: passed to the scaler (``"auto"``: all-reduced for sharded parameters).
 
+    Raises:
+        ValueError: ``precision`` is not one of the two, ``scaler`` and ``policy`` are both given, or
+            another argument is invalid (named).
+
     Example:
         >>> plugin = LossScaleFabricPlugin(device="cpu")
         >>> plugin.precision, plugin.scaler.get_scale()
@@ -131,14 +135,9 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
 
     Args:
         fabric: the launched ``lightning.fabric.Fabric``.
-        log_every: optimizer steps between reads (>= 1); the library's one name for the interval.
-        health: the health rules (``"warn"``, ``"raise"``, ``"stop"``, rules, or ``None``); a
-            ``"stop"`` rule sets :attr:`should_stop` on every rank: break out of the loop then.
-        tensorboard: a log directory: also write to a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
-        wandb: ``True``, or a dict of ``wandb.init`` arguments: also write to a
-            :class:`~lossscale_callbacks.wandb.WandbSink`.
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
+        log_every, health, tensorboard, wandb, sinks: the shared logging arguments of
+            :class:`~lossscale_callbacks.LoggingLoop` (``log_every`` counts optimizer steps; a
+            ``"stop"`` rule sets :attr:`should_stop` on every rank: break out of the loop then).
 
     Raises:
         ValueError: ``fabric`` is not a Fabric with an enabled loss scaler; an argument is invalid.

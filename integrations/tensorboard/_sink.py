@@ -248,6 +248,9 @@ class TensorBoardSink(ManagedSink):
         filename_suffix: appended to the event file's name.
         all_ranks: write on every rank (give each rank its own ``log_dir`` then).
 
+    Raises:
+        ValueError: an argument is invalid (``log_dir`` empty, ``flush_secs`` negative...), named.
+
     Example:
         >>> from lossscale_callbacks.tensorboard import TensorBoardSink
         >>> sink = TensorBoardSink("runs/fp16")  # doctest: +SKIP

@@ -98,26 +98,13 @@ def _is_sharded(param: torch.Tensor) -> bool:
 class LossScaler(torch.amp.GradScaler):
     """Dynamic loss scaling with the core's rule: a ``torch.amp.GradScaler`` you can drop in.
 
-    Constructed like ``GradScaler`` (``LossScaler("cuda", init_scale=2.**16, growth_factor=2.0,
-    backoff_factor=0.5, growth_interval=2000, enabled=True)``, same defaults) it behaves like it,
-    with two deliberate differences: the scale stays inside ``[1, 2**24]`` (widened to contain
-    ``init_scale``), where GradScaler's scale can grow without bound and collapse to 0.0; and
-    ``device=None`` (the default) follows the first tensor given to :meth:`scale`, where
-    GradScaler's default is ``"cuda"``. Constructed with ``policy=`` it runs any core policy
-    (hysteresis, bounds, a fixed scale). It *is* a ``torch.amp.GradScaler`` (``isinstance`` holds,
-    so Lightning's ``MixedPrecision(scaler=...)`` and other code written for GradScaler accept it),
-    but none of GradScaler's own update logic runs: the state moves only by the core's
-    ``next_state``.
-
-    The state (a :class:`~lossscale_callbacks.LossScaleState`: float32 scale, integer
-    counters) lives on the device of the first scaled tensor. Gradients are checked and unscaled
-    by torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel, and :meth:`update`
-    advances the state on the device with an implementation of the core's ``next_state`` proven
-    bit-identical to it (:mod:`lossscale_callbacks.torch._update_paths`); see the module docstring
-    for where the host synchronises. Every state that comes in from outside (``load_state_dict``, a GradScaler
-    checkpoint, ``update(new_scale)``, unpickling) passes one check
-    (:func:`lossscale_callbacks._validation.validate_state`) before anything changes, also before
-    the device is known: a scale of 0, NaN, Inf or outside the bounds never reaches a step.
+    Constructed like ``GradScaler`` (same arguments, same defaults) it behaves like it, with the
+    differences listed on the documentation's "Differences from the upstream classes" page (the
+    scale stays in ``[1, 2**24]``; ``device=None`` follows the first scaled tensor). With
+    ``policy=`` it runs any core policy. It *is* a ``torch.amp.GradScaler`` (``isinstance`` holds),
+    but the state moves only by the core's ``next_state``, on the device, after torch's fused
+    check-and-unscale kernel. Every state that comes in (``load_state_dict``, a GradScaler
+    checkpoint, ``update(new_scale)``, unpickling) is checked whole before anything changes.
 
     Args:
         device: the device type (``"cuda"``, ``"cpu"``, ...), as in GradScaler; ``None`` follows
@@ -139,12 +126,10 @@ class LossScaler(torch.amp.GradScaler):
             always does it when more than one rank runs (use it for FSDP v1 with
             ``use_orig_params=True``, whose sharded parameters look like plain ones).
         process_group: the group for that all-reduce (default: the world).
-        diagnose: overflow forensics (:mod:`lossscale_callbacks._forensics`): ``True`` records, on the
-            device and without a host read in the step, why each skipped step was skipped (a
-            non-finite loss, Inf or NaN gradients) and which layers' gradients were non-finite
+        diagnose: overflow forensics: ``True`` records on the device, without a host read in the
+            step, why each skipped step was skipped and which layers' gradients were non-finite
             (name them with :meth:`watch`), and samples the float16 headroom every
-            ``headroom_every`` steps; ``"every_step"`` samples every step (more passes over the
-            gradients). A bounded number of ops per step for any number of parameters. Read with
+            ``headroom_every`` steps; ``"every_step"`` samples every step. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
 

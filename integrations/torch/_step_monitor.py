@@ -30,14 +30,9 @@ class ScalerStepMonitor:
     :attr:`should_stop` on all alike (break out of the loop when it is true).
 
     Args:
-        scaler: what :class:`~lossscale_callbacks.torch.ScalerReader` reads.
-        log_every: optimizer steps between reads (>= 1).
-        health: the health rules (``None``/``False`` off, ``"warn"``, ``"raise"``, ``"stop"``, or rules).
-        tensorboard: a log directory for a TensorBoard sink the loop owns.
-        wandb: ``True`` or ``wandb.init`` arguments for a W&B sink the loop owns.
-        sinks: more sinks (the caller's).
-        writer: whether this process writes to the sinks and prints.
-        echo: prints the end-of-run summary on the writer (``None``: silent).
+        scaler: what :class:`~lossscale_callbacks.torch._reader.ScalerReader` reads.
+        log_every, health, tensorboard, wandb, sinks, writer, echo: the shared logging arguments of
+            :class:`~lossscale_callbacks.LoggingLoop`.
         run_sinks: the framework's loggers or trackers, written and flushed, never closed here.
 
     Example:

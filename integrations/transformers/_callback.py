@@ -45,59 +45,39 @@ def _add_to_history(state: Any, logs: dict[str, Any], added: dict[str, Any]) -> 
 class LossScaleTrainerCallback(TrainerCallback):
     """Puts ``loss_scale/*`` into the Trainer's logs, so every ``report_to`` integration receives them.
 
-    At each of the Trainer's log events (every ``logging_steps``, and at the end of training) at
-    a new ``global_step``, the callback reads the Trainer's loss scaler once (never per step) and
-    adds the metric schema (``loss_scale/scale``, ``loss_scale/log2_scale``,
-    ``loss_scale/growth_counter``, ``loss_scale/skipped_steps``, ``loss_scale/skipped_in_interval``,
-    ``loss_scale/skip_rate``, and ``loss_scale/steps``, the optimizer steps attempted) to the
-    ``logs`` that TensorBoard, W&B, MLflow... and the progress bar receive. They are written at the
-    Trainer's own ``global_step``, like its loss (TensorBoard and W&B prefix them with ``train/``).
-    The logs of ``evaluate()`` and ``predict()`` are left alone. The core's
-    :class:`~lossscale_callbacks.LoggingLoop` runs the health rules on every process (a ``"stop"``
-    rule sets ``should_training_stop``) and prints the end-of-run summary with its health verdict
-    on the main process.
+    At each of the Trainer's log events at a new ``global_step`` (every ``logging_steps``, and at the
+    end of training) the callback reads the Trainer's loss scaler once (never per step) and adds the
+    metrics to the ``logs`` that TensorBoard, W&B, MLflow... and the progress bar receive, at the
+    Trainer's ``global_step`` like its loss. The logs of ``evaluate()`` and ``predict()`` are left
+    alone. The core's :class:`~lossscale_callbacks.LoggingLoop` runs the health rules and prints the
+    summary on the main process.
 
-    The scaler read is the Trainer's: Accelerate's ``GradScaler`` (``fp16=True`` on a GPU), whose
-    skipped steps are counted on the device after each optimizer step, or the scaler this callback
-    installed. With ``policy``, ``diagnose`` or ``scaler`` given, :meth:`attach` installs it with
-    :func:`~lossscale_callbacks.accelerate.install_loss_scaler` (a
-    :class:`~lossscale_callbacks.torch.LossScaler` with that policy and forensics, or the scaler
-    given), which also makes ``fp16=True`` real on the CPU: there Accelerate makes no scaler and no
-    autocast, and the Trainer trains in float32 without a word. The Trainer saves and resumes the
-    installed scaler in its checkpoints (``scaler.pt``). (The Trainer holds its LR scheduler on a
-    skipped step only when Accelerate sees the skip: a fused optimizer, the default
-    ``adamw_torch_fused``, skips on the device, and the scheduler advances there, with either scaler.)
-
-    Give the callback to the Trainer with :meth:`attach` (not ``callbacks=[...]``): installing a
-    scaler must happen before the Trainer prepares the model, and the Trainer calls callbacks in
-    order and puts those of ``callbacks=`` after its ``report_to`` integrations, which would then
-    log before the scale is in the logs; ``attach`` puts this callback right after the Trainer's
-    ``DefaultFlowCallback``.
+    The scaler read is the Trainer's (Accelerate's ``GradScaler``, whose skips are counted on the
+    device) or, with ``policy``, ``diagnose`` or ``scaler`` given, the one :meth:`attach` installs
+    with :func:`~lossscale_callbacks.accelerate.install_loss_scaler`, which also makes ``fp16=True``
+    real on the CPU. Give the callback to the Trainer with :meth:`attach`, not ``callbacks=[...]``:
+    the scaler must be installed before the Trainer prepares the model, and this callback must run
+    before the ``report_to`` integrations log.
 
     Args:
         policy: install a ``LossScaler`` with this policy.
         diagnose: install a ``LossScaler`` with overflow forensics (``True`` or ``"every_step"``),
-            naming the layers after the Trainer's model; each read then also logs the skip causes,
-            and the summary says which layer overflowed and why.
+            naming the layers after the Trainer's model.
         scaler: install this scaler instead (a ``LossScaler`` or a ``torch.amp.GradScaler``).
-        log_every: also ask the Trainer to log every ``log_every`` optimizer steps (``None``: its
-            ``logging_steps`` alone decide).
-        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
-            for the default rules with that action, or rule objects).
-        tensorboard: a log directory: also write to a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there (with the reports:
-            policy, forensics, summary).
-        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
-            :class:`~lossscale_callbacks.wandb.WandbSink`.
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
-        echo: prints the summary on the main process (``None``: silent); the default ``print``
-            writes through tqdm, on lines of their own above the Trainer's progress bar.
+        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop` in optimizer steps: also
+            asks the Trainer to log then (``None``: its ``logging_steps`` alone decide).
+        health, tensorboard, wandb, sinks, echo: the shared logging arguments of
+            :class:`~lossscale_callbacks.LoggingLoop` (``health="stop"`` sets ``should_training_stop``).
 
     Attributes:
         installed: the scaler :meth:`attach` installed (``None`` when it reads the Trainer's own).
         loop: the :class:`~lossscale_callbacks.LoggingLoop` (its ``last`` snapshot, ``verdicts``).
         reader: the :class:`~lossscale_callbacks.torch.ScalerReader` of the Trainer's scaler
             (from the start of training; ``None`` when the Trainer has none).
+
+    Raises:
+        ValueError: an argument is invalid (named).
+        MissingExtraError: ``tensorboard=``/``wandb=`` without their extra installed.
 
     Example:
         >>> from lossscale_callbacks._policy import DynamicPolicy

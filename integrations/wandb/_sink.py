@@ -288,6 +288,9 @@ class WandbSink(ManagedSink):
         **init_kwargs: passed to ``wandb.init`` when the sink starts the run (``project``,
             ``dir``, ``mode``, ``config``, ...).
 
+    Raises:
+        ValueError: an argument is invalid (``run`` not a W&B run, ``summary_secs`` negative...), named.
+
     Example:
         >>> from lossscale_callbacks.wandb import WandbSink
         >>> sink = WandbSink(project="fp16", mode="offline")             # doctest: +SKIP

@@ -79,6 +79,10 @@ def check_alignment(model: Any, sample: Any = None, **kwargs: Any) -> AlignmentR
     Returns:
         The :class:`~lossscale_callbacks.alignment.AlignmentReport`.
 
+    Raises:
+        ValueError: ``model`` is neither a Keras model nor a torch module, or a framework argument is
+            invalid or missing (torch's ``dtype=``; ``target=`` not a known GPU), named.
+
     Example:
         >>> import torch
         >>> report = check_alignment(torch.nn.Linear(50, 64), torch.zeros(32, 50), dtype="float16")

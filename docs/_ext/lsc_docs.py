@@ -1,0 +1,216 @@
+"""Sphinx extension of the lossscale-callbacks docs: the face check, reference resolution, the CLI reference.
+
+- **Face check**: every name in every package face's ``__all__`` (the packages of ``pyproject.toml`` and
+  ``lsc_extra_faces``) must have an API entry; a missing one is a warning, an error under ``-W``. New
+  faces and new face names fail the build until they are documented.
+- **References**: a reference to ``lossscale_callbacks.<module>.<Name>`` whose ``Name`` is in a face links
+  to the face's entry (the docs document faces, not the modules behind them, which may be renamed); a
+  reference to another importable name of ours or a builtin renders as code; anything else stays a
+  nitpicky warning, so a misspelt or removed name fails the build.
+- ``lsc-argparse``: the reference of a command line, generated from its parser builder function.
+
+Example (a Markdown page)::
+
+    ```{lsc-argparse} console:lossscale-callbacks:build_parser
+    ```
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import importlib
+import importlib.metadata
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import tomllib
+from docutils import nodes
+from docutils.statemachine import StringList
+from sphinx.application import Sphinx
+from sphinx.ext.napoleon.docstring import GoogleDocstring
+from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
+
+LOGGER = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = "lossscale_callbacks"
+NOT_DOCUMENTED = {"__version__"}  # the version is on the home page and the API index
+
+
+def package_faces(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The packages pyproject.toml installs: each one's ``__init__`` is a face."""
+    return list(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"])
+
+
+def face_names(faces: Iterable[str]) -> dict[str, list[str]]:
+    """``{face: [names of its __all__]}``, the version left out.
+
+    Raises:
+        ValueError: a face defines no ``__all__`` (what it exports would be a guess).
+    """
+    names = {}
+    for face in faces:
+        listed = getattr(importlib.import_module(face), "__all__", None)
+        if listed is None:
+            raise ValueError(f"face {face} defines no __all__")
+        names[face] = [n for n in listed if n not in NOT_DOCUMENTED]
+    return names
+
+
+def missing_entries(names: dict[str, list[str]], documented: Iterable[str]) -> list[str]:
+    """The ``face.name`` of every face name without an API entry, in order.
+
+    Example:
+        >>> missing_entries({"pkg": ["A", "b"]}, {"pkg.A"})
+        ['pkg.b']
+    """
+    have = set(documented)
+    return [f"{face}.{name}" for face, listed in names.items() for name in listed
+            if f"{face}.{name}" not in have]
+
+
+def _faces(app: Sphinx) -> list[str]:
+    return [*package_faces(), *app.config.lsc_extra_faces]
+
+
+def check_faces(app: Sphinx, env: Any) -> None:
+    documented = env.get_domain("py").objects
+    for name in missing_entries(face_names(_faces(app)), documented):
+        LOGGER.warning("face name %s has no API reference entry: add it to a page under docs/api/", name,
+                       type="lsc", subtype="face")
+
+
+def _face_target(objects: dict[str, Any], faces: list[str], target: str) -> str | None:
+    """``lossscale_callbacks._state.LossScaleState.scale`` -> ``lossscale_callbacks.LossScaleState.scale``
+    when the face documents it."""
+    parts = target.split(".")
+    for i in range(1, len(parts)):
+        for face in faces:
+            candidate = ".".join([face, *parts[i:]])
+            if f"{face}.{parts[i]}" in objects and candidate in objects:
+                return candidate
+    return None
+
+
+def _importable(target: str) -> bool:
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            value: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                value = getattr(value, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _ours(target: str) -> bool:
+    """A short name (``finish``, ``LossScaler``) that one of our loaded modules or classes defines."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(PREFIX) or module is None:
+            continue
+        if hasattr(module, target):
+            return True
+        classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == name]
+        if any(hasattr(cls, target) for cls in classes):
+            return True
+    return False
+
+
+def resolve_reference(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -> nodes.Element | None:
+    if node.get("refdomain") != "py":
+        return None
+    target = node["reftarget"].lstrip("~.")
+    if target in vars(builtins):
+        return contnode
+    domain = env.get_domain("py")
+    if "." not in target:
+        # A short name in a docstring: a face's entry if one has that name, else code if it is ours.
+        target = next((f"{face}.{target}" for face in _faces(app) if f"{face}.{target}" in domain.objects),
+                      target)
+        if "." not in target:
+            return contnode if _ours(target) else None
+    if not target.startswith(PREFIX):
+        return None
+    face_target = _face_target(domain.objects, _faces(app), target)
+    if face_target is not None:
+        return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], face_target, node,
+                                   contnode)
+    # An internal name of ours (not documented, as modules may be renamed): code, if it exists.
+    return contnode if _importable(target) else None
+
+
+def _attribute_docstring(self: GoogleDocstring) -> list[str]:
+    """Napoleon reads a property's ``"Word: text"`` first line as a type; ours are sentences."""
+    return self._dedent(self._consume_to_end())
+
+
+def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    formatter = parser._get_formatter()
+    return formatter._expand_help(action) if action.help else ""
+
+
+def _parser_lines(parser: argparse.ArgumentParser, name: str) -> list[str]:
+    lines = [f".. rubric:: {name}", ""]
+    if parser.description:
+        lines += [parser.description, ""]
+    usage = parser.format_usage().strip()
+    lines += [".. code-block:: text", "", *("   " + line for line in usage.splitlines()), ""]
+    subcommands: list[tuple[str, argparse.ArgumentParser]] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            subcommands += [(f"{name} {sub}", p) for sub, p in action.choices.items()]
+            continue
+        if action.help == argparse.SUPPRESS:
+            continue
+        spelling = ", ".join(
+            f"{opt} {action.metavar or action.dest.upper()}" if action.nargs != 0 else opt
+            for opt in action.option_strings) or (action.metavar or action.dest)
+        help_lines = _help(parser, action).splitlines()
+        lines += [f".. option:: {spelling}", "", *("   " + line for line in help_lines), ""]
+    if parser.epilog:
+        lines += [parser.epilog, ""]
+    for sub_name, sub_parser in subcommands:
+        lines += _parser_lines(sub_parser, sub_name)
+    return lines
+
+
+def parser_builder(spec: str) -> Any:
+    """``module:function``, or ``console:NAME:function``: that function in the module of the console
+    script NAME (so the page follows the command wherever its module moves)."""
+    if spec.startswith("console:"):
+        _, script, function = spec.split(":")
+        (entry,) = importlib.metadata.entry_points(group="console_scripts", name=script)
+        return getattr(importlib.import_module(entry.module), function)
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+class ArgparseDirective(SphinxDirective):
+    """``lsc-argparse module:function`` (or ``console:NAME:function``): the function builds an
+    ``argparse.ArgumentParser``."""
+
+    required_arguments = 1
+
+    def run(self) -> list[nodes.Node]:
+        parser = parser_builder(self.arguments[0])()
+        container = nodes.container()
+        lines = StringList(_parser_lines(parser, parser.prog))
+        self.state.nested_parse(lines, self.content_offset, container)
+        return container.children
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    GoogleDocstring._parse_attribute_docstring = _attribute_docstring  # type: ignore[method-assign]
+    app.add_config_value("lsc_extra_faces", [], "env")
+    app.add_directive("lsc-argparse", ArgparseDirective)
+    app.connect("env-check-consistency", check_faces)
+    app.connect("missing-reference", resolve_reference)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,107 @@
+"""Every code block on the documentation pages runs, so the pages cannot rot.
+
+Each page's ``python`` blocks run in page order as one script, in a fresh process in an empty folder
+(one namespace per page, as the reader would type them), with its ``bash`` blocks interleaved: a
+``lossscale-callbacks ...`` line runs the installed command there, a ``pip install`` line is not run
+(no network here; ``tests/wheel_paths.py`` checks the install lines of the README). A page whose blocks
+import a framework that is not installed is skipped. ``text`` blocks are output shown, not code.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.S | re.M)
+CODE = {"python", "bash"}
+NOT_CODE = {"text"}  # output shown on a page
+OPTIONAL = {"torch", "keras", "tensorflow", "jax", "lightning", "accelerate", "transformers", "wandb",
+            "tensorboard", "deepspeed", "matplotlib"}
+# Pages that train models take seconds each: part of the slow suite.
+FAST = {"cli.md", "differences.md", "troubleshooting.md", "extending.md", "index.md", "changelog.md",
+        "paths/index.md", "api/index.md"}
+# A page run once per environment (Keras 3 on every backend).
+VARIANTS = {"paths/keras.md": [{"KERAS_BACKEND": b} for b in ("tensorflow", "jax", "torch")]}
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+         "WANDB_DISABLE_GIT": "true", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+
+
+def pages() -> list[str]:
+    return sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")
+                  if "_build" not in p.parts and p.name != "gpu.md")
+
+
+def blocks(page: str) -> list[tuple[str, str]]:
+    """``(language, code)`` of every fenced block (MyST directives such as ``{toctree}`` left out)."""
+    found = FENCE.findall((DOCS / page).read_text())
+    return [(lang.strip(), code) for lang, code in found if not lang.strip().startswith("{")]
+
+
+def script(page: str) -> str:
+    """The page as one Python program: python blocks as written, shell lines as subprocess calls."""
+    parts = []
+    for lang, code in blocks(page):
+        if lang == "python":
+            parts.append(code)
+        elif lang == "bash":
+            for line in code.splitlines():
+                command = line.split("#", 1)[0].strip()
+                if command and not command.startswith("pip install"):
+                    assert command.startswith("lossscale-callbacks "), f"{page}: cannot run {line!r}"
+                    command_line = shlex.split(command)[1:]
+                    args = [str(Path(sys.executable).parent / "lossscale-callbacks"), *command_line]
+                    parts.append(f"print(__import__('subprocess').run({args!r}, check=True))\n")
+    return "\n".join(parts)
+
+
+def _needs(source: str) -> set[str]:
+    """The optional packages the script imports unconditionally (an import under ``if`` is the page's own
+    guard, e.g. a CUDA-only block)."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names & OPTIONAL
+
+
+def test_every_block_is_runnable_code_or_output():
+    for page in pages():
+        for lang, _ in blocks(page):
+            assert lang in CODE | NOT_CODE, f"{page}: a ```{lang} block is neither run nor marked as output"
+
+
+def _cases() -> list:
+    cases = []
+    for page in pages():
+        if not any(lang in CODE for lang, _ in blocks(page)):
+            continue
+        marks = [] if page in FAST else [pytest.mark.slow]
+        for env in VARIANTS.get(page, [{}]):
+            label = "-".join([page, *env.values()])
+            cases.append(pytest.param(page, env, marks=marks, id=label))
+    return cases
+
+
+@pytest.mark.parametrize(("page", "env"), _cases())
+def test_page_blocks_run(page, env, tmp_path):
+    source = script(page)
+    missing = sorted(n for n in _needs(source) | set(env.values()) & OPTIONAL
+                     if importlib.util.find_spec(n) is None)
+    if missing:
+        pytest.skip(f"{page} needs {', '.join(missing)}")
+    (tmp_path / "page.py").write_text(source)
+    result = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=400, env={**os.environ, **QUIET, **env})
+    assert result.returncode == 0, f"{page} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
