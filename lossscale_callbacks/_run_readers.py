@@ -21,6 +21,7 @@ from importlib import metadata as importlib_metadata
 from typing import Any
 
 from lossscale_callbacks._extras import EXTRAS, install_hint
+from lossscale_callbacks._metrics import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
 
 __all__ = [
     "GROWTH_INTERVAL",
@@ -163,12 +164,6 @@ Reader = Callable[[str], Series]
 
 READER_GROUP = "lossscale_callbacks.readers"
 
-# Bounds written next to the scale by the sinks when the policy is known (not part of the
-# five-metric schema, which every framework fills; these come from the policy, not the state).
-MIN_SCALE = "loss_scale/min_scale"
-MAX_SCALE = "loss_scale/max_scale"
-# The policy's growth interval, read back from the policy a run wrote (a one-point series).
-GROWTH_INTERVAL = "loss_scale/growth_interval"
 
 
 class RunReadError(ValueError):

@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from lossscale_callbacks._extras import require
+from lossscale_callbacks._metrics import POLICY_TAG
 from lossscale_callbacks._ranks import is_rank_zero
 
 
@@ -80,7 +81,6 @@ class InMemorySink:
         return [(step, metrics[name]) for step, metrics in self.records if name in metrics]
 
 
-POLICY_TAG = "loss_scale/policy"
 
 
 def config_markdown(config: Mapping[str, object]) -> str:
