@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from lossscale_callbacks._extras import EXTRAS, install_hint
+from lossscale_callbacks._extras import declared_extras, install_hint
 from lossscale_callbacks._metrics import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
 
 __all__ = [
@@ -214,7 +214,7 @@ def _entry_points() -> dict[str, Any]:
 
 
 def _install(name: str) -> str | None:
-    return install_hint(name) if name in EXTRAS else None
+    return install_hint(name) if name in (declared_extras() or ()) else None
 
 
 def load_reader(name: str) -> Reader:
