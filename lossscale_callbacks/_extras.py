@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from types import ModuleType
+from typing import Any
 
-__all__ = ["MissingExtraError", "declared_extras", "install_hint", "require"]
+__all__ = ["MissingExtraError", "declared_extras", "install_hint", "lazy_attributes", "require"]
 
 _DISTRIBUTION = "lossscale-callbacks"
 
@@ -80,3 +82,23 @@ def require(module: str, extra: str, *, feature: str | None = None, hint: str | 
         if hint:
             message += f". {hint}"
         raise MissingExtraError(message, name=exc.name) from exc
+
+
+def lazy_attributes(package: str, lazy: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package face's ``__getattr__``: each name of ``lazy`` is imported from its module on first use.
+
+    Args:
+        package: the face's ``__name__`` (for the ``AttributeError`` of any other name).
+        lazy: name -> the module that defines it.
+
+    Example:
+        >>> getattr_ = lazy_attributes("demo", {"sqrt": "math"})
+        >>> getattr_("sqrt")(4.0)
+        2.0
+    """
+    def __getattr__(attr: str) -> Any:
+        if attr in lazy:
+            return getattr(importlib.import_module(lazy[attr]), attr)
+        raise AttributeError(f"module {package!r} has no attribute {attr!r}")
+
+    return __getattr__
