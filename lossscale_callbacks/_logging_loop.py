@@ -11,9 +11,10 @@ health rules act, which process writes and what the end-of-run summary says.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from lossscale_callbacks._forensics import (
     FORENSICS_TAG,
@@ -52,6 +53,31 @@ from lossscale_callbacks._validation import INT64_MAX, check_bool, check_int, ch
 __all__ = ["LoggingLoop"]
 
 _KEEP: Any = object()  # start(policy=...) not given: the policy stays
+
+
+class LoggingArgs(TypedDict, total=False):
+    """The logging arguments: declared here once, taken by every integration as ``**logging`` and handed
+    to its :class:`LoggingLoop` unchanged, which checks them (see its Args)."""
+
+    tensorboard: str | os.PathLike[str] | None
+    wandb: bool | Mapping[str, Any] | None
+    sinks: Iterable[Sink] | Mapping[str, Any]
+    health: HealthSpec
+    echo: Callable[[str], Any] | None
+
+
+def logging_args(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """An integration's ``**logging``, refused as Python refuses an unknown keyword when a name in it is
+    not one of :class:`LoggingArgs`.
+
+    Raises:
+        TypeError: naming the unknown keyword and the logging arguments.
+    """
+    unknown = sorted(set(given) - set(LoggingArgs.__annotations__))
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r} (its logging "
+                        f"arguments are {sorted(LoggingArgs.__annotations__)})")
+    return dict(given)
 
 
 def _check_callable(name: str, value: Any) -> None:

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
 
 from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, logging_args
 from lossscale_callbacks._metrics import METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks._policy import DynamicPolicy, Policy, check_policy
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool, check_int, check_known
 from lossscale_callbacks.keras._arguments import release_inner_optimizer
 from lossscale_callbacks.keras._config import record_in_compile_config
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 # ---------------------------------------- folded in from _fit_sampling
 # JAX's ``fit`` with overflow forensics: the float16 headroom sample decided on the host.
@@ -225,13 +226,9 @@ class LossScaleCallback(keras.callbacks.Callback):
             ran such a batch.
         policy: the core policy of the installed optimizer. Default: Keras' own scale
             settings when replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
-        tensorboard: a log directory: also write to
-            ``lossscale_callbacks.tensorboard.TensorBoardSink(log_dir)``.
-        wandb: True, or a dict of ``wandb.init`` keyword arguments: also write to
-            ``lossscale_callbacks.wandb.WandbSink(**kwargs)``.
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
-        health: health rules: None/False (off), True/"warn", "raise", "stop" (sets
-            ``model.stop_training``), or rule objects.
+        **logging: the logging arguments, handed to the :class:`~lossscale_callbacks.LoggingLoop`
+            as given (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``, ``echo=``; see its
+            Args); a ``"stop"`` health rule sets ``model.stop_training``.
         log_metrics: ``None`` (default): ``loss_scale/scale`` and ``loss_scale/skipped_steps`` in
             the batch ``logs`` only (the progress bar shows them; History and CSVLogger do not get
             them). Otherwise the metrics go into the batch and the epoch ``logs`` (and so the
@@ -266,14 +263,12 @@ class LossScaleCallback(keras.callbacks.Callback):
         self,
         log_every: int = 100,
         policy: Policy | None = None,
-        tensorboard: str | os.PathLike[str] | None = None,
-        wandb: bool | Mapping[str, Any] | None = None,
-        sinks: Iterable[Sink] = (),
-        health: Any = "warn",
+        *,
         log_metrics: bool | Iterable[str] | None = None,
         check_alignment: bool = False,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
+        **logging: Unpack[LoggingArgs],
     ) -> None:
         super().__init__()
         check_policy("policy", policy)
@@ -285,8 +280,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
         # Every argument of the sinks and the interval is checked here, the extras required here.
-        self.loop = LoggingLoop(policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
-                                sinks=sinks, health=health, stop=self._stop)
+        self.loop = LoggingLoop(policy, log_every=log_every, stop=self._stop,
+                                **logging_args("LossScaleCallback", logging))
         if check_alignment and keras.backend.backend() == "tensorflow":
             importlib.import_module("lossscale_callbacks.keras._alignment")  # fails now, not in fit()
         self.log_every = log_every

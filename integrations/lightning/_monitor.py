@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
-from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, logging_args
 from lossscale_callbacks._metrics import SCALE, SKIPPED_STEPS, Snapshot
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool
 from lossscale_callbacks.lightning._compat import bases
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.torch._deepspeed_reader import has_deepspeed_scaler
 from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
 from lossscale_callbacks.torch._scaler import LossScaler
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 _INTERVALS = (None, "step", "epoch")
 
@@ -85,13 +84,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             takes the values of ``LearningRateMonitor(logging_interval=)`` and an integer, which
             ``logging_interval`` does not.
         prog_bar: also show the scale and the skipped steps in the progress bar.
-        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
-            for the default rules, or rules); ``"stop"`` sets ``trainer.should_stop``.
-        tensorboard: a log directory: also write to a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there.
-        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
-            :class:`~lossscale_callbacks.wandb.WandbSink` (uses the active run if there is one).
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
+        **logging: the logging arguments, handed to the :class:`~lossscale_callbacks.LoggingLoop`
+            as given (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``, ``echo=``; see its
+            Args); a ``"stop"`` health rule sets ``trainer.should_stop``.
         check_alignment: run the Tensor Core alignment check
             (``lossscale_callbacks.torch._alignment.check_alignment``) once, on the first training
             batch; print its report and write it to the loggers and sinks. The model input is
@@ -122,14 +117,11 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self,
         log_every: int | str | None = None,
         prog_bar: bool = False,
-        health: HealthSpec = "warn",
+        *,
         check_alignment: bool = False,
         alignment_kwargs: dict[str, Any] | None = None,
-        *,
-        tensorboard: str | os.PathLike[str] | None = None,
-        wandb: bool | Mapping[str, Any] | None = None,
-        sinks: Iterable[Sink] = (),
         diagnose: bool | str = False,
+        **logging: Unpack[LoggingArgs],
     ) -> None:
         is_count = isinstance(log_every, int) and not isinstance(log_every, bool)
         if log_every not in _INTERVALS and not (is_count and log_every >= 1):
@@ -140,8 +132,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             raise ValueError(f"alignment_kwargs must be None or a dict, got {alignment_kwargs!r}")
         self.diagnose = check_diagnose(diagnose)
         self.log_every = log_every
-        self.loop = LoggingLoop(None, log_every=log_every if is_count else None, tensorboard=tensorboard,
-                                wandb=wandb, sinks=sinks, health=health, stop=self._stop)
+        self.loop = LoggingLoop(None, log_every=log_every if is_count else None, stop=self._stop,
+                                **logging_args("LossScaleMonitor", logging))
         self.prog_bar = prog_bar
         self.check_alignment = check_alignment
         self.alignment_kwargs = dict(alignment_kwargs or {})

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import weakref
-from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
 from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, logging_args
 from lossscale_callbacks._policy import Policy, check_policy
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks.accelerate._install import install_loss_scaler
 from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = ["LossScaleTrainerCallback"]
 
@@ -64,15 +63,9 @@ class LossScaleTrainerCallback(TrainerCallback):
         scaler: install this scaler instead (a ``LossScaler`` or a ``torch.amp.GradScaler``).
         log_every: also ask the Trainer to log every ``log_every`` optimizer steps (``None``: its
             ``logging_steps`` alone decide).
-        health: the health rules (``None``/``False`` off, ``True``/``"warn"``/``"raise"``/``"stop"``
-            for the default rules with that action, or rule objects).
-        tensorboard: a log directory: also write to a
-            :class:`~lossscale_callbacks.tensorboard.TensorBoardSink` there (with the reports:
-            policy, forensics, summary).
-        wandb: True, or a dict of ``wandb.init`` arguments: also write to a
-            :class:`~lossscale_callbacks.wandb.WandbSink`.
-        sinks: more :class:`~lossscale_callbacks.Sink` objects.
-        echo: prints the summary on the main process (``None``: silent).
+        **logging: the logging arguments, handed to the :class:`~lossscale_callbacks.LoggingLoop`
+            as given (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``, ``echo=``; see its
+            Args); the summary is printed on the main process.
 
     Attributes:
         installed: the scaler :meth:`attach` installed (``None`` when it reads the Trainer's own).
@@ -89,9 +82,7 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def __init__(self, *, policy: Policy | None = None, diagnose: bool | str = False,
                  scaler: torch.amp.GradScaler | None = None, log_every: int | None = None,
-                 health: HealthSpec = "warn", tensorboard: str | os.PathLike[str] | None = None,
-                 wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = (),
-                 echo: Any = print) -> None:
+                 **logging: Unpack[LoggingArgs]) -> None:
         self.diagnose = check_diagnose(diagnose)
         if policy is not None:
             check_policy("policy", policy)
@@ -99,8 +90,8 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._given_scaler = scaler
         self.installed: torch.amp.GradScaler | None = None
         # Every argument checked now (tensorboard=/wandb= need their extras now, not when training starts).
-        self.loop = LoggingLoop(None, log_every=log_every, tensorboard=tensorboard, wandb=wandb, sinks=sinks,
-                                health=health, stop=self._request_stop, echo=echo)
+        self.loop = LoggingLoop(None, log_every=log_every, stop=self._request_stop,
+                                **logging_args("LossScaleTrainerCallback", logging))
         self.reader: ScalerReader | None = None
         self._trainer: weakref.ref[Trainer] | None = None
         self._read_at = 0
