@@ -325,6 +325,19 @@ class LoggingLoop:
         does; a monitor: the trainer's step count when training starts or resumes)."""
         self._mark = check_int("at", at, -1, INT64_MAX)
 
+    def resume_at(self, at: int, read: Callable[[], Any] | None = None) -> None:
+        """Start or resume counting at step ``at`` (the one place a run begins at step N): the next
+        multiple of ``log_every`` past ``at`` ends an interval, and when ``read`` is given and ``at`` is
+        past the start (a resumed run, or Keras' first epoch), one read now (not a step) becomes the
+        baseline, so that the first interval covers only its own steps.
+
+        Raises:
+            ValueError: ``at`` is not an integer >= -1, or the state read is wrong (naming the field).
+        """
+        self.restart_interval(at)
+        if read is not None:
+            self.baseline(read())
+
     def maybe_observe(self, step: int, read: Callable[[], Any], sink_step: int | None = None,
                       read_forensics: Callable[[], IntervalForensics | None] | None = None,
                       ) -> Snapshot | None:

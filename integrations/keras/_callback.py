@@ -396,12 +396,10 @@ class LossScaleCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         # The count is Keras' batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
         # counts it, so both log on the same batches: it starts before batch 0, which logs.
-        self.loop.restart_interval(-1)
-        if not self._primed:
-            # After every on_train_begin (BackupAndRestore restores there): the baseline
-            # of the first interval is the restored state, not zero.
-            self._primed = True
-            self.loop.baseline(self._read_state())
+        # After every on_train_begin (BackupAndRestore restores there): the baseline of the first
+        # interval is the restored state, not zero.
+        self.loop.resume_at(-1, None if self._primed else self._read_state)
+        self._primed = True
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._fit_sampling.before_batch(self.model)

@@ -204,10 +204,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         writer = bool(trainer.is_global_zero)
         self.loop.start(policy=self.reader.policy, writer=writer,
                         sinks=[logger_sink(lg) for lg in trainer.loggers] if writer else [])
-        self.loop.restart_interval(trainer.global_step)
-        if trainer.global_step > 0:
-            # Resumed: one read now (not a step), so the first interval covers only its own steps.
-            self.loop.baseline(self.reader.read())
+        self.loop.resume_at(trainer.global_step, self.reader.read if trainer.global_step > 0 else None)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.check_alignment and not self._alignment_done:

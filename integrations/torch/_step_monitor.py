@@ -117,5 +117,4 @@ class ScalerStepMonitor:
         """
         self.reader.load_state_dict(state)
         self.loop.set_policy(self.reader.policy)
-        self.loop.restart_interval(self.reader.steps)
-        self.loop.baseline(self.reader.read())  # one read now, not a step
+        self.loop.resume_at(self.reader.steps, self.reader.read)

@@ -159,10 +159,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         self._stop_requested = False
         self.loop.start(policy=self.reader.policy, writer=bool(state.is_world_process_zero))
-        self.loop.restart_interval(state.global_step)
-        if state.global_step > 0:
-            # Resumed: one read now (not a step), so the first interval covers only its own steps.
-            self.loop.baseline(self.reader.read())
+        self.loop.resume_at(state.global_step, self.reader.read if state.global_step > 0 else None)
 
     def _warn_no_scaler(self, args: Any, state: Any) -> None:
         self.reader = None
