@@ -44,7 +44,7 @@ __all__ = [
     "read_series",
 ]
 
-# ---------------------------------------- folded in from _run_discovery
+# ----------------------------------------
 # Find every run at or below a path: TensorBoard run folders and W&B runs, recognised by their file names.
 #
 # Discovery looks at names only and opens no file, so every run is found whether or not its reader
@@ -274,7 +274,7 @@ def read_series(path: str, kind: str | None = None) -> tuple[str, Series]:
     raise next(exc for exc in errors if not exc.install)
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "run_discovery": """
     >>> discover_runs("no/such/folder")

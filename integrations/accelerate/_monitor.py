@@ -1,4 +1,5 @@
-"""``AccelerateLossScaleMonitor``: the loss scale of a plain Accelerate loop on its trackers and our sinks."""
+"""``AccelerateLossScaleMonitor``: the loss scale of a plain Accelerate loop on its trackers (through a
+sink that writes ``accelerator.log``) and our sinks."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------- folded in from _trackers
+# ----------------------------------------
 # The trackers of an ``Accelerator`` as one sink: everything goes through ``accelerator.log``.
 #
 # ``accelerator.log(values, step=...)`` hands the values to every tracker the program started with

@@ -1,4 +1,5 @@
-"""``LossScaleCallback``: loss scaling on the core for ``model.fit``, with its metrics in ``logs``."""
+"""``LossScaleCallback``: loss scaling on the core for ``model.fit``, with its metrics in ``logs``; how it
+puts our optimizer in the model's place, and JAX's headroom sampling in ``fit``."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
-# ---------------------------------------- folded in from _fit_sampling
+# ----------------------------------------
 # JAX's ``fit`` with overflow forensics: the float16 headroom sample decided on the host.
 #
 # A jitted step that could take the sample holds the gradients in a ``lax.cond`` for it, which costs
@@ -104,7 +105,7 @@ class FitSampling:
 
 
 
-# ---------------------------------------- folded in from _wrapping
+# ----------------------------------------
 # Putting our ``LossScaleOptimizer`` in the place of a model's optimizer (``LossScaleCallback`` does it).
 
 
@@ -454,7 +455,7 @@ def _chosen_metrics(log_metrics: bool | Iterable[str]) -> tuple[str, ...]:
     return names
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "fit_sampling": """
     >>> sampling = FitSampling()

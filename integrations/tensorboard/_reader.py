@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------- folded in from _event_layouts
+# ----------------------------------------
 # Decode many scalar events at once: the records of one *layout* differ only in their numbers.
 #
 # A sink writes the same event at every log interval: the same tags, the same tensor types; only the
@@ -230,7 +230,7 @@ def decode_rows(layout: Layout, rows: np.ndarray) -> tuple[np.ndarray, list[tupl
 
 
 
-# ---------------------------------------- folded in from _records
+# ----------------------------------------
 # The record framing of TensorBoard event files, read in chunks, with every checksum that matters verified.
 #
 # An event file is a sequence of records: the data's length (8 bytes, little-endian), the masked
@@ -759,7 +759,7 @@ def read_texts(path: str) -> list[tuple[str, int, str]]:
     return out
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "event_layouts": """
     >>> from tensorboard.compat.proto import event_pb2, summary_pb2
