@@ -149,6 +149,7 @@ def test_importing_the_core_imports_no_framework():
     # A fresh interpreter: the test process itself may already hold frameworks.
     code = (
         "import sys, lossscale_callbacks, lossscale_callbacks.testing, lossscale_callbacks.alignment\n"
+        "import lossscale_callbacks.extend\n"
         f"print(','.join(m for m in {FRAMEWORKS!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
