@@ -29,7 +29,7 @@ from lossscale_callbacks._extras import MissingExtraError
 from lossscale_callbacks._printable import printable
 from lossscale_callbacks._version import __version__
 
-# ---------------------------------------- folded in from _cli_common
+# ----------------------------------------
 # What the ``lossscale-callbacks`` commands share: their name, one-line errors, argument types that say why.
 
 
@@ -163,7 +163,7 @@ if __name__ == "__main__":
     sys.exit(console())
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "cli_common": """
     >>> import argparse

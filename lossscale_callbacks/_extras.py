@@ -19,22 +19,26 @@ pip install "lossscale-callbacks[tensorboard]"
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable, Mapping
+from importlib import metadata
 from types import ModuleType
+from typing import Any
 
-__all__ = ["EXTRAS", "MissingExtraError", "install_hint", "require"]
+__all__ = ["MissingExtraError", "declared_extras", "install_hint", "lazy_attributes", "require"]
 
-# extra name -> what it installs (kept in step with pyproject.toml's optional-dependencies).
-EXTRAS: dict[str, str] = {
-    "keras": "Keras 3 (bring a backend: tensorflow, jax or torch)",
-    "torch": "PyTorch",
-    "lightning": "PyTorch Lightning (and PyTorch)",
-    "accelerate": "Hugging Face Accelerate (and PyTorch)",
-    "transformers": "Hugging Face Transformers (and Accelerate, PyTorch)",
-    "tensorboard": "TensorBoard event files: the sink and the report's reader",
-    "wandb": "Weights & Biases: the sink and the report's reader",
-    "plot": "matplotlib, for report --png",
-}
+_DISTRIBUTION = "lossscale-callbacks"
+
+
+@functools.cache
+def declared_extras() -> frozenset[str] | None:
+    """The pip extras this installation declares: pyproject.toml's ``optional-dependencies``, the one
+    table a new integration adds its extra to (``None`` for a source tree that is not installed)."""
+    try:
+        return frozenset(metadata.metadata(_DISTRIBUTION).get_all("Provides-Extra") or ())
+    except metadata.PackageNotFoundError:
+        return None
 
 
 class MissingExtraError(ImportError):
@@ -43,8 +47,9 @@ class MissingExtraError(ImportError):
 
 def install_hint(extra: str) -> str:
     """The pip command that installs ``extra``."""
-    if extra not in EXTRAS:
-        raise ValueError(f"extra must be one of {sorted(EXTRAS)}, got {extra!r}")
+    extras = declared_extras()
+    if extras is not None and extra not in extras:
+        raise ValueError(f"extra must be one of {sorted(extras)}, got {extra!r}")
     return f'pip install "lossscale-callbacks[{extra}]"'
 
 
@@ -57,7 +62,7 @@ def require(module: str, extra: str, *, feature: str | None = None, hint: str | 
 
     Args:
         module: the module to import (``"tensorboard.summary.writer.event_file_writer"``).
-        extra: the pip extra of this project that installs it (a key of :data:`EXTRAS`).
+        extra: the pip extra of this project that installs it (one of :func:`declared_extras`).
         feature: what needs it, for the message (default: the module's top-level package).
         hint: a sentence to add (Keras: which backends exist).
 
@@ -77,3 +82,23 @@ def require(module: str, extra: str, *, feature: str | None = None, hint: str | 
         if hint:
             message += f". {hint}"
         raise MissingExtraError(message, name=exc.name) from exc
+
+
+def lazy_attributes(package: str, lazy: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package face's ``__getattr__``: each name of ``lazy`` is imported from its module on first use.
+
+    Args:
+        package: the face's ``__name__`` (for the ``AttributeError`` of any other name).
+        lazy: name -> the module that defines it.
+
+    Example:
+        >>> getattr_ = lazy_attributes("demo", {"sqrt": "math"})
+        >>> getattr_("sqrt")(4.0)
+        2.0
+    """
+    def __getattr__(attr: str) -> Any:
+        if attr in lazy:
+            return getattr(importlib.import_module(lazy[attr]), attr)
+        raise AttributeError(f"module {package!r} has no attribute {attr!r}")
+
+    return __getattr__

@@ -57,16 +57,19 @@ from lossscale_callbacks._forensics_words import (
     pow2,
     relation,
 )
+from lossscale_callbacks._metrics import (
+    CAUSE_METRIC_PREFIX,
+    FORENSICS_TAG,
+    HEADROOM_METRIC,
+    HISTOGRAM_TAG,
+    LAYER_METRIC_PREFIX,
+    ORIGIN_METRIC_PREFIX,
+)
 
 FP16_MIN_SUBNORMAL = 2.0**-24
 
 CAUSES = ("loss_nonfinite", "grad_inf", "grad_nan", "grad_nonfinite")
-CAUSE_METRICS = {cause: f"loss_scale/skips/{cause}" for cause in CAUSES}
-LAYER_METRIC_PREFIX = "loss_scale/layer_skips/"
-ORIGIN_METRIC_PREFIX = "loss_scale/layer_origins/"
-HEADROOM_METRIC = "loss_scale/min_log2_headroom"
-FORENSICS_TAG = "loss_scale/forensics"
-HISTOGRAM_TAG = "loss_scale/log2_abs_scaled_grad"
+CAUSE_METRICS = {cause: f"{CAUSE_METRIC_PREFIX}{cause}" for cause in CAUSES}
 # log2 |scaled gradient| bins: float16's subnormals start at -24, its normal range at -14, and it
 # overflows from 16 on; the first and the last bin collect everything beyond.
 HISTOGRAM_EXPONENTS = (-40, 20)  # the first edge and the last, as binary exponents

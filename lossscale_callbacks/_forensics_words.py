@@ -216,7 +216,7 @@ def findings(causes: Mapping[str, int], layer_skips: Mapping[str, int], layer_or
         table=_table(layer_skips, layer_origins, layer_order, grad_skips),
         headroom=room, underflow=under)
 
-# ---------------------------------------- folded in from _summary
+# ----------------------------------------
 # The one-paragraph end-of-run summary, in plain words.
 
 

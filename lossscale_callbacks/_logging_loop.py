@@ -11,10 +11,11 @@ health rules act, which process writes and what the end-of-run summary says.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from lossscale_callbacks._forensics import (
     FORENSICS_TAG,
@@ -70,6 +71,29 @@ def check_log_every(log_every: Any, *, optional: bool = True) -> int | None:
     if log_every is None and optional:
         return None
     return check_int("log_every", log_every)
+class LoggingArgs(TypedDict, total=False):
+    """The logging arguments: declared here once, taken by every integration as ``**logging`` and handed
+    to its :class:`LoggingLoop` unchanged, which checks them (see its Args)."""
+
+    tensorboard: str | os.PathLike[str] | None
+    wandb: bool | Mapping[str, Any] | None
+    sinks: Iterable[Sink] | Mapping[str, Any]
+    health: HealthSpec
+    echo: Callable[[str], Any] | None
+
+
+def logging_args(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """An integration's ``**logging``, refused as Python refuses an unknown keyword when a name in it is
+    not one of :class:`LoggingArgs`.
+
+    Raises:
+        TypeError: naming the unknown keyword and the logging arguments.
+    """
+    unknown = sorted(set(given) - set(LoggingArgs.__annotations__))
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r} (its logging "
+                        f"arguments are {sorted(LoggingArgs.__annotations__)})")
+    return dict(given)
 
 
 def _check_callable(name: str, value: Any) -> None:
@@ -312,6 +336,19 @@ class LoggingLoop:
         ends an interval (Keras: ``-1`` at each epoch, so that batch 0 logs, as ``WandbMetricsLogger``
         does; a monitor: the trainer's step count when training starts or resumes)."""
         self._mark = check_int("at", at, -1, INT64_MAX)
+
+    def resume_at(self, at: int, read: Callable[[], Any] | None = None) -> None:
+        """Start or resume counting at step ``at`` (the one place a run begins at step N): the next
+        multiple of ``log_every`` past ``at`` ends an interval, and when ``read`` is given and ``at`` is
+        past the start (a resumed run, or Keras' first epoch), one read now (not a step) becomes the
+        baseline, so that the first interval covers only its own steps.
+
+        Raises:
+            ValueError: ``at`` is not an integer >= -1, or the state read is wrong (naming the field).
+        """
+        self.restart_interval(at)
+        if read is not None:
+            self.baseline(read())
 
     def maybe_observe(self, step: int, read: Callable[[], Any], sink_step: int | None = None,
                       read_forensics: Callable[[], IntervalForensics | None] | None = None,

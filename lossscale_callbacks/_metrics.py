@@ -19,6 +19,7 @@ from typing import Any
 from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks._validation import INT64_MAX, check_int, check_number, host_number
 
+TAG_PREFIX = "loss_scale/"  # every tag of this library starts with it
 SCALE = "loss_scale/scale"
 LOG2_SCALE = "loss_scale/log2_scale"
 GROWTH_COUNTER = "loss_scale/growth_counter"
@@ -34,13 +35,31 @@ STEPS = "loss_scale/steps"
 METRIC_NAMES: tuple[str, ...] = (
     SCALE, LOG2_SCALE, GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, SKIP_RATE, STEPS,
 )
-# Written once per run (text or config), not as series: the policy's settings and bounds
-# (lossscale_callbacks._sinks.POLICY_TAG); and the reports.
+# Written once per run (text or config), not as series: the policy's settings and bounds; and the reports.
+POLICY_TAG = "loss_scale/policy"
 SUMMARY_TAG = "loss_scale/summary"
 RESTART_TAG = "loss_scale/restart"
 ALIGNMENT_TAG = "loss_scale/alignment"
 COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)  # whole numbers
 INTERVAL_METRICS: tuple[str, ...] = (SKIPPED_IN_INTERVAL, SKIP_RATE)
+# Bounds written next to the scale by the sinks when the policy is known (not part of the
+# five-metric schema, which every framework fills; these come from the policy, not the state).
+MIN_SCALE = "loss_scale/min_scale"
+MAX_SCALE = "loss_scale/max_scale"
+# The policy's growth interval, read back from the policy a run wrote (a one-point series).
+GROWTH_INTERVAL = "loss_scale/growth_interval"
+# The overflow forensics (diagnose=True): skips per cause and per layer, headroom, histogram, text.
+CAUSE_METRIC_PREFIX = "loss_scale/skips/"
+LAYER_METRIC_PREFIX = "loss_scale/layer_skips/"
+ORIGIN_METRIC_PREFIX = "loss_scale/layer_origins/"
+HEADROOM_METRIC = "loss_scale/min_log2_headroom"
+FORENSICS_TAG = "loss_scale/forensics"
+HISTOGRAM_TAG = "loss_scale/log2_abs_scaled_grad"
+# The W&B run's step axis and its end-of-run summary values.
+STEP_METRIC = "loss_scale/step"
+FINAL_SCALE = "loss_scale/final_scale"
+TOTAL_SKIPPED_STEPS = "loss_scale/total_skipped_steps"
+OVERALL_SKIP_RATE = "loss_scale/overall_skip_rate"
 
 # The "Loss scale" dashboard section: (chart title, tag), in order. The TensorBoard sink and the
 # Lightning monitor both build their Custom Scalars layout from this one list.

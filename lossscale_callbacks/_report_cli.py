@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------- folded in from _report_outcomes
+# ----------------------------------------
 # What the report says about each run it found: read and judged, read but holding no loss scale, or not read.
 #
 # :func:`judge_runs` reads and judges one run at a time and hands each outcome on before reading the
@@ -331,7 +331,7 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     parser.set_defaults(handler=run_report)
     return parser
 
-# ---------------------------------------- folded in from _report_output
+# ----------------------------------------
 # How ``lossscale-callbacks report`` prints its outcomes: a table or one run in words, or JSON, run by run.
 #
 # Both writers print each run as it is judged and keep no report once it is printed, so a sweep of
@@ -473,7 +473,7 @@ class JsonWriter:
         rest = json.dumps(tail, indent=2, sort_keys=True)[1:]  # the object's own "{" is open already
         print(("\n  " if not self._first else "") + "],\n" + rest.lstrip("\n"), file=self.out)
 
-# ---------------------------------------- folded in from _run_picture
+# ----------------------------------------
 # The picture of a run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval.
 #
 # matplotlib (the ``[plot]`` extra) is imported when a picture is drawn, never by the report itself.
@@ -531,7 +531,7 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
     return path
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "report_outcomes": """
     >>> from lossscale_callbacks._run_readers import FoundRun

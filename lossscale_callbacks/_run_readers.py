@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from lossscale_callbacks._extras import EXTRAS, install_hint
+from lossscale_callbacks._extras import declared_extras, install_hint
+from lossscale_callbacks._metrics import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
 
 __all__ = [
     "GROWTH_INTERVAL",
@@ -44,7 +45,7 @@ __all__ = [
     "read_series",
 ]
 
-# ---------------------------------------- folded in from _run_discovery
+# ----------------------------------------
 # Find every run at or below a path: TensorBoard run folders and W&B runs, recognised by their file names.
 #
 # Discovery looks at names only and opens no file, so every run is found whether or not its reader
@@ -164,12 +165,6 @@ Reader = Callable[[str], Series]
 
 READER_GROUP = "lossscale_callbacks.readers"
 
-# Bounds written next to the scale by the sinks when the policy is known (not part of the
-# five-metric schema, which every framework fills; these come from the policy, not the state).
-MIN_SCALE = "loss_scale/min_scale"
-MAX_SCALE = "loss_scale/max_scale"
-# The policy's growth interval, read back from the policy a run wrote (a one-point series).
-GROWTH_INTERVAL = "loss_scale/growth_interval"
 
 
 class RunReadError(ValueError):
@@ -248,7 +243,7 @@ def _entry_points() -> dict[str, Any]:
 
 
 def _install(name: str) -> str | None:
-    return install_hint(name) if name in EXTRAS else None
+    return install_hint(name) if name in (declared_extras() or ()) else None
 
 
 def load_reader(name: str) -> Reader:
@@ -308,7 +303,7 @@ def read_series(path: str, kind: str | None = None) -> tuple[str, Series]:
     raise next(exc for exc in errors if not exc.install)
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "run_discovery": """
     >>> discover_runs("no/such/folder")

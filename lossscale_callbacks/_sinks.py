@@ -1,4 +1,5 @@
-"""Where metrics go: the ``Sink`` protocol, an in-memory sink, and the guard every sink runs behind.
+"""Where metrics go: the ``Sink`` protocol, an in-memory sink, the guard every sink runs behind, the sinks
+a loop opens by name (the registry), their closing at exit, and the policy table they write and read.
 
 A sink receives the metric schema of :mod:`lossscale_callbacks._metrics` at the log interval.
 Training must never die because a dashboard is down, so integrations wrap each sink in
@@ -18,6 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from lossscale_callbacks._extras import require
+from lossscale_callbacks._metrics import POLICY_TAG
 from lossscale_callbacks._ranks import is_rank_zero
 
 
@@ -80,7 +82,6 @@ class InMemorySink:
         return [(step, metrics[name]) for step, metrics in self.records if name in metrics]
 
 
-POLICY_TAG = "loss_scale/policy"
 
 
 def config_markdown(config: Mapping[str, object]) -> str:
@@ -304,7 +305,7 @@ class SinkGroup:
         for sink in self.sinks:
             sink.close()
 
-# ---------------------------------------- folded in from _at_exit
+# ----------------------------------------
 # Closing sinks at interpreter exit without keeping them alive: atexit holds a weak reference per sink.
 
 
@@ -346,7 +347,7 @@ def forget_at_exit(sink: Any) -> None:
     with _lock:
         _open_sinks.discard(sink)
 
-# ---------------------------------------- folded in from _owned_sinks
+# ----------------------------------------
 # The sinks a logging loop opens itself, by name: ``tensorboard=``, ``wandb=`` and ``sinks={name: value}``.
 #
 # One registry of sink classes by name: :func:`register_sink` adds one (a new sink is one class and
@@ -477,7 +478,7 @@ def owned_sinks(tensorboard: Any, wandb: Any, named: Mapping[str, Any] | None = 
             raise ValueError(f"{name}: {exc}") from None
     return sinks
 
-# ---------------------------------------- folded in from _policy_text
+# ----------------------------------------
 # The policy table the sinks write once per run (``loss_scale/policy``), read back by the run readers.
 #
 # The sinks write the policy as a two-column markdown table
@@ -522,7 +523,7 @@ def policy_bounds_from_markdown(markdown: str) -> tuple[float, float] | None:
     return None
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "at_exit": """
     >>> from lossscale_callbacks._sinks import InMemorySink

@@ -34,11 +34,10 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.accelerate": ["AccelerateLossScaleMonitor", "install_loss_scaler"],
     "lossscale_callbacks.transformers": ["LossScaleTrainerCallback"],
 }
-# The outside package a face needs (its test is skipped where that is not installed).
-NEEDS = {"lossscale_callbacks.keras": "keras", "lossscale_callbacks.torch": "torch",
-         "lossscale_callbacks.lightning": "lightning", "lossscale_callbacks.lightning.fabric": "lightning",
-         "lossscale_callbacks.tensorboard": "tensorboard", "lossscale_callbacks.wandb": "wandb",
-         "lossscale_callbacks.accelerate": "accelerate", "lossscale_callbacks.transformers": "transformers"}
+# The outside package a face needs (its test is skipped where that is not installed): an integration's
+# folder is named as its outside package, integrations/<name> -> lossscale_callbacks.<name>.
+NEEDS = {face: face.split(".")[1] for face in FACES
+         if "." in face and face != "lossscale_callbacks.alignment"}
 NOT_COUNTED = {"__version__"}
 MAX_NAMES = 40
 
@@ -150,6 +149,7 @@ def test_importing_the_core_imports_no_framework():
     # A fresh interpreter: the test process itself may already hold frameworks.
     code = (
         "import sys, lossscale_callbacks, lossscale_callbacks.testing, lossscale_callbacks.alignment\n"
+        "import lossscale_callbacks.extend\n"
         f"print(','.join(m for m in {FRAMEWORKS!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -16,6 +16,11 @@ pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels); bot
 
 from __future__ import annotations
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
 import argparse
 import os
 import re
@@ -40,17 +45,17 @@ PACKAGE = "lossscale-callbacks"
 SUBSTITUTES = {"tensorflow": "tensorflow-cpu==2.21.0"}
 CONSTRAINTS = ["torch==2.13.0"]
 
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text()) if tomllib else None
 # A probe per extra: code that must fail with an ImportError naming the extra when it is not installed.
-PROBES = {
+# An integration's extra (named as its package, pyproject's one table) is probed by importing it.
+_OWN_PROBES = {
     "tensorboard": "from lossscale_callbacks.tensorboard import TensorBoardSink\nTensorBoardSink('runs/p')",
     "wandb": "from lossscale_callbacks.wandb import WandbSink\nWandbSink(mode='offline')",
-    "torch": "import lossscale_callbacks.torch",
-    "lightning": "import lossscale_callbacks.lightning",
-    "keras": "import lossscale_callbacks.keras",
-    "accelerate": "import lossscale_callbacks.accelerate",
-    "transformers": "import lossscale_callbacks.transformers",
     "plot": "from lossscale_callbacks._cli import main\nmain(['report', '.', '--png', 'x.png'])",
 }
+PROBES = {**{extra: f"import lossscale_callbacks.{extra}" for extra in (
+    PYPROJECT["project"]["optional-dependencies"] if PYPROJECT else ())
+    if f"lossscale_callbacks.{extra}" in PYPROJECT["tool"]["setuptools"]["packages"]}, **_OWN_PROBES}
 
 PROBE_RUNNER = textwrap.dedent("""
     import sys
@@ -211,13 +216,19 @@ def run_path(path: ReadmePath, wheel: Path, work: Path) -> list[str]:
 
 
 def implied(extras: set[str]) -> set[str]:
-    """Extras that others install (lightning brings torch), which cannot be missing there."""
-    out = set()
-    if extras & {"lightning", "accelerate", "transformers"}:
-        out.add("torch")
-    if "transformers" in extras:
-        out.add("accelerate")
-    return out
+    """Extras that others install (lightning brings torch), which cannot be missing there: read from
+    pyproject's optional-dependencies, where an extra names another as ``lossscale-callbacks[torch]``."""
+    table = PYPROJECT["project"]["optional-dependencies"]
+    out: set[str] = set()
+    todo = list(extras)
+    while todo:
+        for requirement in table.get(todo.pop(), []):
+            if requirement.startswith(f"{PACKAGE}["):
+                for extra in requirement[len(PACKAGE) + 1:].rstrip("]").split(","):
+                    if extra not in out:
+                        out.add(extra)
+                        todo.append(extra)
+    return out - extras
 
 
 def main(argv: list[str]) -> int:

@@ -1,22 +1,26 @@
-"""``AccelerateLossScaleMonitor``: the loss scale of a plain Accelerate loop on its trackers and our sinks."""
+"""``AccelerateLossScaleMonitor``: the loss scale of a plain Accelerate loop on its trackers (through a
+sink that writes ``accelerator.log``) and our sinks."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
 
-from lossscale_callbacks._health import HealthSpec
+from lossscale_callbacks._logging_loop import LoggingArgs, logging_args
 from lossscale_callbacks._metrics import Snapshot, observed_state
-from lossscale_callbacks._sinks import GuardedSink, Sink
+from lossscale_callbacks._sinks import GuardedSink
 from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._validation import check_bool, check_int
 from lossscale_callbacks.accelerate._install import check_accelerator
 from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = ["COUNTS_FILE", "AccelerateLossScaleMonitor", "TrackerSink"]
 
@@ -24,8 +28,7 @@ __all__ = ["COUNTS_FILE", "AccelerateLossScaleMonitor", "TrackerSink"]
 COUNTS_FILE = "loss_scale_counts.json"
 
 
-
-# ---------------------------------------- folded in from _trackers
+# ----------------------------------------
 # The trackers of an ``Accelerator`` as one sink: everything goes through ``accelerator.log``.
 #
 # ``accelerator.log(values, step=...)`` hands the values to every tracker the program started with
@@ -107,8 +110,10 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose scaler is read.
-        log_every, health, tensorboard, wandb, sinks, echo: the shared logging arguments of
-            :class:`~lossscale_callbacks.LoggingLoop` (``log_every`` counts optimizer steps).
+        log_every: optimizer steps between reads (>= 1).
+        **logging: the logging arguments, handed to the :class:`~lossscale_callbacks.LoggingLoop`
+            as given (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``, ``echo=``; see its
+            Args); the summary is printed on the main process.
         trackers: also write through ``accelerator.log`` to the trackers of ``init_trackers``.
 
     Raises:
@@ -137,10 +142,8 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
 
     _FIRST_STEP_NEEDS = "once accelerator.backward(loss) ran"
 
-    def __init__(self, accelerator: Accelerator, *, log_every: int = 100, health: HealthSpec = "warn",
-                 trackers: bool = True, tensorboard: str | os.PathLike[str] | None = None,
-                 wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = (),
-                 echo: Any = print) -> None:
+    def __init__(self, accelerator: Accelerator, *, log_every: int = 100, trackers: bool = True,
+                 **logging: Unpack[LoggingArgs]) -> None:
         check_accelerator(accelerator)
         check_bool("trackers", trackers)
         scaler = accelerator.scaler
@@ -149,8 +152,8 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
         self.accelerator = accelerator
         # Accelerate's trackers join the run like a trainer's loggers: written and flushed, never
         # closed by the loop (accelerator.end_training() closes them).
-        super().__init__(scaler, log_every=log_every, health=health, tensorboard=tensorboard, wandb=wandb,
-                         sinks=sinks, writer=bool(accelerator.is_main_process), echo=echo,
+        super().__init__(scaler, log_every=log_every, writer=bool(accelerator.is_main_process),
+                         **logging_args("AccelerateLossScaleMonitor", logging),
                          run_sinks=[GuardedSink(TrackerSink(accelerator), name="Accelerate trackers")]
                          if trackers else [])
         self._resumed: LossScaleState | None = None  # read by load_state, baselined at the next step

@@ -26,7 +26,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import keras
 from keras import ops
@@ -35,6 +35,35 @@ from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._update import next_state
 from lossscale_callbacks.keras import _keras_ops as keras_ops
 from lossscale_callbacks.keras._forensics_device import Packed
+
+if TYPE_CHECKING:  # the optimizer's modules import this one
+    from lossscale_callbacks._policy import Policy
+    from lossscale_callbacks.keras._forensics_wiring import ForensicsWiring
+    from lossscale_callbacks.keras._state_variables import LossScaleVariables
+
+
+class StepOptimizer(Protocol):
+    """What a backend step calls back into: the ``LossScaleOptimizer`` it steps, as the step sees it."""
+
+    inner_optimizer: keras.optimizers.Optimizer
+    _trainable_variables: list[Any]
+    _trainable_variables_indices: dict[str, int]
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def loss_scale_variables(self) -> LossScaleVariables: ...
+
+    @property
+    def forensics(self) -> ForensicsWiring | None: ...
+
+    @property
+    def variables(self) -> list[Any]: ...
+
+    def scale_loss(self, loss: Any) -> Any: ...
+
+    def _var_key(self, variable: Any) -> str: ...
 
 
 class _Step:
@@ -121,12 +150,13 @@ class TensorFlowStep(_Step):
             return replica, None
         return replica, weakref.ref(tf.compat.v1.get_default_graph())
 
-    def stateless(self, opt: Any, optimizer_values: list[Any], grads: list[Any], trainable_values: list[Any],
-                  unscaled: bool) -> tuple[list[Any], list[Any]]:
+    def stateless(self, opt: StepOptimizer, optimizer_values: list[Any], grads: list[Any],
+                  trainable_values: list[Any], unscaled: bool) -> tuple[list[Any], list[Any]]:
         raise ValueError("stateless_apply is not supported with the TensorFlow backend (tf.distribute "
                          "needs stateful variables); use apply()")
 
-    def apply(self, opt: Any, grads: list[Any], variables: list[Any] | None, unscaled: bool) -> None:
+    def apply(self, opt: StepOptimizer, grads: list[Any], variables: list[Any] | None,
+              unscaled: bool) -> None:
         """Check, unscale, apply or skip, update the scale; inside ``tf.function`` with no host read."""
         tf, tf_ops = self._tf, self._tf_ops
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
@@ -157,7 +187,7 @@ class TensorFlowStep(_Step):
             tf.distribute.get_replica_context().merge_call(
                 self._apply_or_skip_cross_replica, args=(opt, finite, grads, variables))
 
-    def _apply_or_skip(self, opt: Any, finite: Any, apply_inner: Callable[[], Any]) -> None:
+    def _apply_or_skip(self, opt: StepOptimizer, finite: Any, apply_inner: Callable[[], Any]) -> None:
         tf = self._tf
 
         def apply() -> Any:
@@ -167,14 +197,14 @@ class TensorFlowStep(_Step):
         tf.cond(finite, apply, lambda: tf.constant(False))
         opt.loss_scale_variables.advance(finite, self._tf_ops.TF_OPS)
 
-    def _apply_or_skip_cross_replica(self, distribution: Any, opt: Any, finite: Any, grads: Any,
+    def _apply_or_skip_cross_replica(self, distribution: Any, opt: StepOptimizer, finite: Any, grads: Any,
                                      variables: Any) -> None:
         # Every replica holds the same (all-reduced) flag; take the first.
         finite = distribution.experimental_local_results(finite)[0]
         self._apply_or_skip(opt, finite, lambda: distribution.extended.call_for_each_replica(
             opt.inner_optimizer.apply, args=(grads, variables)))
 
-    def scaled_gradients(self, opt: Any, loss: Any, var_list: list[Any], tape: Any) -> list[Any]:
+    def scaled_gradients(self, opt: StepOptimizer, loss: Any, var_list: list[Any], tape: Any) -> list[Any]:
         """Gradients of ``opt.scale_loss(loss)``: a callable ``loss`` under a new tape, or a tensor under
         ``tape``."""
         if callable(loss):
@@ -194,7 +224,7 @@ class _KerasOpsStep(_Step):
 
     _gradients: Callable[[Callable[[], Any], list[Any]], list[Any]]
 
-    def scaled_gradients(self, opt: Any, loss: Any, var_list: list[Any], tape: Any) -> list[Any]:
+    def scaled_gradients(self, opt: StepOptimizer, loss: Any, var_list: list[Any], tape: Any) -> list[Any]:
         """Gradients of ``opt.scale_loss(loss())`` with respect to ``var_list``; ``loss`` must be callable."""
         if not callable(loss) or tape is not None:
             raise ValueError(f"loss must be a zero-argument callable (and no tape) on the "
@@ -202,8 +232,8 @@ class _KerasOpsStep(_Step):
                              "TensorFlow's form")
         return self._gradients(lambda: opt.scale_loss(loss()), var_list)
 
-    def stateless(self, opt: Any, optimizer_values: list[Any], grads: list[Any], trainable_values: list[Any],
-                  unscaled: bool) -> tuple[list[Any], list[Any]]:
+    def stateless(self, opt: StepOptimizer, optimizer_values: list[Any], grads: list[Any],
+                  trainable_values: list[Any], unscaled: bool) -> tuple[list[Any], list[Any]]:
         """Keras' functional step: new trainable values and new values of ``opt.variables``. No host read.
 
         The inner optimizer's ``stateless_apply`` runs in an ``ops.cond`` on the overflow flag, so a
@@ -344,7 +374,8 @@ class JaxStep(_KerasOpsStep):
         """The state as one integer vector: the float32 scale's bits, then the counters (one jitted call)."""
         return self._pack(*state)
 
-    def apply(self, opt: Any, grads: list[Any], variables: list[Any] | None, unscaled: bool) -> None:
+    def apply(self, opt: StepOptimizer, grads: list[Any], variables: list[Any] | None,
+              unscaled: bool) -> None:
         """The stateless step on the current values, written back to the variables.
 
         The gradients are matched to the optimizer's variables by identity (``variables`` in any order,
@@ -364,7 +395,7 @@ class JaxStep(_KerasOpsStep):
             var.assign(value)
 
 
-def _in_optimizer_order(opt: Any, grads: list[Any], variables: list[Any]) -> list[Any]:
+def _in_optimizer_order(opt: StepOptimizer, grads: list[Any], variables: list[Any]) -> list[Any]:
     """``grads`` rearranged into the order of the variables ``opt`` was built with (``None`` where a
     variable got no gradient), matched by identity."""
     out: list[Any] = [None] * len(opt._trainable_variables)
@@ -404,7 +435,8 @@ class TorchStep(_KerasOpsStep):
         bits = state.scale.view(torch.int32).to(state.growth_counter.dtype)
         return torch.stack([bits, *state[1:]])
 
-    def apply(self, opt: Any, grads: list[Any], variables: list[Any] | None, unscaled: bool) -> None:
+    def apply(self, opt: StepOptimizer, grads: list[Any], variables: list[Any] | None,
+              unscaled: bool) -> None:
         """One host read (the branch on the overflow flag), as Keras' own LossScaleOptimizer on torch."""
         state_vars = opt.loss_scale_variables
         trainable = variables or opt._trainable_variables

@@ -1,28 +1,30 @@
-"""``LossScaleCallback``: loss scaling on the core for ``model.fit``, with its metrics in ``logs``."""
+"""``LossScaleCallback``: loss scaling on the core for ``model.fit``, with its metrics in ``logs``; how it
+puts our optimizer in the model's place, and JAX's headroom sampling in ``fit``."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
 
 from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._logging_loop import LoggingLoop, check_log_every
+from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, check_log_every, logging_args
 from lossscale_callbacks._metrics import COUNT_METRICS, METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
 from lossscale_callbacks._policy import DynamicPolicy, Policy, check_policy
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool, check_int, check_known
 from lossscale_callbacks.keras._arguments import release_inner_optimizer
 from lossscale_callbacks.keras._config import record_in_compile_config
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
 
-# ---------------------------------------- folded in from _fit_sampling
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
+
+# ----------------------------------------
 # JAX's ``fit`` with overflow forensics: the float16 headroom sample decided on the host.
 #
 # A jitted step that could take the sample holds the gradients in a ``lax.cond`` for it, which costs
@@ -103,7 +105,7 @@ class FitSampling:
 
 
 
-# ---------------------------------------- folded in from _wrapping
+# ----------------------------------------
 # Putting our ``LossScaleOptimizer`` in the place of a model's optimizer (``LossScaleCallback`` does it).
 
 
@@ -174,8 +176,9 @@ class LossScaleCallback(keras.callbacks.Callback):
             ``steps_per_execution > 1``, after each execution that ran such a batch).
         policy: the core policy of the installed optimizer. Default: Keras' own scale settings when
             replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
-        tensorboard, wandb, sinks, health: the shared logging arguments of
-            :class:`~lossscale_callbacks.LoggingLoop` (``health="stop"`` sets ``model.stop_training``).
+        **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
+            ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
+            its Args); a ``"stop"`` health rule sets ``model.stop_training``.
         log_metrics: ``None`` (default): ``loss_scale/scale`` and ``loss_scale/skipped_steps`` in the
             batch ``logs`` only (the progress bar shows them; History and CSVLogger do not). Otherwise
             the metrics go into the batch and the epoch ``logs``: ``True`` (all of
@@ -205,14 +208,12 @@ class LossScaleCallback(keras.callbacks.Callback):
         self,
         log_every: int = 100,
         policy: Policy | None = None,
-        tensorboard: str | os.PathLike[str] | None = None,
-        wandb: bool | Mapping[str, Any] | None = None,
-        sinks: Iterable[Sink] = (),
-        health: Any = "warn",
+        *,
         log_metrics: bool | Iterable[str] | None = None,
         check_alignment: bool = False,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
+        **logging: Unpack[LoggingArgs],
     ) -> None:
         super().__init__()
         check_policy("policy", policy)
@@ -224,9 +225,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
         # Every argument of the sinks and the interval is checked here, the extras required here.
-        self.loop = LoggingLoop(policy, log_every=check_log_every(log_every, optional=False),
-                                tensorboard=tensorboard, wandb=wandb, sinks=sinks, health=health,
-                                stop=self._stop)
+        self.loop = LoggingLoop(policy, log_every=check_log_every(log_every, optional=False), stop=self._stop,
+                                **logging_args("LossScaleCallback", logging))
         if check_alignment and keras.backend.backend() == "tensorflow":
             importlib.import_module("lossscale_callbacks.keras._alignment")  # fails now, not in fit()
         self.log_every = log_every
@@ -342,12 +342,10 @@ class LossScaleCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         # The count is Keras' batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
         # counts it, so both log on the same batches: it starts before batch 0, which logs.
-        self.loop.restart_interval(-1)
-        if not self._primed:
-            # After every on_train_begin (BackupAndRestore restores there): the baseline
-            # of the first interval is the restored state, not zero.
-            self._primed = True
-            self.loop.baseline(self._read_state())
+        # After every on_train_begin (BackupAndRestore restores there): the baseline of the first
+        # interval is the restored state, not zero.
+        self.loop.resume_at(-1, None if self._primed else self._read_state)
+        self._primed = True
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._fit_sampling.before_batch(self.model)
@@ -415,7 +413,7 @@ def _chosen_metrics(log_metrics: bool | Iterable[str]) -> tuple[str, ...]:
     return names
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "fit_sampling": """
     >>> sampling = FitSampling()

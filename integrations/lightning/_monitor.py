@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
-from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._logging_loop import LoggingLoop, check_log_every
+from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, check_log_every, logging_args
 from lossscale_callbacks._metrics import SCALE, SKIPPED_STEPS, Snapshot
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool
 from lossscale_callbacks.lightning._compat import bases
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.torch._deepspeed_reader import has_deepspeed_scaler
 from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
 from lossscale_callbacks.torch._scaler import LossScaler
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 _INTERVALS = (None, "step", "epoch")
 
@@ -70,8 +69,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             end of each training epoch; an integer ``n >= 1``: as for
             :class:`~lossscale_callbacks.LoggingLoop` (optimizer steps).
         prog_bar: also show the scale and the skipped steps in the progress bar.
-        health, tensorboard, wandb, sinks: the shared logging arguments of
-            :class:`~lossscale_callbacks.LoggingLoop` (``health="stop"`` sets ``trainer.should_stop``).
+        **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
+            ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
+            its Args); a ``"stop"`` health rule sets ``trainer.should_stop``.
         check_alignment: run the Tensor Core alignment check once, on the first training batch;
             print its report and write it to the loggers and sinks. The model input is
             ``alignment_kwargs["sample"]`` if given, else the module's ``example_input_array``, else
@@ -98,14 +98,11 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self,
         log_every: int | str | None = None,
         prog_bar: bool = False,
-        health: HealthSpec = "warn",
+        *,
         check_alignment: bool = False,
         alignment_kwargs: dict[str, Any] | None = None,
-        *,
-        tensorboard: str | os.PathLike[str] | None = None,
-        wandb: bool | Mapping[str, Any] | None = None,
-        sinks: Iterable[Sink] = (),
         diagnose: bool | str = False,
+        **logging: Unpack[LoggingArgs],
     ) -> None:
         is_count = log_every not in _INTERVALS
         if is_count:  # the one check of a count, with this monitor's other choices named
@@ -120,8 +117,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             raise ValueError(f"alignment_kwargs must be None or a dict, got {alignment_kwargs!r}")
         self.diagnose = check_diagnose(diagnose)
         self.log_every = log_every
-        self.loop = LoggingLoop(None, log_every=log_every if is_count else None, tensorboard=tensorboard,
-                                wandb=wandb, sinks=sinks, health=health, stop=self._stop)
+        self.loop = LoggingLoop(None, log_every=log_every if is_count else None, stop=self._stop,
+                                **logging_args("LossScaleMonitor", logging))
         self.prog_bar = prog_bar
         self.check_alignment = check_alignment
         self.alignment_kwargs = dict(alignment_kwargs or {})
@@ -193,10 +190,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self.loop.start(policy=self.reader.policy, writer=writer,
                         sinks=[logger_sink(lg, lambda: trainer.current_epoch) for lg in trainer.loggers]
                         if writer else [])
-        self.loop.restart_interval(trainer.global_step)
-        if trainer.global_step > 0:
-            # Resumed: one read now (not a step), so the first interval covers only its own steps.
-            self.loop.baseline(self.reader.read())
+        self.loop.resume_at(trainer.global_step, self.reader.read if trainer.global_step > 0 else None)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.check_alignment and not self._alignment_done:

@@ -1,4 +1,5 @@
-"""``LossScalePlugin``: a Lightning precision plugin that scales with :class:`LossScaler`."""
+"""``LossScalePlugin`` and ``LossScaleFSDPPlugin``: Lightning precision plugins that scale with
+:class:`LossScaler`."""
 
 from __future__ import annotations
 
@@ -325,7 +326,7 @@ __all__ = [
     "namespace_of",
 ]
 
-# ---------------------------------------- folded in from _fsdp
+# ----------------------------------------
 # ``LossScaleFSDPPlugin``: the core's loss scaling under ``Trainer(strategy="fsdp")``.
 
 

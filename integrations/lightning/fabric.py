@@ -8,21 +8,22 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lossscale_callbacks._health import HealthSpec
+from lossscale_callbacks._logging_loop import LoggingArgs, logging_args
 from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.lightning._settings import default_device, resolve_scaling, split_plugin_state
 from lossscale_callbacks.torch._scaler import LossScaler
 from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 try:
     from lightning.fabric.plugins.precision import FSDPPrecision as _FabricFSDPPrecision
@@ -135,9 +136,11 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
 
     Args:
         fabric: the launched ``lightning.fabric.Fabric``.
-        log_every, health, tensorboard, wandb, sinks: the shared logging arguments of
-            :class:`~lossscale_callbacks.LoggingLoop` (``log_every`` counts optimizer steps; a
-            ``"stop"`` rule sets :attr:`should_stop` on every rank: break out of the loop then).
+        log_every: optimizer steps between reads (>= 1); the library's one name for the interval.
+        **logging: the logging arguments, handed to the :class:`~lossscale_callbacks.LoggingLoop`
+            as given (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``, ``echo=``; see its
+            Args); a ``"stop"`` health rule sets :attr:`should_stop` on every rank:
+            break out of the loop then.
 
     Raises:
         ValueError: ``fabric`` is not a Fabric with an enabled loss scaler; an argument is invalid.
@@ -152,9 +155,7 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
 
     _FIRST_STEP_NEEDS = "once fabric.setup(model, optimizer) and fabric.backward(loss) ran"
 
-    def __init__(self, fabric: Any, log_every: int = 100, health: HealthSpec = "warn", *,
-                 tensorboard: str | os.PathLike[str] | None = None,
-                 wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = ()) -> None:
+    def __init__(self, fabric: Any, log_every: int = 100, **logging: Unpack[LoggingArgs]) -> None:
         precision = getattr(getattr(fabric, "strategy", None), "precision", None)
         scaler = getattr(precision, "scaler", None)
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
@@ -164,8 +165,8 @@ class FabricLossScaleMonitor(ScalerStepMonitor):
         self.fabric = fabric
         self.precision = precision
         writer = bool(fabric.is_global_zero)
-        super().__init__(scaler, log_every=log_every, health=health, tensorboard=tensorboard, wandb=wandb,
-                         sinks=sinks, writer=writer,
+        super().__init__(scaler, log_every=log_every, writer=writer,
+                         **logging_args("FabricLossScaleMonitor", logging),
                          run_sinks=[logger_sink(lg) for lg in fabric.loggers] if writer else [])
 
     def step(self) -> Snapshot | None:

@@ -10,10 +10,7 @@ Example:
     >>> sink.write(100, {"loss_scale/scale": 32768.0}); sink.close()  # doctest: +SKIP
 """
 
-import importlib
-from typing import Any
-
-from lossscale_callbacks._extras import require
+from lossscale_callbacks._extras import lazy_attributes, require
 
 # The event-file protos: TensorBoard installed without protobuf is reported here too, naming the extra.
 require("tensorboard.compat.proto.event_pb2", "tensorboard", feature="lossscale_callbacks.tensorboard")
@@ -22,12 +19,9 @@ require("tensorboard.compat.proto.event_pb2", "tensorboard", feature="lossscale_
 __all__ = ["TensorBoardSink"]
 
 
-def __getattr__(attr: str) -> Any:
-    # The sink is imported when it is asked for: `report` reads runs through this package's reader
-    # without loading the writer.
-    if attr == "TensorBoardSink":
-        return importlib.import_module("lossscale_callbacks.tensorboard._sink").TensorBoardSink
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+# The sink is imported when it is asked for: `report` reads runs through this package's reader
+# without loading the writer.
+__getattr__ = lazy_attributes(__name__, {"TensorBoardSink": "lossscale_callbacks.tensorboard._sink"})
 
 
 def __dir__() -> list[str]:

@@ -35,6 +35,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
+from lossscale_callbacks._metrics import TAG_PREFIX
 from lossscale_callbacks._run_readers import (
     GROWTH_INTERVAL,
     MAX_SCALE,
@@ -66,7 +67,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------- folded in from _event_layouts
+# ----------------------------------------
 # Decode many scalar events at once: the records of one *layout* differ only in their numbers.
 #
 # A sink writes the same event at every log interval: the same tags, the same tensor types; only the
@@ -231,7 +232,7 @@ def decode_rows(layout: Layout, rows: np.ndarray) -> tuple[np.ndarray, list[tupl
 
 
 
-# ---------------------------------------- folded in from _records
+# ----------------------------------------
 # The record framing of TensorBoard event files, read in chunks, with every checksum that matters verified.
 #
 # An event file is a sequence of records: the data's length (8 bytes, little-endian), the masked
@@ -503,7 +504,7 @@ def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Itera
                 return
 
 
-_WANTED = b"loss_scale/"
+_WANTED = TAG_PREFIX.encode()
 _NEW_LAYOUTS = 8  # per record length and batch; past that (a file of odd records) protobuf parses them
 # A scalar tensor's value: its repeated field, or the NumPy type of its raw bytes (tensor_content).
 _FIELDS = {types_pb2.DT_FLOAT: "float_val", types_pb2.DT_DOUBLE: "double_val", types_pb2.DT_HALF: "half_val",
@@ -695,13 +696,13 @@ class _Collector:
         steps, values = decode_rows(layout, rows[matched])
         places = order[matched]  # one array for every tag of these records: series() sorts it once
         for tag, column in values:
-            if "loss_scale/" in tag:
+            if TAG_PREFIX in tag:
                 self.columns.setdefault(tag, []).append((places, steps, column))
 
     def _parse_one(self, file_path: str, index: int, data: bytes) -> None:
         event = _parse(file_path, data)
         for value in event.summary.value:
-            if "loss_scale/" not in value.tag:
+            if TAG_PREFIX not in value.tag:
                 continue
             text = _text(value)
             if text is not None:
@@ -825,7 +826,7 @@ def read_texts(path: str) -> list[tuple[str, int, str]]:
     return out
 
 
-# The examples of the modules folded in above, run by doctest as the docstrings' are.
+# The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "event_layouts": """
     >>> from tensorboard.compat.proto import event_pb2, summary_pb2

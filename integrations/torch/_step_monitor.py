@@ -9,13 +9,15 @@ and ``should_stop``, the checkpoint and the summary are this class's, so both be
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._logging_loop import LoggingLoop, check_log_every
+from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, check_log_every, logging_args
 from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks.torch._reader import ScalerReader
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = ["ScalerStepMonitor"]
 
@@ -30,9 +32,12 @@ class ScalerStepMonitor:
     :attr:`should_stop` on all alike (break out of the loop when it is true).
 
     Args:
-        scaler: what :class:`~lossscale_callbacks.torch._reader.ScalerReader` reads.
-        log_every, health, tensorboard, wandb, sinks, writer, echo: the shared logging arguments of
-            :class:`~lossscale_callbacks.LoggingLoop`.
+        scaler: what :class:`~lossscale_callbacks.torch.ScalerReader` reads.
+        log_every: optimizer steps between reads (>= 1).
+        **logging: the logging arguments, handed to the :class:`~lossscale_callbacks.LoggingLoop`
+            as given (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``, ``echo=``; see its
+            Args);
+        writer: whether this process writes to the sinks and prints.
         run_sinks: the framework's loggers or trackers, written and flushed, never closed here.
 
     Example:
@@ -54,13 +59,12 @@ class ScalerStepMonitor:
     # What must have happened before the first step() (the framework's words), for its error.
     _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated"
 
-    def __init__(self, scaler: Any, *, log_every: int = 100, health: HealthSpec = "warn",
-                 tensorboard: Any = None, wandb: Any = None, sinks: Iterable[Sink] = (),
-                 writer: bool = True, echo: Any = print, run_sinks: Iterable[Sink] = ()) -> None:
+    def __init__(self, scaler: Any, *, log_every: int = 100, writer: bool = True,
+                 run_sinks: Iterable[Sink] = (), **logging: Unpack[LoggingArgs]) -> None:
         check_log_every(log_every, optional=False)  # a step monitor has no other interval rule
         self.reader = ScalerReader(scaler)
-        self.loop = LoggingLoop(self.reader.policy, log_every=log_every, tensorboard=tensorboard, wandb=wandb,
-                                sinks=sinks, health=health, writer=writer, echo=echo)
+        self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
+                                **logging_args(type(self).__name__, logging))
         self.loop.start(sinks=run_sinks)
         self.loop.restart_interval(self.reader.steps)
 
@@ -114,5 +118,4 @@ class ScalerStepMonitor:
         """
         self.reader.load_state_dict(state)
         self.loop.set_policy(self.reader.policy)
-        self.loop.restart_interval(self.reader.steps)
-        self.loop.baseline(self.reader.read())  # one read now, not a step
+        self.loop.resume_at(self.reader.steps, self.reader.read)

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import weakref
-from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
 from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._health import HealthSpec
-from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, logging_args
 from lossscale_callbacks._policy import Policy, check_policy
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks.accelerate._install import install_loss_scaler
 from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = ["LossScaleTrainerCallback"]
 
@@ -66,8 +65,10 @@ class LossScaleTrainerCallback(TrainerCallback):
         scaler: install this scaler instead (a ``LossScaler`` or a ``torch.amp.GradScaler``).
         log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop` in optimizer steps: also
             asks the Trainer to log then (``None``: its ``logging_steps`` alone decide).
-        health, tensorboard, wandb, sinks, echo: the shared logging arguments of
-            :class:`~lossscale_callbacks.LoggingLoop` (``health="stop"`` sets ``should_training_stop``).
+        **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
+            ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
+            its Args); ``health="stop"`` sets ``should_training_stop``; the default ``echo`` writes
+            through tqdm, on lines of their own above the Trainer's progress bar.
 
     Attributes:
         installed: the scaler :meth:`attach` installed (``None`` when it reads the Trainer's own).
@@ -88,9 +89,7 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def __init__(self, *, policy: Policy | None = None, diagnose: bool | str = False,
                  scaler: torch.amp.GradScaler | None = None, log_every: int | None = None,
-                 health: HealthSpec = "warn", tensorboard: str | os.PathLike[str] | None = None,
-                 wandb: bool | Mapping[str, Any] | None = None, sinks: Iterable[Sink] = (),
-                 echo: Any = print) -> None:
+                 **logging: Unpack[LoggingArgs]) -> None:
         self.diagnose = check_diagnose(diagnose)
         if policy is not None:
             check_policy("policy", policy)
@@ -98,9 +97,10 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._given_scaler = scaler
         self.installed: torch.amp.GradScaler | None = None
         # Every argument checked now (tensorboard=/wandb= need their extras now, not when training starts).
-        self.loop = LoggingLoop(None, log_every=log_every, tensorboard=tensorboard, wandb=wandb, sinks=sinks,
-                                health=health, stop=self._request_stop,
-                                echo=_above_progress_bars if echo is print else echo)
+        logging = logging_args("LossScaleTrainerCallback", logging)
+        if logging.get("echo", print) is print:  # the summary on lines of its own, above tqdm's bars
+            logging["echo"] = _above_progress_bars
+        self.loop = LoggingLoop(None, log_every=log_every, stop=self._request_stop, **logging)
         self.reader: ScalerReader | None = None
         self._trainer: weakref.ref[Trainer] | None = None
         self._read_at = 0
@@ -168,11 +168,9 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         self._stop_requested = False
         self.loop.start(policy=self.reader.policy, writer=bool(state.is_world_process_zero))
-        self.loop.restart_interval(state.global_step)
         if state.global_step > 0:
             self._resume_counts(state)
-            # Resumed: one read now (not a step), so the first interval covers only its own steps.
-            self.loop.baseline(self.reader.read())
+        self.loop.resume_at(state.global_step, self.reader.read if state.global_step > 0 else None)
 
     def _resume_counts(self, state: Any) -> None:
         """The counts saved with the checkpoint (a stock scaler keeps none); without them, a scaler that

@@ -10,10 +10,7 @@ Example:
     >>> sink.write(100, {"loss_scale/scale": 32768.0}); sink.close()   # doctest: +SKIP
 """
 
-import importlib
-from typing import Any
-
-from lossscale_callbacks._extras import require
+from lossscale_callbacks._extras import lazy_attributes, require
 
 require("wandb", "wandb", feature="lossscale_callbacks.wandb")
 
@@ -21,12 +18,9 @@ require("wandb", "wandb", feature="lossscale_callbacks.wandb")
 __all__ = ["WandbSink"]
 
 
-def __getattr__(attr: str) -> Any:
-    # The sink is imported when it is asked for: `report` reads runs through this package's reader
-    # without loading the writer.
-    if attr == "WandbSink":
-        return importlib.import_module("lossscale_callbacks.wandb._sink").WandbSink
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+# The sink is imported when it is asked for: `report` reads runs through this package's reader
+# without loading the writer.
+__getattr__ = lazy_attributes(__name__, {"WandbSink": "lossscale_callbacks.wandb._sink"})
 
 
 def __dir__() -> list[str]:

@@ -23,6 +23,13 @@ import wandb
 
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._health import Verdict
+from lossscale_callbacks._metrics import (
+    FINAL_SCALE,
+    OVERALL_SKIP_RATE,
+    STEP_METRIC,
+    TAG_PREFIX,
+    TOTAL_SKIPPED_STEPS,
+)
 from lossscale_callbacks._sinks import ManagedSink
 from lossscale_callbacks._stacklevel import user_stacklevel
 from lossscale_callbacks._validation import check_number
@@ -37,10 +44,6 @@ __all__ = [
     "verdict_alert",
 ]
 
-STEP_METRIC = "loss_scale/step"
-FINAL_SCALE = "loss_scale/final_scale"
-TOTAL_SKIPPED_STEPS = "loss_scale/total_skipped_steps"
-OVERALL_SKIP_RATE = "loss_scale/overall_skip_rate"
 
 _LEVELS = ("INFO", "WARN", "ERROR")
 _VERDICT_LEVEL = {"warn": "WARN", "stop": "ERROR", "raise": "ERROR"}
@@ -169,7 +172,7 @@ class _WandbBackend:
             # Put the loss-scale metrics on the optimizer-step axis (skipped steps included),
             # independent of W&B's own _step, which every other log call also advances.
             self.run.define_metric(STEP_METRIC, hidden=True)
-            self.run.define_metric("loss_scale/*", step_metric=STEP_METRIC)
+            self.run.define_metric(f"{TAG_PREFIX}*", step_metric=STEP_METRIC)
             self._prepared = self.run
         return self.run
 
