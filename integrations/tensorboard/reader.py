@@ -33,10 +33,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
+from lossscale_callbacks.metrics import SCALE as SCALE_TAG
 from lossscale_callbacks.policy_text import policy_bounds_from_markdown, policy_values_from_markdown
 from lossscale_callbacks.run_discovery import is_event_file_name, is_regular_file
 from lossscale_callbacks.run_readers import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, RunReadError, RunSeries
 from lossscale_callbacks.sinks import POLICY_TAG
+from lossscale_callbacks.tensorboard._writers import check_one_writer_at_a_time
 from lossscale_callbacks.tensorboard.event_layouts import Layout, decode_rows, layout_of, match_rows
 from lossscale_callbacks.tensorboard.records import FileReading, RecordRows, iter_record_batches
 
@@ -250,6 +252,12 @@ class _Collector:
             if number is not None:
                 self.points.setdefault(value.tag, []).append((index, int(event.step), number))
 
+    def scale_points(self) -> int:
+        """How many ``loss_scale/scale`` points were collected so far (Keras' ``batch_`` copies of the
+        logs, written beside our sink by its TensorBoard callback, are another writer's on purpose)."""
+        return (sum(len(part[0]) for part in self.columns.get(SCALE_TAG, []))
+                + len(self.points.get(SCALE_TAG, [])))
+
     def series(self) -> dict[str, list[tuple[int, float]]]:
         """Every scalar tag's ``(step, value)`` pairs in the order they were written.
 
@@ -281,12 +289,18 @@ class _Collector:
 
 def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Collector:
     collector = _Collector()
+    writers = []  # the files that hold the loss scale: one at a time, or two writers (see _writers)
     for number, file_path in enumerate(files):
         reading = FileReading(file_path)
+        before = collector.scale_points()
         for groups in _batches(file_path, reading):
             collector.add(file_path, number, groups)
         damage.extend(reading.damage)
         notes.extend([reading.ended_early] if reading.ended_early else [])
+        if collector.scale_points() > before:
+            writers.append((file_path, _opened_at(file_path)))
+    if len(writers) > 1:
+        check_one_writer_at_a_time(os.path.dirname(files[0]), writers)
     return collector
 
 
