@@ -90,10 +90,8 @@ class LoggingLoop:
     later metrics write carries ``loss_scale/segment`` (1, 2, ...; never written in a run without a
     restart), a ``loss_scale/restart`` text says from which step to which, the first read of the
     segment writes no interval metrics (its interval is not known), the health rules judge the new
-    segment from scratch and the summary names the restarts. The sinks' step axis keeps increasing:
-    a segment whose steps would land on steps already written is shifted to continue after the
-    highest (its own optimizer steps stay in ``loss_scale/steps``), so nothing is written over and no
-    chart draws two segments on top of each other.
+    segment from scratch and the summary names the restarts. The segment continues the sinks' step
+    axis after the highest step written (its steps are in ``loss_scale/steps``): nothing is overwritten.
 
     Rank rules, the same in every integration: only the writer process (global rank 0 by default)
     writes to the sinks and prints; the health rules run on every rank (each rank holds the same

@@ -46,16 +46,12 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
     (each holds the same state, so a ``"stop"`` rule sets :attr:`should_stop` on all alike; break
     out of the loop when it is true), the summary printed at the end.
 
-    Resuming needs nothing more: the monitor hooks into ``accelerator.save_state``, which then also
-    writes ``loss_scale_counts.json`` (the state read at the save: the steps and the skipped steps,
-    which a stock ``GradScaler`` does not checkpoint), and ``load_state`` reads it back (checked,
-    ``ValueError`` naming the field), so the first interval after a resume counts only its own
-    steps. A loop without the monitor loads such a checkpoint (Accelerate ignores the file), and the
-    monitor loads one without it (a stock scaler then counts from 0). Do not register the monitor
-    with ``register_for_checkpointing``: a registered object makes checkpoints that only a loop
-    registering the same objects can load. The trackers are Accelerate's to close
-    (``accelerator.end_training()``); :meth:`finish` closes only the sinks made from
-    ``tensorboard=``/``wandb=``.
+    Resuming needs nothing more (no ``register_for_checkpointing``): ``save_state`` also writes
+    ``loss_scale_counts.json`` (the steps and skipped steps, which a stock ``GradScaler`` does not
+    keep) and ``load_state`` reads it back, checked, so the first interval after a resume counts only
+    its own steps; a loop without the monitor loads such a checkpoint, and the monitor one without
+    the file. The trackers are Accelerate's to close (``accelerator.end_training()``); :meth:`finish`
+    closes only the sinks made from ``tensorboard=``/``wandb=``.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose scaler is read.

@@ -64,10 +64,11 @@ class LossScaleTrainerCallback(TrainerCallback):
     :func:`~lossscale_callbacks.accelerate.install_loss_scaler` (a
     :class:`~lossscale_callbacks.torch.LossScaler` with that policy and forensics, or the scaler
     given), which also makes ``fp16=True`` real on the CPU: there Accelerate makes no scaler and no
-    autocast, and the Trainer trains in float32 without a word. The Trainer saves and resumes the
-    installed scaler in its checkpoints (``scaler.pt``). (The Trainer holds its LR scheduler on a
-    skipped step only when Accelerate sees the skip: a fused optimizer, the default
-    ``adamw_torch_fused``, skips on the device, and the scheduler advances there, with either scaler.)
+    autocast, and the Trainer trains in float32 without a word. The Trainer resumes the installed
+    scaler from ``scaler.pt``, and the counts a stock one lacks from ``trainer_state.json``. (The
+    Trainer holds its LR scheduler on a skipped step only when Accelerate sees the skip: a fused
+    optimizer, the default ``adamw_torch_fused``, skips on the device, and the scheduler advances
+    there, with either scaler.)
 
     Give the callback to the Trainer with :meth:`attach` (not ``callbacks=[...]``): installing a
     scaler must happen before the Trainer prepares the model, and the Trainer calls callbacks in
