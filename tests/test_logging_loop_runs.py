@@ -366,3 +366,13 @@ def test_two_writers_at_once_in_one_folder_are_told_apart_from_a_restart(tmp_pat
             loop.observe(_host(step, 0))
         loop.finish()
     assert [step for step, _ in read_run(str(tmp_path / "resumed"))[m.SCALE]] == [100, 200, 300, 200, 300]
+
+
+def test_a_restart_whose_sink_steps_went_on_is_not_shifted():
+    """A new scaler in a run whose own logging step goes on (Lightning's): nothing to move."""
+    memory = InMemorySink()
+    loop = LoggingLoop(DynamicPolicy(), sinks=[memory], echo=None, health=None)
+    loop.observe(_host(50, 0), sink_step=50)
+    loop.observe(_host(10, 0), sink_step=60)  # the scaler was replaced; the logging step went on
+    loop.observe(_host(20, 0), sink_step=70)
+    assert [step for step, _ in memory.records] == [50, 60, 70] and loop.segment == 1
