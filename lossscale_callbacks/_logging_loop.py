@@ -440,9 +440,9 @@ class LoggingLoop:
         the highest step written shifts the segment past it (after the step it began from when known)."""
         at = step + self._sink_offset
         if self._segment_from is not None:
-            begins = self._segment_from + self._sink_offset if self._segment_from < step else at - 1
-            if self._highest_at is not None and begins < self._highest_at:
-                self._sink_offset += self._highest_at - begins
+            if self._highest_at is not None and at <= self._highest_at:
+                begins = self._segment_from + self._sink_offset if self._segment_from < step else at - 1
+                self._sink_offset += self._highest_at - min(begins, at - 1)
                 at = step + self._sink_offset
             self._segment_from = None
         return at

@@ -1,6 +1,7 @@
 """LossScaleCallback: quiet defaults in Keras' logs, arguments and extras checked at construction, one W&B run
 per fit even after a crash (issues 19, 20, 24)."""
 
+import csv
 import glob
 import subprocess
 import sys
@@ -129,11 +130,14 @@ def test_csvlogger_without_validation_gets_no_loss_scale_columns_by_default(tmp_
 
 
 @pytest.mark.parametrize("poisoned, shown", [((), "0"), ((1,), "1")])
-def test_the_progress_bar_shows_the_skipped_steps_as_an_integer(capsys, poisoned, shown):
+def test_the_progress_bar_shows_the_skipped_steps_as_an_integer(tmp_path, capsys, poisoned, shown):
     """Issue 30: the bar showed ``loss_scale/skipped_steps: 0.0000e+00``."""
-    history = _fit([LossScaleCallback(log_every=2, policy=POLICY, health=None, log_metrics=[SKIPPED_STEPS])],
-                   poisoned=poisoned, verbose=1)
+    csv_logger = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
+    history = _fit([LossScaleCallback(log_every=2, policy=POLICY, health=None, log_metrics=[SKIPPED_STEPS]),
+                    csv_logger], poisoned=poisoned, verbose=1)
     bar = capsys.readouterr().out.split("Loss scaling:")[0]
     assert f"loss_scale/skipped_steps: {shown} " in bar or bar.rstrip().endswith(f"skipped_steps: {shown}")
     assert "e+00" not in bar
     assert history.history[SKIPPED_STEPS] == [float(shown)]  # History keeps a number
+    (row,) = csv.DictReader(open(tmp_path / "log.csv"))
+    assert row[SKIPPED_STEPS] == shown  # as the int it was before

@@ -339,3 +339,40 @@ def test_a_short_run_says_in_a_few_words_that_its_skip_rate_was_not_judged():
         loop.observe(_host(step, 0 if step <= 120 else 2))  # skips after the warm-up: they matter
     text = loop.finish()
     assert "only 50 steps came after the 100-step warm-up (at least 100 are needed); overall 1.33%" in text
+
+
+def test_two_writers_at_once_in_one_folder_are_told_apart_from_a_restart(tmp_path, capsys):
+    """Issue 30: two processes logging into one folder at the same time were reported as a 'restart'."""
+    pytest.importorskip("tensorboard")
+    from lossscale_callbacks._cli import main
+    from lossscale_callbacks.tensorboard._reader import RunReadError, read_run
+
+    first = LoggingLoop(DynamicPolicy(), tensorboard=str(tmp_path / "both"), echo=None, health=None)
+    second = LoggingLoop(DynamicPolicy(), tensorboard=str(tmp_path / "both"), echo=None, health=None)
+    for step in (100, 200, 300):  # interleaved: each writer still writes after the other opened
+        first.observe(_host(step, 0))
+        second.observe(_host(step, 0))
+    first.finish()
+    second.finish()
+    with pytest.raises(RunReadError, match="two writers wrote the loss scale into this folder at the same"):
+        read_run(str(tmp_path / "both"))
+    main(["report", str(tmp_path / "both")])
+    out = capsys.readouterr()
+    assert "two writers" in out.out + out.err and "restarted" not in out.out
+    # One after the other (a job resumed from a checkpoint): a restart, as before.
+    for steps in ((100, 200, 300), (200, 300)):
+        loop = LoggingLoop(DynamicPolicy(), tensorboard=str(tmp_path / "resumed"), echo=None, health=None)
+        for step in steps:
+            loop.observe(_host(step, 0))
+        loop.finish()
+    assert [step for step, _ in read_run(str(tmp_path / "resumed"))[m.SCALE]] == [100, 200, 300, 200, 300]
+
+
+def test_a_restart_whose_sink_steps_went_on_is_not_shifted():
+    """A new scaler in a run whose own logging step goes on (Lightning's): nothing to move."""
+    memory = InMemorySink()
+    loop = LoggingLoop(DynamicPolicy(), sinks=[memory], echo=None, health=None)
+    loop.observe(_host(50, 0), sink_step=50)
+    loop.observe(_host(10, 0), sink_step=60)  # the scaler was replaced; the logging step went on
+    loop.observe(_host(20, 0), sink_step=70)
+    assert [step for step, _ in memory.records] == [50, 60, 70] and loop.segment == 1

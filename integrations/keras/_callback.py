@@ -370,9 +370,10 @@ class LossScaleCallback(keras.callbacks.Callback):
 
 
 class _Count(float):
-    """A count in Keras' ``logs``: a float to every consumer (History, CSVLogger, TensorBoard), shown
-    as an integer by the progress bar, which formats every value as ``{:.4e}`` or ``{:.4f}``
-    (``skipped_steps: 0.0000e+00``). Keras divides a value by its count of 1 before formatting."""
+    """A count in Keras' ``logs``: a number to every consumer (History, TensorBoard), written as an
+    integer by the progress bar, which formats every value as ``{:.4e}`` or ``{:.4f}``
+    (``skipped_steps: 0.0000e+00``), and by ``CSVLogger``, as the ``int`` it was before. Keras divides
+    a value by its count of 1 before formatting."""
 
     def __truediv__(self, other: Any) -> Any:
         quotient = float(self) / other
@@ -380,6 +381,11 @@ class _Count(float):
 
     def __format__(self, spec: str) -> str:
         return str(int(self)) if float(self).is_integer() else float(self).__format__(spec)
+
+    def __repr__(self) -> str:
+        return str(int(self)) if float(self).is_integer() else float.__repr__(self)
+
+    __str__ = __repr__
 
 
 def _strategy_scope(model: keras.Model) -> Any:

@@ -35,6 +35,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
+from lossscale_callbacks._metrics import SCALE as SCALE_TAG
 from lossscale_callbacks._metrics import TAG_PREFIX
 from lossscale_callbacks._run_readers import (
     GROWTH_INTERVAL,
@@ -47,6 +48,7 @@ from lossscale_callbacks._run_readers import (
     is_regular_file,
 )
 from lossscale_callbacks._sinks import POLICY_TAG, policy_bounds_from_markdown, policy_values_from_markdown
+from lossscale_callbacks.tensorboard._writers import check_one_writer_at_a_time
 
 __all__ = [
     "FileReading",
@@ -712,6 +714,12 @@ class _Collector:
             if number is not None:
                 self.points.setdefault(value.tag, []).append((index, int(event.step), number))
 
+    def scale_points(self) -> int:
+        """How many ``loss_scale/scale`` points were collected so far (Keras' ``batch_`` copies of the
+        logs, written beside our sink by its TensorBoard callback, are another writer's on purpose)."""
+        return (sum(len(part[0]) for part in self.columns.get(SCALE_TAG, []))
+                + len(self.points.get(SCALE_TAG, [])))
+
     def series(self) -> dict[str, list[tuple[int, float]]]:
         """Every scalar tag's ``(step, value)`` pairs in the order they were written.
 
@@ -747,8 +755,10 @@ def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Colle
     none can be read."""
     collector = _Collector()
     unreadable: list[str] = []
+    writers = []  # the files that hold the loss scale: one at a time, or two writers (see _writers)
     for number, file_path in enumerate(files):
         reading = FileReading(file_path)
+        before = collector.scale_points()
         try:
             for groups in _batches(file_path, reading):
                 collector.add(file_path, number, groups)
@@ -763,6 +773,10 @@ def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Colle
             continue
         damage.extend(reading.damage)
         notes.extend([reading.ended_early] if reading.ended_early else [])
+        if collector.scale_points() > before:
+            writers.append((file_path, _opened_at(file_path)))
+    if len(writers) > 1:
+        check_one_writer_at_a_time(os.path.dirname(files[0]), writers)
     if unreadable and len(unreadable) == len(files):
         raise RunReadError(f"none of the {len(files)} event files can be read"
                            + "".join(f": {u}" for u in unreadable if u)[:1000])

@@ -54,9 +54,10 @@ class LossScaleTrainerCallback(TrainerCallback):
     The scaler read is the Trainer's (Accelerate's ``GradScaler``, whose skips are counted on the
     device) or, with ``policy``, ``diagnose`` or ``scaler`` given, the one :meth:`attach` installs
     with :func:`~lossscale_callbacks.accelerate.install_loss_scaler`, which also makes ``fp16=True``
-    real on the CPU. Give the callback to the Trainer with :meth:`attach`, not ``callbacks=[...]``:
-    the scaler must be installed before the Trainer prepares the model, and this callback must run
-    before the ``report_to`` integrations log.
+    real on the CPU. The Trainer resumes the installed scaler from ``scaler.pt``, and the counts a
+    stock one lacks from ``trainer_state.json``. Give the callback to the Trainer with :meth:`attach`,
+    not ``callbacks=[...]``: the scaler must be installed before the Trainer prepares the model, and
+    this callback must run before the ``report_to`` integrations log.
 
     Args:
         policy: install a ``LossScaler`` with this policy.
