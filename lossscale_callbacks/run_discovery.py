@@ -8,7 +8,9 @@ one, read or with the reason it was not. What counts as a run:
   are runs of their own);
 * an ``offline-run-*``/``run-*`` folder with a ``.wandb`` file: one W&B run (its ``files/`` and
   ``logs/`` belong to it); any other ``.wandb`` file is a W&B run by itself;
-* a folder that cannot be listed (no permission): reported, since runs may be inside.
+* a folder that cannot be listed (no permission): reported, since runs may be inside;
+* any other file that another engine's log or a Trainer state by its first 64 KiB (DeepSpeed, apex,
+  fairseq, Megatron-LM, ``trainer_state.json``; :mod:`._engine_sniff`): the one exception to names only.
 
 Symbolic links to folders are followed once: a link to a folder outside the tree is walked under
 the link's name, a link to a folder inside it (W&B's ``latest-run``) is the same run and is not
@@ -28,8 +30,10 @@ import dataclasses
 import os
 import stat
 
-__all__ = ["TENSORBOARD", "WANDB", "FoundRun", "discover_runs", "is_event_file_name", "is_regular_file",
-           "kind_of_file"]
+from lossscale_callbacks._engine_sniff import ENGINE_LOG, looks_like_engine_log
+
+__all__ = ["ENGINE_LOG", "TENSORBOARD", "WANDB", "FoundRun", "discover_runs", "is_event_file_name",
+           "is_regular_file", "kind_of_file"]
 
 TENSORBOARD, WANDB = "tensorboard", "wandb"
 _WANDB_RUN_FOLDERS = ("offline-run-", "run-")
@@ -84,7 +88,10 @@ def _runs_in_folder(folder: str, files: list[str]) -> tuple[list[FoundRun], bool
     if wandb_files and os.path.basename(os.path.normpath(folder)).startswith(_WANDB_RUN_FOLDERS):
         return [FoundRun(folder, WANDB)], True
     found = [FoundRun(folder, TENSORBOARD)] if any(is_event_file_name(f) for f in regular) else []
-    return found + [FoundRun(os.path.join(folder, f), WANDB) for f in wandb_files], False
+    found += [FoundRun(os.path.join(folder, f), WANDB) for f in wandb_files]
+    # Other engines' logs and Trainer states, recognised by their content.
+    return found + [FoundRun(os.path.join(folder, f), ENGINE_LOG) for f in regular
+                    if kind_of_file(f) is None and looks_like_engine_log(os.path.join(folder, f))], False
 
 
 def _overlaps(path: str, trees: set[str]) -> bool:
@@ -120,7 +127,10 @@ def discover_runs(root: str) -> list[FoundRun]:
     ``root`` itself, when it is a file, gives one run; when it is a run folder, it is the first run.
     """
     if not os.path.isdir(root):
-        return [FoundRun(root, kind_of_file(root))] if os.path.lexists(root) else []
+        if not os.path.lexists(root):
+            return []
+        sniffed = is_regular_file(root) and looks_like_engine_log(root)
+        return [FoundRun(root, kind_of_file(root) or (ENGINE_LOG if sniffed else None))]
     found: list[FoundRun] = []
     _walk(root, {os.path.realpath(root)}, found)
     return sorted(found, key=lambda run: run.path.split(os.sep))

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata as importlib_metadata
 from typing import Any
 
+from lossscale_callbacks._engine_sniff import ENGINE_LOG, looks_like_engine_log
 from lossscale_callbacks.extras import EXTRAS, install_hint
-from lossscale_callbacks.run_discovery import TENSORBOARD, WANDB, kind_of_file
+from lossscale_callbacks.run_discovery import TENSORBOARD, WANDB, is_regular_file, kind_of_file
 
 __all__ = [
     "GROWTH_INTERVAL",
@@ -133,9 +134,11 @@ def load_reader(name: str) -> Reader:
 
 
 def _guess_order(path: str) -> list[str]:
-    """Every installed reader, the one the path's name suggests first (TensorBoard's when it says nothing)."""
-    names = list(_entry_points())
-    first = kind_of_file(path) or TENSORBOARD
+    """Every installed reader, the one the path's name suggests first (TensorBoard's when it says nothing);
+    the engine-log reader only for a file whose content is another engine's log (it reads any text)."""
+    engine_log = is_regular_file(path) and looks_like_engine_log(path)
+    names = [name for name in _entry_points() if name != ENGINE_LOG or engine_log]
+    first = ENGINE_LOG if engine_log else kind_of_file(path) or TENSORBOARD
     return sorted(names, key=lambda name: name != first)
 
 
