@@ -6,7 +6,7 @@ matches the message only (``re.search``), so a logger's prefix (DeepSpeed's ``[t
 Numbers are matched as Python prints them (``65536``, ``65536.0``, ``1e-05``, ``inf``).
 
 Example:
-    >>> MEGATRON_ITERATION.search(" iteration       10/     100 | loss scale: 4096.0 |"
+    >>> MEGATRON_LOSS_SCALE.search(" iteration       10/     100 | loss scale: 4096.0 |"
     ...     " number of skipped iterations:   1 | number of nan iterations:   0 |").group("scale")
     '4096.0'
 """
@@ -96,10 +96,11 @@ FAIRSEQ_MIN_SCALE = re.compile(rf"'min_loss_scale': (?P<value>{_NUM})")
 #   ' number of skipped iterations: {:3d} |', ' number of nan iterations: {:3d} |'
 # The two counts cover the log interval (total_loss_dict is reset after each line); the iteration
 # counts skipped iterations too.
-MEGATRON_ITERATION = re.compile(
-    r"\biteration\s+(?P<iteration>\d+)/\s*\d+ \|.*? loss scale: "
-    rf"(?P<scale>{_NUM}) \|.*? number of skipped iterations:\s*(?P<skipped>\d+) \|"
-    r"(?: number of nan iterations:\s*(?P<nan>\d+) \|)?")
+# Four searches, each led by its literal text (a regex that spans the line scans it several times over).
+MEGATRON_ITERATION = re.compile(r"iteration\s+(?P<iteration>\d+)/\s*\d+ \|")
+MEGATRON_LOSS_SCALE = re.compile(rf" loss scale: (?P<scale>{_NUM}) \|")
+MEGATRON_SKIPPED = re.compile(r" number of skipped iterations:\s*(?P<skipped>\d+) \|")
+MEGATRON_NAN = re.compile(r" number of nan iterations:\s*(?P<nan>\d+) \|")
 # megatron/training/arguments.py _print_args: '  {arg} {dots} {value}' with 48 - len(arg) dots.
 MEGATRON_ARG = re.compile(rf"^\s*(?P<arg>loss_scale_window|min_loss_scale) \.+ (?P<value>{_NUM})\s*$")
 
@@ -110,8 +111,10 @@ MEGATRON_ARG = re.compile(rf"^\s*(?P<arg>loss_scale_window|min_loss_scale) \.+ (
 # last step, NaN/Infinity when its gradients were not finite and the GradScaler skipped it).
 TRAINER_STATE_KEYS = ("log_history", "global_step")
 
-# A line that speaks of loss scaling or skipped steps: when it matches none of the formats above it is
-# counted and quoted as a format this reader does not know.
-LOSS_SCALE_WORDS = re.compile(r"(?i)overflow|loss[ _]?scal|skipping (?:step|update)|skipped iter")
+# A line that speaks of loss scaling or skipped steps (its lower-case text holds one of these): every line of
+# the formats above does (DeepSpeed's initial_dynamic_scale dump line aside), and one that matches none
+# of them is counted and quoted as a format this reader does not know. Substring tests, not a regex: a
+# log's lines are mostly unrelated, and these reject them fastest.
+LOSS_SCALE_WORDS = ("overflow", "loss scal", "loss_scal", "skipp")
 # A config dump line ("  name ...... value"): settings, not events (DeepSpeed and Megatron print them).
 SETTING_LINE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)*\s*\w+ \.{3,} ")

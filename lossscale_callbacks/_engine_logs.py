@@ -50,18 +50,25 @@ class _Lines:
 
     def feed(self, number: int, line: str, last: bool) -> None:
         self.total += 1
-        for parser in self.parsers:
-            if any(marker in line for marker in parser.markers) and parser.feed(line):
-                return
+        low = line.lower()
+        related = any(map(low.__contains__, f.LOSS_SCALE_WORDS))
+        if (related or "initial_dynamic_scale" in line) and self._parsed(line):
+            return
         if last:  # the file ends inside this line: a log still being written
             self.truncated = (f"the file ends inside line {number} (a log still being written?): "
                               "it was not read")
             return
-        if f.SETTING_LINE.search(line) or not f.LOSS_SCALE_WORDS.search(line):
-            return  # a setting nobody needs, or a line unrelated to loss scaling
+        if not related or f.SETTING_LINE.search(line):
+            return  # a line unrelated to loss scaling, or a setting nobody needs
         self.unknown += 1
         if len(self.quoted) < _QUOTED:
             self.quoted.append(f"line {number}: {line.strip()[:120]!r}")
+
+    def _parsed(self, line: str) -> bool:
+        for parser in self.parsers:
+            if any(map(line.__contains__, parser.markers)) and parser.feed(line):
+                return True
+        return False
 
     def read(self, path: str) -> None:
         with open(path, encoding="utf-8", errors="replace") as file:

@@ -105,16 +105,19 @@ class MegatronParser(_Parser):
             if match:
                 self.settings[match["arg"]] = float(match["value"])
             return match is not None
-        match = f.MEGATRON_ITERATION.search(line)
-        if match is None:
+        found = [f.MEGATRON_ITERATION.search(line), f.MEGATRON_LOSS_SCALE.search(line),
+                 f.MEGATRON_SKIPPED.search(line)]
+        if not all(found):
             return False
         self.lines += 1
-        skipped, nan = int(match["skipped"]), int(match["nan"] or 0)
+        nan_match = f.MEGATRON_NAN.search(line)  # printed since 2020; older logs lack it
+        iteration, scale = int(found[0]["iteration"]), float(found[1]["scale"])
+        skipped = int(found[2]["skipped"])
+        nan = int(nan_match["nan"]) if nan_match else 0
         self.skipped += skipped
-        iteration = int(match["iteration"])
         if nan > skipped:
             self.disagree.append(f"iteration {iteration}: {nan} NaN iteration(s) but {skipped} skipped")
-        self.points.append((iteration, float(match["scale"]), self.skipped))
+        self.points.append((iteration, scale, self.skipped))
         return True
 
     def trajectory(self) -> Trajectory | None:
