@@ -1,0 +1,91 @@
+"""Each line format of each engine, one literal line apiece (as the engine's source prints it, versions in
+``lossscale_callbacks/_engine_formats.py``), read by its parser: the variants the trajectory tests do not
+write. Runtime: well under a second."""
+
+from __future__ import annotations
+
+import pytest
+
+from lossscale_callbacks._engine_parsers import ApexParser, DeepSpeedParser, FairseqParser, MegatronParser
+
+DS = "[2023-05-01 10:00:00,000] [INFO] "
+
+
+def _points(parser, lines):
+    for line in lines:
+        assert parser.feed(line), line
+    return parser.trajectory()
+
+
+def test_deepspeed_before_0_8_3_and_its_fused_optimizers():
+    # fused_optimizer.py / unfused_optimizer.py (verbose), and fused_optimizer.py's log_dist variant
+    trajectory = _points(DeepSpeedParser(), [
+        f"{DS}[fused_optimizer.py:174:step] [deepspeed] fp16 dynamic loss scale overflow! Skipping step. "
+        "Attempted loss scale: 65536.0, reducing to 32768.0",
+        f"{DS}[logging.py:96:log_dist] [Rank 0] Overflow detected. Skipping step. Attempted loss scale: "
+        "32768.0, reducing to 16384.0",
+        f"{DS}[logging.py:96:log_dist] [Rank 0] step=10, skipped=2, lr=[0.001], mom=[(0.9, 0.999)]"])
+    assert trajectory.points == [(10, 16384.0, 2)] and trajectory.findings == []
+
+
+def test_deepspeed_bf16_overflow_without_a_scale_is_counted_and_said():
+    parser = DeepSpeedParser()
+    trajectory = _points(parser, [
+        f"{DS}[config.py:1005:print]   initial_dynamic_scale ........ 1024",
+        f"{DS}[loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step.",
+        f"{DS}[logging.py:128:log_dist] [Rank 0] step=10, skipped=1, lr=[0.001], mom=[(0.9, 0.999)]"])
+    assert trajectory.points == [(10, 1024.0, 1)]
+    assert "gave no scale" in trajectory.findings[0]
+
+
+def test_fairseq_json_and_end_of_epoch_formats_and_the_amp_line():
+    prefix = "2025-09-30 07:16:06 | INFO | "
+    trajectory = _points(FairseqParser(), [
+        f"{prefix}fairseq.optim.amp_optimizer | AMP: overflow detected, setting scale to to 64.0",
+        # JsonProgressBar.log: json.dumps of "{:g}" strings
+        f'{prefix}train_inner | {{"epoch": 1, "update": 0.01, "loss": "9.8", "loss_scale": "64", '
+        '"num_updates": "9", "lr": "0.0005"}',
+        # SimpleProgressBar.print at the end of an epoch: "{prefix} | key value | ..."
+        f"{prefix}train | epoch 001 | loss 9.7 | loss_scale 128 | num_updates 19 | lr 0.0005",
+        f"{prefix}fairseq_cli.train | FloatingPointError: Minimum loss scale reached (0.0001). Your loss "
+        "is probably exploding. Try lowering the learning rate, using gradient clipping or increasing "
+        "the batch size."])
+    assert trajectory.points == [(10, 64.0, 1), (20, 128.0, 1)]
+    assert "Minimum loss scale reached (0.0001)" in trajectory.findings[0]
+
+
+def test_fairseq_six_digit_scales_are_read_as_the_power_of_two_they_print():
+    trajectory = _points(FairseqParser(), [
+        "epoch 001:    100 / 1000 loss=9.8, loss_scale=1.04858e+06, num_updates=100, lr=0.0005"])
+    assert trajectory.points == [(100, 2.0**20, 0)]
+
+
+def test_apex_fp16_optimizer_and_a_second_amp_loss_scaler():
+    trajectory = _points(ApexParser(), [
+        "Gradient overflow.  Skipping step, reducing loss scale to 2147483648.0",  # FP16_Optimizer
+        "OVERFLOW within closure! Skipping step, reducing loss scale to 1073741824.0"])
+    assert trajectory.points == [(1, 2.0**31, 1), (2, 2.0**30, 2)] and not trajectory.steps_known
+    amp = _points(ApexParser(), [
+        f"Gradient overflow.  Skipping step, loss scaler {loss} reducing loss scale to 32768.0"
+        for loss in (0, 1)])
+    assert amp.points == [(1, 32768.0, 1)] and "other than 0" in amp.findings[0]
+
+
+def test_megatron_arguments_and_a_line_from_before_nan_iterations():
+    trajectory = _points(MegatronParser(), [
+        "  loss_scale_window ............................... 1000.0",
+        "  min_loss_scale .................................. 1.0",
+        " iteration      100/    1000 | consumed samples:        25600 | loss scale: 131072.0 | "
+        "number of skipped iterations:   3 |"])
+    assert trajectory.points == [(100, 131072.0, 3)]
+    assert (trajectory.growth_interval, trajectory.min_scale) == (1000, 1.0)
+
+
+@pytest.mark.parametrize("line", [
+    "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1024, lowering to 512",
+    " iteration      100/    1000 | loss scale: 131072.0 | skipped: 3 |",
+    "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0",  # one space
+])
+def test_a_variant_of_a_known_format_is_not_read(line):
+    parsers = (DeepSpeedParser, MegatronParser, ApexParser, FairseqParser)
+    assert not any(parser().feed(line) for parser in parsers)
