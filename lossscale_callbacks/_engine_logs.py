@@ -140,7 +140,7 @@ def _read_trainer_state(path: str, state: dict[str, Any]) -> RunSeries:
     if not ours:
         raise NoLossScaleError(
             f"{path}: a Transformers Trainer state without a loss scale (the Trainer logs none; "
-            "lossscale_callbacks.transformers.LossScaleCallback adds it): "
+            "lossscale_callbacks.transformers.LossScaleTrainerCallback adds it): "
             + (f"{len(bad)} of {len(normed)} logged steps show a non-finite grad_norm, so those steps were "
                f"skipped (steps {', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}); skips "
                "between the logged steps are not known" if normed else "no grad_norm was logged either"))
@@ -150,7 +150,7 @@ def _read_trainer_state(path: str, state: dict[str, Any]) -> RunSeries:
             if tag.startswith("loss_scale/") and _finite(value):
                 series.setdefault(tag, []).append((int(entry["step"]), float(value)))
     notes = [f"Read as a Transformers Trainer state: {len(ours)} log(s) of lossscale_callbacks' "
-             "LossScaleCallback in log_history"]
+             "LossScaleTrainerCallback in log_history"]
     notes += _grad_norm_disagreement(ours, bad)
     return RunSeries(series, notes=notes)
 

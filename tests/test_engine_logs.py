@@ -240,3 +240,29 @@ def test_reading_grows_linearly_with_the_lines(tmp_path):
         return min(times)
 
     assert best(large) / best(small) < 8.0
+
+
+@pytest.mark.slow
+def test_a_real_trainers_state_reports_like_its_tensorboard_run(tmp_path):
+    """A tiny GPT-2 trained by a real Trainer in fp16 on the CPU, overflows injected at known steps: its
+    checkpoint's trainer_state.json (our callback's logs in log_history) and the TensorBoard run the
+    Trainer wrote give the same report. About 15 s on a quiet machine. (Without our callback the
+    Trainer has no loss scaler on the CPU at all, Accelerate's fp16 there being float32: that case is
+    the TrainerState test above.)"""
+    pytest.importorskip("transformers")
+    from hf_scripts import tiny_trainer as tiny
+
+    from lossscale_callbacks.transformers.callback import LossScaleTrainerCallback
+
+    policy = DynamicPolicy(initial_scale=1024.0, growth_interval=3)
+    trainer = tiny.trainer(str(tmp_path / "ours"), inject_at=(2, 5, 8, 9), save_strategy="steps",
+                           save_steps=12)
+    LossScaleTrainerCallback(policy=policy, echo=None).attach(trainer)
+    trainer.train()
+    found, state = _report(tmp_path / "ours" / "checkpoint-12" / "trainer_state.json")
+    _, board = _report(tmp_path / "ours" / "runs")
+    assert found.kind == ENGINE_LOG and (state.steps, state.skipped_steps) == (12, 4)
+    for name in ("steps", "skipped_steps", "final_scale", "min_scale_seen", "max_scale_seen", "log_points"):
+        assert getattr(state, name) == getattr(board, name), name
+    assert [(v.rule, v.step) for v in state.verdicts] == [(v.rule, v.step) for v in board.verdicts]
+

@@ -205,9 +205,13 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        logs.update(snapshot.metrics())
-        if forensics is not None:
-            logs.update(forensics.metrics())
+        added = {**snapshot.metrics(), **(forensics.metrics() if forensics is not None else {})}
+        logs.update(added)
+        # The Trainer appended a copy of `logs` to state.log_history before calling on_log: that entry
+        # gets the metrics too, so the checkpoints' trainer_state.json (read by `report`) holds them.
+        history = getattr(state, "log_history", None)
+        if history and isinstance(history[-1], dict) and history[-1].get("step") == state.global_step:
+            history[-1].update(added)
         if self._stop_requested:
             control.should_training_stop = True
 
