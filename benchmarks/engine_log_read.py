@@ -10,9 +10,9 @@ every 97 steps):
   log point, the worst case for the report's series.
 
 Each is timed in a fresh process (wall time, CPU time, peak memory of that process): ``report LOG``
-(the text report: reading, judging, printing), and the baseline, the same process reading the file's
-lines and doing nothing with them. The ratio is ours over that floor. Memory: the same run at a
-quarter of the lines shows what grows with the lines.
+(the text report: reading, judging, printing), the engine-log reader alone (the series, no judging),
+and the baseline, the same process reading the file's lines and doing nothing with them. The ratio is
+ours over that floor. Memory: the same run at a quarter of the lines shows what grows with the lines.
 
     python benchmarks/engine_log_read.py                  # 1,000,000 lines per log
     python benchmarks/engine_log_read.py --quick          # 3,000 lines: checks it runs
@@ -38,6 +38,12 @@ REPORT = """
 import sys
 from lossscale_callbacks.cli import main
 assert main(["report", sys.argv[1]]) == 0
+"""
+
+READER = """
+import sys
+from lossscale_callbacks._engine_logs import read_run
+print(len(read_run(sys.argv[1])["loss_scale/scale"]))
 """
 
 LINES_ONLY = """
@@ -90,12 +96,15 @@ def main(argv: list[str] | None = None) -> dict:
         path, quarter = os.path.join(folder, f"{engine}.log"), os.path.join(folder, f"{engine}-quarter.log")
         count = write_log(path, args.lines, engine)
         write_log(quarter, args.lines // 4, engine)
-        ours, floor, small = measure(REPORT, path), measure(LINES_ONLY, path), measure(REPORT, quarter)
+        ours, reader, floor = measure(REPORT, path), measure(READER, path), measure(LINES_ONLY, path)
+        small = measure(REPORT, quarter)
         result[engine] = {"lines": count, "mib": round(os.path.getsize(path) / 2**20), "report": ours,
-                          "lines_only": floor, "report_quarter": small}
+                          "reader": reader, "lines_only": floor, "report_quarter": small}
         print(f"{engine}: {count} lines, {result[engine]['mib']} MiB")
         print(f"  lossscale-callbacks report: {ours['seconds']:.2f} s wall, {ours['cpu_seconds']:.2f} s CPU, "
               f"peak {ours['peak_mib']} MiB")
+        print(f"  the engine-log reader alone: {reader['seconds']:.2f} s wall, {reader['cpu_seconds']:.2f} s "
+              f"CPU, peak {reader['peak_mib']} MiB")
         print(f"  reading the lines only: {floor['seconds']:.2f} s wall, peak {floor['peak_mib']} MiB")
         print(f"  a quarter of the lines: {small['seconds']:.2f} s wall, peak {small['peak_mib']} MiB")
         ratio = ours["cpu_seconds"] / max(floor["cpu_seconds"], 0.01)

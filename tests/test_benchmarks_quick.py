@@ -31,6 +31,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "engine_log_read.py": (["--dir", "{tmp}"], [
         *(rf"^{engine}: \d+ lines, \d+ MiB$" for engine in ("deepspeed", "megatron")),
         rf"^  lossscale-callbacks report: {NUM} s wall, {NUM} s CPU, peak \d+ MiB$",
+        rf"^  the engine-log reader alone: {NUM} s wall, {NUM} s CPU, peak \d+ MiB$",
         rf"^  reading the lines only: {NUM} s wall, peak \d+ MiB$",
         rf"^  a quarter of the lines: {NUM} s wall, peak \d+ MiB$",
         rf"^  ours / reading the lines: {NUM} \(CPU time\)$",
