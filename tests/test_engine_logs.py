@@ -210,6 +210,18 @@ def test_a_trainer_state_without_our_callback_says_what_grad_norm_shows(tmp_path
     assert "steps 10, 20" in outcome.reason and "not known" in outcome.reason
 
 
+def test_a_non_finite_grad_norm_where_our_callback_saw_no_skip_is_said(tmp_path):
+    states = trajectory({10}, 40, initial=1024.0)
+    _trainer_state(tmp_path / "trainer_state.json", states, every=10)
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    state["log_history"][2]["grad_norm"] = math.nan  # step 30: the scaler skipped nothing there
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    _, report = _report(tmp_path / "trainer_state.json")
+    assert report.skipped_steps == 1
+    said = " ".join(report.notes)
+    assert "non-finite grad_norm at step(s) 30 where the callback counted no skipped step" in said
+
+
 def test_an_engine_log_gets_the_same_picture(tmp_path):
     pytest.importorskip("matplotlib")
     (text, _), _, _ = _cases()["megatron"]
