@@ -15,9 +15,10 @@ __all__ = ["ENGINE_LOG", "looks_like_engine_log"]
 
 ENGINE_LOG = "engine_log"
 _HEAD_BYTES = 64 * 1024
-# Files that are never a log: checkpoints, arrays, archives, pictures.
+# Files that are never a log: checkpoints, arrays, data sets, archives, pictures.
 _NOT_LOGS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".npy", ".npz", ".pkl", ".pickle", ".h5",
-             ".keras", ".onnx", ".msgpack", ".gz", ".zip", ".tar", ".png", ".jpg", ".svg", ".pdf", ".wandb")
+             ".keras", ".onnx", ".msgpack", ".gz", ".zip", ".tar", ".png", ".jpg", ".svg", ".pdf", ".wandb",
+             ".csv", ".tsv", ".parquet", ".arrow", ".model", ".yaml", ".yml", ".py")
 # What each engine prints once at start, so a log is recognised before its first loss-scale line:
 # deepspeed/__init__.py initialize (log_dist "DeepSpeed info: version=..."), deepspeed/runtime/engine.py
 # ("DeepSpeedEngine configuration"), megatron/training/arguments.py _print_args("arguments", ...),
