@@ -61,7 +61,8 @@ def _lower_bound_steps(overflows: Sequence[tuple[float, float]], initial: float,
     """
     steps, at, scale = [], 0, initial
     for attempted, after in overflows:
-        grown = round(math.log(attempted / scale, factor)) if attempted > 0 and scale > 0 else 0
+        ratio = attempted / scale if attempted > 0 and scale > 0 else 1.0
+        grown = round(math.log(ratio, factor)) if math.isfinite(ratio) else 0
         at += 1 + max(grown, 0) * (window or 0)
         steps.append(at)
         scale = after

@@ -5,8 +5,12 @@ write. Runtime: well under a second."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from lossscale_callbacks._engine_logs import read_run
 from lossscale_callbacks._engine_parsers import ApexParser, DeepSpeedParser, FairseqParser, MegatronParser
+from lossscale_callbacks.run_readers import NoLossScaleError
 
 DS = "[2023-05-01 10:00:00,000] [INFO] "
 
@@ -89,3 +93,38 @@ def test_megatron_arguments_and_a_line_from_before_nan_iterations():
 def test_a_variant_of_a_known_format_is_not_read(line):
     parsers = (DeepSpeedParser, MegatronParser, ApexParser, FairseqParser)
     assert not any(parser().feed(line) for parser in parsers)
+
+
+_PIECES = ["[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: ", "reducing to ", "step=",
+           ", skipped=", ", lr=", " iteration ", "/ 100 |", " loss scale: ",
+           " number of skipped iterations: ",
+           " |", "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to ", "num_updates=",
+           "loss_scale=", "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: ",
+           "nan", "inf", "-1", "0", "1e400", "65536.0", "'scale_window': ", "initial_dynamic_scale ....... ",
+           "Minimum loss scale reached (", "\x00", "\ufffd", "\r"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.sampled_from(_PIECES), st.text(max_size=8)), max_size=8), max_size=30))
+def test_no_line_crashes_the_reader(tmp_path_factory, lines):
+    """Any mix of pieces of the formats and other text: read, or refused as holding no loss scale."""
+    path = tmp_path_factory.mktemp("fuzz") / "train.log"
+    path.write_text("\n".join("".join(pieces) for pieces in lines), encoding="utf-8", errors="replace")
+    try:
+        series = read_run(str(path))
+    except NoLossScaleError:
+        return
+    steps = [step for step, _ in series["loss_scale/scale"]]
+    assert len(steps) == len(series["loss_scale/skipped_steps"]) and all(isinstance(s, int) for s in steps)
+
+
+@pytest.mark.parametrize("scale", ["1e400", "inf", "nan", "0.0", "-2.0"])
+def test_a_scale_that_is_no_loss_scale_is_refused_in_words(tmp_path, scale):
+    from lossscale_callbacks.report_outcomes import UNREADABLE, judge_run
+    from lossscale_callbacks.run_discovery import discover_runs
+
+    log = tmp_path / "train.log"
+    log.write_text("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 1024.0\n"
+                   f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to {scale}\n")
+    outcome = judge_run(discover_runs(str(log))[0])
+    assert outcome.status == UNREADABLE and "not a loss scale" in outcome.reason
