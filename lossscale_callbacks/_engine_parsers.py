@@ -249,6 +249,7 @@ class DeepSpeedParser(_OverflowParser):
     def __init__(self) -> None:
         super().__init__()
         self.hysteresis_lines = 0
+        self.default_args = False
 
     def feed(self, line: str) -> bool:
         match = f.DEEPSPEED_OVERFLOW.search(line)
@@ -273,14 +274,21 @@ class DeepSpeedParser(_OverflowParser):
     def _setting(self, line: str) -> bool:
         match = f.DEEPSPEED_INITIAL_SCALE.search(line)
         if match:
-            self.initial = self.initial if self.overflows else _number(match["value"])
+            # The scaler's own init_scale (dynamic_loss_scale_args, printed first: the dump is sorted)
+            # wins; with no args ZeRO's scaler starts at DynamicLossScaler's 2**32, not at this value.
+            if self.initial is None and not self.overflows and not self.default_args:
+                self.initial = _number(match["value"])
             return True
         match = f.DEEPSPEED_SCALE_ARGS.search(line)
         if match:
-            window = re.search(r"'scale_window': (\d+)", match["value"])
-            self.window = int(window.group(1)) if window else 1000  # FP16_LOSS_SCALE_WINDOW_DEFAULT
-            least = re.search(rf"'min_scale': ({f._NUM})", match["value"])
+            args = match["value"]
+            self.default_args = args == "None"
+            window = re.search(r"'scale_window': (\d+)", args)
+            self.window = int(window.group(1)) if window else 1000  # DynamicLossScaler's default
+            least = re.search(rf"'min_scale': ({f._NUM})", args)
             self.min_scale = float(least.group(1)) if least else None
+            start = re.search(rf"'init_scale': ({f._NUM})", args)
+            self.initial = float(start.group(1)) if start and not self.overflows else self.initial
             return True
         return False
 
@@ -307,7 +315,9 @@ class DeepSpeedParser(_OverflowParser):
         for step, skipped, lines_before in self.progress:
             if lines_before > seen:
                 scale, since, seen = self.overflows[lines_before - 1][1], step, lines_before
-            grown = (step - since) // self.window
+            # Before the first overflow the growths are counted only from a known initial scale (the
+            # first overflow's attempted scale, used otherwise, already holds them).
+            grown = (step - since) // self.window if seen or self.initial is not None else 0
             points.append((step, (scale or 1.0) * 2.0**grown, skipped))
         return points
 

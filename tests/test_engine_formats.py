@@ -42,6 +42,21 @@ def test_deepspeed_bf16_overflow_without_a_scale_is_counted_and_said():
     assert "gave no scale" in trajectory.findings[0]
 
 
+def test_deepspeed_config_without_loss_scale_args_starts_at_the_scalers_default():
+    """dynamic_loss_scale_args None: ZeRO's DynamicLossScaler starts at its 2**32, whatever
+    initial_dynamic_scale says; the first overflow's attempted scale is taken instead."""
+    trajectory = _points(DeepSpeedParser(), [
+        f"{DS}[config.py:1005:print]   dynamic_loss_scale_args ...... None",
+        f"{DS}[config.py:1005:print]   initial_dynamic_scale ........ 65536",
+        f"{DS}[logging.py:128:log_dist] [Rank 0] step=1500, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]",
+        f"{DS}[loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+        "Attempted loss scale: 4294967296, reducing to 2147483648",
+        f"{DS}[logging.py:128:log_dist] [Rank 0] step=1510, skipped=1, lr=[0.001], mom=[(0.9, 0.999)]"])
+    # no growth inferred before the first overflow: its attempted scale already holds them
+    assert trajectory.points == [(1500, 2.0**32, 0), (1510, 2.0**31, 1)]
+    assert trajectory.growth_interval == 1000
+
+
 def test_fairseq_json_and_end_of_epoch_formats_and_the_amp_line():
     prefix = "2025-09-30 07:16:06 | INFO | "
     trajectory = _points(FairseqParser(), [
