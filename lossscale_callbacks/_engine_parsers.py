@@ -171,7 +171,7 @@ class _OverflowParser(_Parser):
 
     def _grown_unseen(self) -> int:
         """Overflow lines whose attempted scale shows a growth the log printed no line for."""
-        scales = [self.initial] + [after for _, after in self.overflows[:-1]]
+        scales = ([self.initial] + [after for _, after in self.overflows])[:len(self.overflows)]
         return sum(1 for (attempted, _), before in zip(self.overflows, scales, strict=True)
                    if before is not None and attempted > before)
 
@@ -207,8 +207,8 @@ class _OverflowParser(_Parser):
         return findings
 
     def trajectory(self) -> Trajectory | None:
-        if not self.overflows and not any(s is not None for s in self.scales_at_progress):
-            return None
+        if not self.overflows and self._first_scale() is None:
+            return None  # progress lines alone, with no scale printed nor configured
         if self.progress:
             points, steps_known = self._progress_points(), True
             notes = self._progress_notes()

@@ -57,6 +57,15 @@ def test_deepspeed_config_without_loss_scale_args_starts_at_the_scalers_default(
     assert trajectory.growth_interval == 1000
 
 
+def test_deepspeed_progress_lines_alone_need_the_configured_scale():
+    progress = f"{DS}[logging.py:128:log_dist] [Rank 0] step=2000, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]"
+    assert _points(DeepSpeedParser(), [progress]) is None
+    trajectory = _points(DeepSpeedParser(), [
+        f"{DS}[config.py:1005:print]   dynamic_loss_scale_args ...... {{'init_scale': 1024, 'scale_window': "
+        "1000, 'delayed_shift': 2, 'consecutive_hysteresis': False, 'min_scale': 1}", progress])
+    assert trajectory.points == [(2000, 4096.0, 0)] and trajectory.min_scale == 1.0  # grew twice, unseen
+
+
 def test_fairseq_json_and_end_of_epoch_formats_and_the_amp_line():
     prefix = "2025-09-30 07:16:06 | INFO | "
     trajectory = _points(FairseqParser(), [
