@@ -272,7 +272,7 @@ def run_report(args: argparse.Namespace) -> int:
     if not runs:
         return _fail(args, f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
                      f"{args.run}: no TensorBoard or W&B run here (no events.out.tfevents.* file and no "
-                     ".wandb file in it or below)")
+                     ".wandb file in it or below), nor another engine's log or Trainer state")
     _load_readers(runs)
     if len(runs) == 1:
         return _single(judge_run(runs[0], args.min_scale), args, png_format)
@@ -302,7 +302,9 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
         "report", help="summarise the loss scale of TensorBoard runs and W&B offline runs "
                        "(needs the [tensorboard] and/or [wandb] extra)",
         description="Read a TensorBoard run folder (or event file) or a W&B run (offline-run-* folder or "
-                    ".wandb file) and describe its loss scale in plain words: steps, skipped steps and "
+                    ".wandb file), or another engine's log (DeepSpeed, apex, fairseq, Megatron-LM) or "
+                    "Trainer state (trainer_state.json), found by content, and describe its loss scale in "
+                    "plain words: steps, skipped steps and "
                     "rate, scale range, steps at the minimum, health verdict, damaged records, restarts. "
                     "A folder with several runs below it (runs/) gives a table with one row per run; every "
                     "run found is listed, with the reason when it could not be read. Runs are read and "
@@ -313,7 +315,8 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
                "records, or could not be read; 2 bad input (nothing at the path, no run found, or no run "
                "that could be read).",
     )
-    parser.add_argument("run", metavar="RUN", help="run folder, event file, .wandb file, or a folder of runs")
+    parser.add_argument("run", metavar="RUN", help="run folder, event file, .wandb file, an engine's log or "
+                        "trainer_state.json, or a folder of runs")
     parser.add_argument("--json", action="store_true",
                         help='print every run as JSON: {"runs": [...], "png": ..., "counts": {...}, '
                              '"error": ...}, one document whatever was found (error: why the exit status '

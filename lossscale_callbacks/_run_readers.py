@@ -20,10 +20,12 @@ from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata as importlib_metadata
 from typing import Any
 
+from lossscale_callbacks._engine_sniff import ENGINE_LOG, looks_like_engine_log
 from lossscale_callbacks._extras import declared_extras, install_hint
 from lossscale_callbacks._metrics import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
 
 __all__ = [
+    "ENGINE_LOG",
     "GROWTH_INTERVAL",
     "MAX_SCALE",
     "MIN_SCALE",
@@ -56,7 +58,9 @@ __all__ = [
 #   are runs of their own);
 # * an ``offline-run-*``/``run-*`` folder with a ``.wandb`` file: one W&B run (its ``files/`` and
 #   ``logs/`` belong to it); any other ``.wandb`` file is a W&B run by itself;
-# * a folder that cannot be listed (no permission): reported, since runs may be inside.
+# * a folder that cannot be listed (no permission): reported, since runs may be inside;
+# * any other file that is another engine's log or a Trainer state by its first 64 KiB (DeepSpeed, apex,
+#   fairseq, Megatron-LM, ``trainer_state.json``; :mod:`._engine_sniff`): the one exception to names only.
 #
 # Symbolic links to folders are followed once: a link to a folder outside the tree is walked under
 # the link's name, a link to a folder inside it (W&B's ``latest-run``) is the same run and is not
@@ -118,7 +122,10 @@ def _runs_in_folder(folder: str, files: list[str]) -> tuple[list[FoundRun], bool
     if wandb_files and os.path.basename(os.path.normpath(folder)).startswith(_WANDB_RUN_FOLDERS):
         return [FoundRun(folder, WANDB)], True
     found = [FoundRun(folder, TENSORBOARD)] if any(is_event_file_name(f) for f in regular) else []
-    return found + [FoundRun(os.path.join(folder, f), WANDB) for f in wandb_files], False
+    found += [FoundRun(os.path.join(folder, f), WANDB) for f in wandb_files]
+    # Other engines' logs and Trainer states, recognised by their content.
+    return found + [FoundRun(os.path.join(folder, f), ENGINE_LOG) for f in regular
+                    if kind_of_file(f) is None and looks_like_engine_log(os.path.join(folder, f))], False
 
 
 def _overlaps(path: str, trees: set[str]) -> bool:
@@ -154,7 +161,10 @@ def discover_runs(root: str) -> list[FoundRun]:
     ``root`` itself, when it is a file, gives one run; when it is a run folder, it is the first run.
     """
     if not os.path.isdir(root):
-        return [FoundRun(root, kind_of_file(root))] if os.path.lexists(root) else []
+        if not os.path.lexists(root):
+            return []
+        sniffed = is_regular_file(root) and looks_like_engine_log(root)
+        return [FoundRun(root, kind_of_file(root) or (ENGINE_LOG if sniffed else None))]
     found: list[FoundRun] = []
     _walk(root, {os.path.realpath(root)}, found)
     return sorted(found, key=lambda run: run.path.split(os.sep))
@@ -265,9 +275,11 @@ def load_reader(name: str) -> Reader:
 
 
 def _guess_order(path: str) -> list[str]:
-    """Every installed reader, the one the path's name suggests first (TensorBoard's when it says nothing)."""
-    names = list(_entry_points())
-    first = kind_of_file(path) or TENSORBOARD
+    """Every installed reader, the one the path's name suggests first (TensorBoard's when it says nothing);
+    the engine-log reader only for a file whose content is another engine's log (it reads any text)."""
+    engine_log = is_regular_file(path) and looks_like_engine_log(path)
+    names = [name for name in _entry_points() if name != ENGINE_LOG or engine_log]
+    first = ENGINE_LOG if engine_log else kind_of_file(path) or TENSORBOARD
     return sorted(names, key=lambda name: name != first)
 
 

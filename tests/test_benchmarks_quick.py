@@ -28,6 +28,14 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         # No GPU: the checker's verdicts and the sentence that timings need one. A GPU: its timing columns.
         rf"(Tensor Core timings need a CUDA GPU|^out-1 .* high\s+{NUM}\s+{NUM}\s+{NUM}$)",
     ]),
+    "engine_log_read.py": (["--dir", "{tmp}"], [
+        *(rf"^{engine}: \d+ lines, \d+ MiB$" for engine in ("deepspeed", "megatron")),
+        rf"^  lossscale-callbacks report: {NUM} s wall, {NUM} s CPU, peak \d+ MiB$",
+        rf"^  the engine-log reader alone: {NUM} s wall, {NUM} s CPU, peak \d+ MiB$",
+        rf"^  reading the lines only: {NUM} s wall, peak \d+ MiB$",
+        rf"^  a quarter of the lines: {NUM} s wall, peak \d+ MiB$",
+        rf"^  ours / reading the lines: {NUM} \(CPU time\)$",
+    ]),
     "forensics_overhead.py": ([], [
         rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for name in ("torch_adamw_foreach", "torch_adamw_fused", "torch_launch_bound_foreach",

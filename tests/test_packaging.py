@@ -25,8 +25,10 @@ def test_built_wheel_publishes_no_dev_extra(tmp_path):
 
 
 def test_dev_setup_installs_the_development_requirements():
-    requirements = {line.split(">=")[0]: line for line in (ROOT / "requirements-dev.txt").read_text().split()}
-    for needed in ("pytest>=8", "ruff>=0.6", "build>=1.0", "sphinx>=8.1", "furo>=2024.8.6", "myst-parser>=4.0"):
+    text = (ROOT / "requirements-dev.txt").read_text()
+    requirements = {line.split(">=")[0]: line for line in text.split()}
+    needs = ("pytest>=8", "ruff>=0.6", "build>=1.0", "sphinx>=8.1", "furo>=2024.8.6", "myst-parser>=4.0")
+    for needed in needs:
         assert requirements.get(needed.split(">=")[0]) == needed
     dev = (ROOT / "dev.py").read_text()
     assert '"-r", str(DEV_REQUIREMENTS)' in dev and 'EXTRAS = "all"' in dev

@@ -2,8 +2,9 @@
 
 Our :class:`~lossscale_callbacks.torch.LossScaler`, a stock ``torch.amp.GradScaler`` or
 ``ShardedGradScaler`` (whose skipped steps it counts on the device, see
-:mod:`lossscale_callbacks.torch._stock`), or DeepSpeed's own loss scaler (see
-:mod:`lossscale_callbacks.torch._deepspeed_reader`): every monitor (Lightning, Fabric, Accelerate,
+:mod:`lossscale_callbacks.torch._stock`), DeepSpeed's own loss scaler (see
+:mod:`lossscale_callbacks.torch._deepspeed_reader`) or Megatron-Core's grad scaler (see
+:mod:`lossscale_callbacks.torch._megatron_reader`): every monitor (Lightning, Fabric, Accelerate,
 the Transformers Trainer) reads the scaler through this class, once per log interval, and hands
 what it read to the core's :class:`~lossscale_callbacks.LoggingLoop`.
 """
@@ -21,6 +22,7 @@ from lossscale_callbacks._policy import Policy
 from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._validation import INT64_MAX, check_int
 from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
+from lossscale_callbacks.torch._megatron_reader import MegatronScalerReader, has_megatron_scaler
 from lossscale_callbacks.torch._scaler import LossScaler
 from lossscale_callbacks.torch._stock import StockSkipCounter, check_stock_state
 
@@ -29,7 +31,7 @@ __all__ = ["ScalerReader"]
 
 
 class ScalerReader:
-    """Reads a torch run's loss scaler (ours, a stock GradScaler/ShardedGradScaler, or DeepSpeed's).
+    """Reads a torch run's loss scaler: ours, a stock GradScaler/ShardedGradScaler, DeepSpeed's, Megatron's.
 
     Call :meth:`after_optimizer_step` after each optimizer step (host counting; for a stock scaler
     also a few device ops that count its overflow, no host sync) and :meth:`read` at the log
@@ -44,8 +46,9 @@ class ScalerReader:
     own steps.
 
     Args:
-        scaler: an enabled ``LossScaler``, ``torch.amp.GradScaler`` or ``ShardedGradScaler``, or a
-            DeepSpeed engine, its optimizer, or its loss scaler.
+        scaler: an enabled ``LossScaler``, ``torch.amp.GradScaler`` or ``ShardedGradScaler``, a
+            DeepSpeed engine, its optimizer, or its loss scaler, or a Megatron-Core optimizer or grad
+            scaler.
 
     Raises:
         ValueError: ``scaler`` is none of these, or disabled.
@@ -61,7 +64,8 @@ class ScalerReader:
 
     def __init__(self, scaler: Any) -> None:
         self._stock: StockSkipCounter | None = None
-        self._deepspeed: DeepSpeedScalerReader | None = None
+        # An engine's own scaler (DeepSpeed's, Megatron-Core's): read, never replaced.
+        self._engine: DeepSpeedScalerReader | MegatronScalerReader | None = None
         if isinstance(scaler, torch.amp.GradScaler):
             if not scaler.is_enabled():
                 raise ValueError(f"scaler: {type(scaler).__name__} is disabled (enabled=False): it scales "
@@ -71,11 +75,14 @@ class ScalerReader:
                 self._stock = StockSkipCounter(scaler)
         elif has_deepspeed_scaler(scaler):
             self.kind = "deepspeed"
-            self._deepspeed = DeepSpeedScalerReader(scaler)
+            self._engine = DeepSpeedScalerReader(scaler)
+        elif has_megatron_scaler(scaler):
+            self.kind = "megatron"
+            self._engine = MegatronScalerReader(scaler)
         else:
             raise ValueError("scaler must be a lossscale_callbacks.torch.LossScaler, a torch.amp.GradScaler "
-                             "or ShardedGradScaler, or a DeepSpeed engine, optimizer or loss scaler; got "
-                             f"{type(scaler).__name__}")
+                             "or ShardedGradScaler, a DeepSpeed engine, optimizer or loss scaler, or a "
+                             f"Megatron-Core optimizer or grad scaler; got {type(scaler).__name__}")
         self.scaler = scaler
         # Ours: its own count, read without the device until it has one (a checkpoint, or 0).
         self._steps = int(scaler.get_state().steps) if self.kind == "ours" else 0
@@ -83,22 +90,23 @@ class ScalerReader:
     @property
     def policy(self) -> Policy | None:
         """The scaler's policy (DeepSpeed's settings as one); ``None`` for a stock GradScaler."""
-        if self._deepspeed is not None:
-            return self._deepspeed.policy()
+        if self._engine is not None:
+            return self._engine.policy()
         return self.scaler.policy if self.kind == "ours" else None
 
     @property
     def started(self) -> bool:
         """Whether the scaler has scaled a loss: before that no optimizer step can have been taken."""
-        if self._deepspeed is not None:
+        if self._engine is not None:
             return True
         return self.scaler._get_scale_async() is not None
 
     @property
     def steps(self) -> int:
         """Optimizer steps attempted, counted on the host (no device read)."""
-        if self._deepspeed is not None:
-            return int(self._deepspeed.read()["steps"])  # host numbers: DeepSpeed already synchronised
+        if self._engine is not None:
+            # DeepSpeed's engine counts (host numbers); Megatron's steps are counted by its reader
+            return int(self._engine.steps if self.kind == "megatron" else self._engine.read()["steps"])
         return self._steps
 
     def count_from(self, steps: int) -> None:
@@ -108,8 +116,8 @@ class ScalerReader:
         loss scaler's); our scaler and a DeepSpeed engine count their own steps, which stay.
         """
         steps = check_int("steps", steps, 0, INT64_MAX)
-        if self._deepspeed is not None:
-            self._deepspeed.steps = steps
+        if self._engine is not None:
+            self._engine.steps = steps
         elif self._stock is not None:
             self._steps = steps
 
@@ -126,7 +134,7 @@ class ScalerReader:
         """
         steps = check_int("steps", steps, 0, INT64_MAX)
         skipped_steps = check_int("skipped_steps", skipped_steps, 0, steps)
-        if self._deepspeed is not None:
+        if self._engine is not None:
             return
         if self._stock is not None:
             self._steps = steps
@@ -146,8 +154,8 @@ class ScalerReader:
         No host sync. A stock ``GradScaler`` keeps no history: only the last of several steps can be
         seen, so call this after every optimizer step.
         """
-        if self._deepspeed is not None:
-            self._deepspeed.after_optimizer_step(steps)
+        if self._engine is not None:
+            self._engine.after_optimizer_step(steps)
             return
         self._steps += steps
         if self._stock is not None:
@@ -155,8 +163,8 @@ class ScalerReader:
 
     def read(self) -> LossScaleState:
         """The state as Python numbers: the one host read of an interval (DeepSpeed's are host numbers)."""
-        if self._deepspeed is not None:
-            return LossScaleState(**self._deepspeed.read())
+        if self._engine is not None:
+            return LossScaleState(**self._engine.read())
         if self._stock is not None:
             return self._stock.read(self._steps)
         state = self.scaler.get_state()
@@ -233,7 +241,10 @@ class ScalerReader:
         self._steps = steps
 
     def _refuse_deepspeed(self) -> None:
-        if self._deepspeed is not None:
+        if self._engine is not None:
+            if self.kind == "megatron":
+                raise ValueError("a Megatron-Core grad scaler is checkpointed by Megatron itself (the "
+                                 "optimizer's state_dict), not through this reader")
             raise ValueError("a DeepSpeed loss scaler is checkpointed by DeepSpeed itself "
                              "(engine.save_checkpoint / load_checkpoint), not through this reader")
 

@@ -1,0 +1,431 @@
+"""One parser per engine: its loss-scale lines (see :mod:`._engine_formats`) turned into log points.
+
+A parser is fed every line that holds one of its ``markers`` and says whether the line was one of its
+formats. At the end, :meth:`_Parser.trajectory` gives the run's log points ``(step, scale, cumulative
+skipped steps)`` and what the format left out, in words. Each engine's own semantics decide the step
+axis (optimizer steps attempted, skipped ones included):
+
+* Megatron-LM: the iteration printed (it counts skipped iterations); skips are per log interval.
+* DeepSpeed: ``step=N, skipped=K`` progress lines; the scale from the overflow lines (none when it grows).
+* fairseq: ``num_updates`` counts applied updates only, so the overflow lines are added back.
+* apex (and engine logs without progress lines): no step number at all; a lower bound is inferred.
+
+Example:
+    >>> parser = MegatronParser()
+    >>> parser.feed(" iteration       10/     100 | loss scale: 1024.0 | number of skipped iterations:   2 |"
+    ...             " number of nan iterations:   0 |")
+    True
+    >>> parser.trajectory().points
+    [(10, 1024.0, 2)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+from lossscale_callbacks import _engine_formats as f
+
+__all__ = ["PARSERS", "ApexParser", "DeepSpeedParser", "FairseqParser", "MegatronParser", "Trajectory"]
+
+Point = tuple[int, float, int]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """What one engine's lines say: log points ``(step, scale, cumulative skipped)``, settings, words.
+
+    ``notes``: what the format leaves out and what was inferred; ``findings``: where the engine's own
+    counters and its log disagree, or the run stopped (each one sentence).
+    """
+
+    engine: str
+    points: list[Point]
+    lines: int
+    notes: list[str] = dataclasses.field(default_factory=list)
+    findings: list[str] = dataclasses.field(default_factory=list)
+    growth_interval: int | None = None
+    min_scale: float | None = None
+    steps_known: bool = True
+
+
+def _lower_bound_steps(overflows: Sequence[tuple[float, float]], initial: float, window: int | None,
+                       factor: float = 2.0) -> list[int]:
+    """The least step each overflow can have been at, from the scales alone.
+
+    ``overflows``: ``(attempted scale, scale after)`` per overflow line. Between two overflows the
+    scale grew ``g`` times (attempted / scale before = factor**g), which takes at least ``g * window``
+    good steps; each overflow is one step. Without a window only the overflows count.
+    """
+    steps, at, scale = [], 0, initial
+    for attempted, after in overflows:
+        ratio = attempted / scale if attempted > 0 and scale > 0 else 1.0
+        grown = round(math.log(ratio, factor)) if math.isfinite(ratio) else 0
+        at += 1 + max(grown, 0) * (window or 0)
+        steps.append(at)
+        scale = after
+    return steps
+
+
+class _Parser:
+    """One engine's line formats. ``markers``: substrings one of which each of its lines holds."""
+
+    engine = ""
+    markers: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def feed(self, line: str) -> bool:
+        """Read ``line`` if it is one of this engine's formats; whether it was."""
+        raise NotImplementedError
+
+    def trajectory(self) -> Trajectory | None:
+        """The log points read, or None when no line gave a loss scale."""
+        raise NotImplementedError
+
+
+class MegatronParser(_Parser):
+    """Megatron-LM's (and Megatron-DeepSpeed's) ``training_log`` iteration lines and argument dump."""
+
+    engine = "Megatron-LM"
+    markers = ("loss scale:", "loss_scale_window", "min_loss_scale")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.points: list[Point] = []
+        self.skipped = 0
+        self.disagree: list[str] = []
+        self.settings: dict[str, float] = {}
+
+    def feed(self, line: str) -> bool:
+        if "loss scale:" not in line:
+            match = f.MEGATRON_ARG.search(line)
+            if match:
+                self.settings[match["arg"]] = float(match["value"])
+            return match is not None
+        found = [f.MEGATRON_ITERATION.search(line), f.MEGATRON_LOSS_SCALE.search(line),
+                 f.MEGATRON_SKIPPED.search(line)]
+        if not all(found):
+            return False
+        self.lines += 1
+        nan_match = f.MEGATRON_NAN.search(line)  # printed since 2020; older logs lack it
+        iteration, scale = int(found[0]["iteration"]), float(found[1]["scale"])
+        skipped = int(found[2]["skipped"])
+        nan = int(nan_match["nan"]) if nan_match else 0
+        self.skipped += skipped
+        if nan > skipped:
+            self.disagree.append(f"iteration {iteration}: {nan} NaN iteration(s) but {skipped} skipped")
+        self.points.append((iteration, scale, self.skipped))
+        return True
+
+    def trajectory(self) -> Trajectory | None:
+        if not self.points:
+            return None
+        notes = ["Megatron prints the skipped iterations of each log interval: the cumulative count is their "
+                 "sum over this log (skips before its first line, in a resumed run, are not known), and "
+                 "which iterations of an interval were skipped is not known"]
+        findings = []
+        if self.disagree:
+            findings.append(
+                f"Megatron's own counters disagree in {len(self.disagree)} log interval(s) "
+                f"({'; '.join(self.disagree[:3])}{'; ...' if len(self.disagree) > 3 else ''}): an iteration "
+                "with a NaN loss that was not counted as skipped may have applied NaN gradients (as in "
+                "Megatron-LLM#33 and Megatron-DeepSpeed PR#434)")
+        window = self.settings.get("loss_scale_window")
+        return Trajectory(self.engine, self.points, self.lines, notes, findings,
+                          growth_interval=int(window) if window else None,
+                          min_scale=self.settings.get("min_loss_scale"))
+
+
+class _OverflowParser(_Parser):
+    """An engine whose overflow lines carry the scale, and whose progress lines (if any) the step."""
+
+    initial: float | None = None
+    window: int | None = None
+    min_scale: float | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overflows: list[tuple[float, float]] = []  # (attempted, after) per overflow line
+        self.progress: list[tuple[int, int, int]] = []  # (step, skipped, overflow lines before it)
+        self.scales_at_progress: list[float | None] = []
+        self.scale: float | None = None
+        self.stopped: str | None = None
+        self.unscaled = 0  # overflow lines without a scale (DeepSpeed with a dtype other than fp16)
+
+    def _overflow(self, attempted: float | None, after: float) -> None:
+        self.lines += 1
+        before = self.scale if self.scale is not None else self.initial
+        self.overflows.append((attempted if attempted is not None else (before or after), after))
+        self.scale = after
+
+    def _progress(self, step: int, skipped: int, scale: float | None = None) -> None:
+        self.lines += 1
+        if scale is not None:
+            self.scale = scale
+        self.progress.append((step, skipped, len(self.overflows)))
+        self.scales_at_progress.append(self.scale)
+
+    def _grown_unseen(self) -> int:
+        """Overflow lines whose attempted scale shows a growth the log printed no line for."""
+        scales = ([self.initial] + [after for _, after in self.overflows])[:len(self.overflows)]
+        return sum(1 for (attempted, _), before in zip(self.overflows, scales, strict=True)
+                   if before is not None and attempted > before)
+
+    def _first_scale(self) -> float | None:
+        if self.initial is not None:
+            return self.initial
+        return self.overflows[0][0] if self.overflows else next(
+            (s for s in self.scales_at_progress if s is not None), None)
+
+    def _progress_points(self) -> list[Point]:
+        first = self._first_scale()
+        return [(step, scale if scale is not None else first, skipped)
+                for (step, skipped, _), scale in zip(self.progress, self.scales_at_progress, strict=True)]
+
+    def _overflow_points(self) -> list[Point]:
+        initial = self._first_scale() or 1.0
+        steps = _lower_bound_steps(self.overflows, initial, self.window)
+        return [(step, after, i + 1) for i, (step, (_, after)) in enumerate(zip(steps, self.overflows,
+                                                                                   strict=True))]
+
+    def _unknown_steps_note(self) -> str:
+        window = (f"{self.window} good steps (the growth interval) for each doubling of the scale between "
+                  "two overflows, " if self.window else "")
+        return (f"{self.engine} printed no step number here: each overflow's step is a lower bound (one "
+                f"step per overflow line, {window}none otherwise), steps after the last overflow are not "
+                "known, and the skip rate is an upper bound")
+
+    def _common_findings(self) -> list[str]:
+        findings = [self.stopped] if self.stopped else []
+        if self.unscaled:
+            findings.append(f"{self.unscaled} overflow line(s) gave no scale ({self.engine} prints it for "
+                            "fp16 only): counted as skipped steps, the scale there is the last one known")
+        return findings
+
+    def trajectory(self) -> Trajectory | None:
+        if not self.overflows and self._first_scale() is None:
+            return None  # progress lines alone, with no scale printed nor configured
+        if self.progress:
+            points, steps_known = self._progress_points(), True
+            notes = self._progress_notes()
+        else:
+            points, steps_known = self._overflow_points(), False
+            notes = [self._unknown_steps_note()]
+        return Trajectory(self.engine, points, self.lines, notes, self._common_findings() + self._findings(),
+                          growth_interval=self.window if self.progress else None, min_scale=self.min_scale,
+                          steps_known=steps_known)
+
+    def _progress_notes(self) -> list[str]:
+        return []
+
+    def _findings(self) -> list[str]:
+        return []
+
+
+def _number(text: str) -> float:
+    return float(text)
+
+
+def _power_of_two(value: float) -> float:
+    """fairseq prints its stats with ``"{:g}"`` (six digits: 2**20 is ``1.04858e+06``); its scale is a
+    power of two (init 2**7, factor 2), so a value within that rounding of one is that power."""
+    if not (value > 0 and math.isfinite(value)):
+        return value
+    power = 2.0 ** round(math.log2(value))
+    return power if abs(value - power) <= 5e-6 * power else value
+
+
+class DeepSpeedParser(_OverflowParser):
+    """DeepSpeed's overflow, hysteresis and progress lines, its config dump, and its stop at the minimum."""
+
+    engine = "DeepSpeed"
+    markers = ("OVERFLOW!", "overflow!", "Overflow detected", "skipped=", f.DEEPSPEED_AT_MINIMUM,
+               "initial_dynamic_scale", "dynamic_loss_scale_args")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hysteresis_lines = 0
+        self.default_args = False
+
+    def feed(self, line: str) -> bool:
+        match = f.DEEPSPEED_OVERFLOW.search(line)
+        if match:
+            self._deepspeed_overflow(match)
+            return True
+        match = f.DEEPSPEED_FP16_OVERFLOW.search(line)
+        if match:
+            self._overflow(_number(match["attempted"]), _number(match["scale"]))
+            return True
+        match = f.DEEPSPEED_PROGRESS.search(line)
+        if match:
+            self._progress(int(match["step"]), int(match["skipped"]))
+            return True
+        if f.DEEPSPEED_AT_MINIMUM in line:
+            self.lines += 1
+            self.stopped = ("the run stopped: DeepSpeed raised 'Current loss scale already at minimum' (an "
+                            "overflow at the minimum scale, with raise_error_at_min_scale)")
+            return True
+        return self._setting(line)
+
+    def _setting(self, line: str) -> bool:
+        match = f.DEEPSPEED_INITIAL_SCALE.search(line)
+        if match:
+            # The scaler's own init_scale (dynamic_loss_scale_args, printed first: the dump is sorted)
+            # wins; with no args ZeRO's scaler starts at DynamicLossScaler's 2**32, not at this value.
+            if self.initial is None and not self.overflows and not self.default_args:
+                self.initial = _number(match["value"])
+            return True
+        match = f.DEEPSPEED_SCALE_ARGS.search(line)
+        if match:
+            args = match["value"]
+            self.default_args = args == "None"
+            window = re.search(r"'scale_window': (\d+)", args)
+            self.window = int(window.group(1)) if window else 1000  # DynamicLossScaler's default
+            least = re.search(rf"'min_scale': ({f._NUM})", args)
+            self.min_scale = float(least.group(1)) if least else None
+            start = re.search(rf"'init_scale': ({f._NUM})", args)
+            self.initial = float(start.group(1)) if start and not self.overflows else self.initial
+            return True
+        return False
+
+    def _deepspeed_overflow(self, match: re.Match[str]) -> None:
+        if match["attempted"] is None:
+            self.lines += 1
+            self.unscaled += 1
+            self.overflows.append((self.scale or self.initial or 1.0, self.scale or self.initial or 1.0))
+        elif match["hysteresis"] is not None:  # skipped, the scale kept: hysteresis spent
+            self.hysteresis_lines += 1
+            attempted = _number(match["attempted"])
+            self._overflow(attempted, attempted)
+        else:
+            self._overflow(_number(match["attempted"]), _number(match["scale"]))
+
+    def _progress_points(self) -> list[Point]:
+        """With the config's scale_window, the growths DeepSpeed prints no line for are inferred: every
+        ``scale_window`` steps without an overflow (update_scale grows when ``(cur_iter -
+        last_overflow_iter) % scale_window == 0``), counting from the end of the log interval that
+        held the last overflow (its step is not printed): a lower bound on the scale."""
+        if self.window is None:
+            return super()._progress_points()
+        scale, since, seen, points = self._first_scale(), 0, 0, []
+        for step, skipped, lines_before in self.progress:
+            if lines_before > seen:
+                scale, since, seen = self.overflows[lines_before - 1][1], step, lines_before
+            # Before the first overflow the growths are counted only from a known initial scale (the
+            # first overflow's attempted scale, used otherwise, already holds them).
+            grown = (step - since) // self.window if seen or self.initial is not None else 0
+            points.append((step, (scale or 1.0) * 2.0**grown, skipped))
+        return points
+
+    def _progress_notes(self) -> list[str]:
+        grown = self._grown_unseen()
+        words = ("DeepSpeed prints no line when the scale grows: the scale at each log point is the last one "
+                 "an overflow line gave (before the first, the first overflow's attempted scale or the "
+                 "config's initial_dynamic_scale)")
+        if self.window is not None:
+            words += (f", grown once every {self.window} steps without an overflow (the config's "
+                      "scale_window; each overflow taken at the end of its log interval, so a lower bound)")
+        if grown and self.window is None:
+            words += (f"; {grown} overflow line(s) attempted a larger scale than the last one printed, so "
+                      "the scale grew unseen before them: log points between show the lower, last printed "
+                      "scale")
+        return [words]
+
+    def _findings(self) -> list[str]:
+        last_step, counted, lines_before = self.progress[-1] if self.progress else (0, 0, 0)
+        if self.progress and counted != lines_before:
+            return [f"DeepSpeed's own skipped counter says {counted} at step {last_step}, but the log holds "
+                    f"{lines_before} overflow line(s) before that line (lines of another rank, or a log that "
+                    "starts mid-run)"]
+        return []
+
+
+class ApexParser(_OverflowParser):
+    """apex amp's and FP16_Optimizer's overflow lines (no step number: steps are inferred lower bounds)."""
+
+    engine = "apex"
+    markers = ("Gradient overflow.  Skipping step", "OVERFLOW within closure!")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other_scalers = 0
+
+    def feed(self, line: str) -> bool:
+        match = f.APEX_AMP_OVERFLOW.search(line)
+        if match:
+            if match["scaler"] != "0":  # amp keeps one scaler per loss: the series follows loss scaler 0
+                self.lines += 1
+                self.other_scalers += 1
+                return True
+            self.initial, self.window = f.APEX_AMP_INITIAL, f.APEX_AMP_WINDOW
+        else:
+            match = f.APEX_FP16_OVERFLOW.search(line)
+            if match is None:
+                return False
+            self.initial, self.window = f.APEX_FP16_INITIAL, f.APEX_FP16_WINDOW
+        after = _number(match["scale"])
+        before = self.scale if self.scale is not None else self.initial
+        # apex halves the scale and prints only the new one; the same scale again is the minimum clamp
+        # (or a growth and a halving: then no growth is counted, which keeps the steps a lower bound)
+        self._overflow(after if after == before else after * 2.0, after)
+        return True
+
+    def _findings(self) -> list[str]:
+        if self.other_scalers:
+            return [f"{self.other_scalers} overflow line(s) of apex loss scalers other than 0 (one per loss) "
+                    "are counted here only: the series follows loss scaler 0"]
+        return []
+
+
+class FairseqParser(_OverflowParser):
+    """fairseq's overflow lines (fp16 and --amp), its train progress lines, its config and its stop."""
+
+    engine = "fairseq"
+    markers = ("gradient overflow detected", "AMP: overflow detected", "Minimum loss scale reached",
+               "num_updates", "'fp16_scale_window'")
+
+    def feed(self, line: str) -> bool:
+        match = f.FAIRSEQ_OVERFLOW.search(line) or f.FAIRSEQ_AMP_OVERFLOW.search(line)
+        if match:
+            self._overflow(None, _number(match["scale"]))
+            return True
+        match = f.FAIRSEQ_AT_MINIMUM.search(line)
+        if match:
+            self.lines += 1
+            self.stopped = ("the run stopped: fairseq raised "
+                            f"'Minimum loss scale reached ({match['scale']})' "
+                            "(its loss was exploding)")
+            return True
+        updates = f.FAIRSEQ_NUM_UPDATES.search(line)
+        if updates:
+            scale = f.FAIRSEQ_LOSS_SCALE.search(line)
+            if scale is None:
+                return False  # a validation or bf16 line: no loss scale in it
+            skipped = len(self.overflows)
+            self._progress(int(updates["value"]) + skipped, skipped, _power_of_two(_number(scale["value"])))
+            return True
+        return self._setting(line)
+
+    def _setting(self, line: str) -> bool:
+        window = f.FAIRSEQ_SCALE_WINDOW.search(line)
+        if window is None:
+            return False
+        self.window = None if window["value"] == "None" else int(window["value"])
+        return True
+
+    def _overflow(self, attempted: float | None, after: float) -> None:
+        # fairseq prints the scale after the overflow only; it divides by its scale factor (2.0).
+        super()._overflow(attempted if attempted is not None else after * 2.0, after)
+
+    def _progress_notes(self) -> list[str]:
+        return ["fairseq's num_updates counts applied updates only: the steps attempted are num_updates plus "
+                "the overflow lines before each progress line (overflows before this log's first line, in a "
+                "resumed run, are not known); its loss_scale is the scale of the interval's last applied "
+                "update"]
+
+
+PARSERS: tuple[type[_Parser], ...] = (MegatronParser, DeepSpeedParser, FairseqParser, ApexParser)
