@@ -251,7 +251,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                 "behind the optimizer steps attempted." if lag else "")
         # One last read so the final values and the summary describe the whole run (host counts
         # say whether anything happened since the last read: no device read to find out).
-        if last is None or last.step != self.reader.steps:
+        # (the trainer's step, the same on every rank: each rank reads, and gathers, alike)
+        if last is None or self._read_at != trainer.global_step:
             self._observe(trainer)
         self.loop.finish(note=note)
 
