@@ -20,8 +20,8 @@ from lossscale_callbacks._rank_agreement import (
     RANKS_DISAGREE,
     RANKS_TAG,
     RankedState,
-    RankStates,
     RanksDisagree,
+    RankStates,
     split_health,
 )
 from lossscale_callbacks.health import LossScaleHealthError, LossScaleHealthWarning, SkipRate
