@@ -33,6 +33,7 @@ EXTRAS: dict[str, str] = {
     "transformers": "Hugging Face Transformers (and Accelerate, PyTorch)",
     "tensorboard": "TensorBoard event files: the sink and the report's reader",
     "wandb": "Weights & Biases: the sink and the report's reader",
+    "ray": "Ray Train (and PyTorch): TorchTrainer workers report the loss scale",
     "plot": "matplotlib, for report --png",
 }
 

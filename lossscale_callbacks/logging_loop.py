@@ -207,6 +207,7 @@ class LoggingLoop:
         self._ranks_differ = False  # inside a stretch of reads where the ranks disagree
         self.rank_reads = 0  # reads that gathered every rank's state (none with one process)
         self.rank_disagreements: list[tuple[int, str]] = []  # (step, the ranks' states in words)
+        self._ranks_differing: int | None = None  # at the last gathered read
         self._judge_by(self._policy)
 
     @property
@@ -369,7 +370,8 @@ class LoggingLoop:
         if ranks is None:
             return []
         self.rank_reads += 1
-        differ = bool(ranks.differing())
+        self._ranks_differing = len(ranks.differing())
+        differ = bool(self._ranks_differing)
         began, self._ranks_differ = differ and not self._ranks_differ, differ
         if not began:
             return []
@@ -522,6 +524,11 @@ class LoggingLoop:
         if note:
             text += "\n" + note
         return text
+
+    def rank_metrics(self) -> dict[str, int]:
+        """``{"loss_scale/ranks_disagree": n}`` of the last read that gathered every rank's state, else ``{}``
+        (one process): for a trainer's own metrics (Lightning's ``callback_metrics``, the Trainer's logs)."""
+        return {} if self._ranks_differing is None else {RANKS_DISAGREE: self._ranks_differing}
 
     def _ranks_sentence(self) -> str:
         if not self.rank_disagreements:

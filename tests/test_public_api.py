@@ -32,12 +32,14 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.wandb": ["WandbSink"],
     "lossscale_callbacks.accelerate": ["AccelerateLossScaleMonitor", "install_loss_scaler"],
     "lossscale_callbacks.transformers": ["LossScaleTrainerCallback"],
+    "lossscale_callbacks.ray": ["RayTrainReporter"],
 }
 # The outside package a face needs (its test is skipped where that is not installed).
 NEEDS = {"lossscale_callbacks.keras": "keras", "lossscale_callbacks.torch": "torch",
          "lossscale_callbacks.lightning": "lightning", "lossscale_callbacks.lightning.fabric": "lightning",
          "lossscale_callbacks.tensorboard": "tensorboard", "lossscale_callbacks.wandb": "wandb",
-         "lossscale_callbacks.accelerate": "accelerate", "lossscale_callbacks.transformers": "transformers"}
+         "lossscale_callbacks.accelerate": "accelerate", "lossscale_callbacks.transformers": "transformers",
+         "lossscale_callbacks.ray": "ray"}
 NOT_COUNTED = {"__version__"}
 MAX_NAMES = 40
 
@@ -76,7 +78,7 @@ MOVED: dict[str, list[str]] = {
                                        "TOTAL_SKIPPED_STEPS", "WandbOfflineWarning"],
 }
 FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
-              "accelerate", "transformers")
+              "accelerate", "transformers", "ray")
 
 
 def _package_dirs() -> tuple[list[str], dict[str, str]]:

@@ -83,6 +83,7 @@ def test_the_loop_writes_the_metric_and_reports_each_stretch_once():
     assert [(v.rule, v.step) for v in loop.verdicts] == [("ranks_disagree", 20)]
     assert [tag for tag, _ in memory.texts].count(RANKS_TAG) == 1
     assert "rank 1: scale 512" in dict(memory.texts)[RANKS_TAG]
+    assert loop.rank_metrics() == {RANKS_DISAGREE: 0}  # for a trainer's own metrics
     text = loop.finish()
     assert "disagreed 1 time(s) in 4 compared read(s), first at step 20" in text
     assert "[ranks_disagree at step 20]" in text
@@ -92,7 +93,8 @@ def test_one_process_writes_no_rank_metric_and_says_nothing():
     memory = InMemorySink()
     loop = LoggingLoop(None, sinks=[memory], writer=True, echo=None)
     loop.observe(_state(10))
-    assert memory.series(RANKS_DISAGREE) == [] and "ranks" not in loop.finish()
+    assert memory.series(RANKS_DISAGREE) == [] and loop.rank_metrics() == {}
+    assert "ranks" not in loop.finish()
 
 
 @pytest.mark.parametrize(("health", "raises"), [("raise", True), ([RanksDisagree("raise")], True),

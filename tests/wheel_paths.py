@@ -49,6 +49,7 @@ PROBES = {
     "keras": "import lossscale_callbacks.keras",
     "accelerate": "import lossscale_callbacks.accelerate",
     "transformers": "import lossscale_callbacks.transformers",
+    "ray": "import lossscale_callbacks.ray",
     "plot": "from lossscale_callbacks.cli import main\nmain(['report', '.', '--png', 'x.png'])",
 }
 
@@ -198,7 +199,7 @@ def run_path(path: ReadmePath, wheel: Path, work: Path) -> list[str]:
 def implied(extras: set[str]) -> set[str]:
     """Extras that others install (lightning brings torch), which cannot be missing there."""
     out = set()
-    if extras & {"lightning", "accelerate", "transformers"}:
+    if extras & {"lightning", "accelerate", "transformers", "ray"}:
         out.add("torch")
     if "transformers" in extras:
         out.add("accelerate")

@@ -281,7 +281,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
         snapshot = self.loop.observe(self.reader.read(), sink_step=sink_step,
                                      forensics=self.reader.read_forensics())
-        metrics = snapshot.metrics()
+        metrics = {**snapshot.metrics(), **self.loop.rank_metrics()}
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():
             callback_metrics[name] = torch.tensor(value)

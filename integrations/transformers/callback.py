@@ -205,9 +205,14 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        logs.update(snapshot.metrics())
-        if forensics is not None:
-            logs.update(forensics.metrics())
+        metrics = {**snapshot.metrics(), **self.loop.rank_metrics(),
+                   **(forensics.metrics() if forensics is not None else {})}
+        logs.update(metrics)
+        # The Trainer keeps a copy of these logs in its history, which Ray's RayTrainReportCallback
+        # reports (and trainer_state.json saves): ours go there too.
+        history = getattr(state, "log_history", None)
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(metrics)
         if self._stop_requested:
             control.should_training_stop = True
 
