@@ -78,7 +78,9 @@ class LoggingLoop:
     Rank rules, the same in every integration: only the writer process (global rank 0 by default)
     writes to the sinks and prints; the health rules run on every rank (each rank holds the same
     state), so ``"raise"`` raises and ``"stop"`` stops on every rank alike, while warnings are
-    printed by the writer only.
+    printed by the writer only. A state that carries every rank's (a ``RankedState``, as torch's
+    ``ScalerReader.read`` gathers under ``torch.distributed``) is also compared across the ranks:
+    ``loss_scale/ranks_disagree``, the ``ranks_disagree`` rule and a sentence in the summary.
 
     Args:
         policy: the loss-scale policy (its ``min_scale`` says what "at the minimum" means, its
