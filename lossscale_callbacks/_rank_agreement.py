@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from lossscale_callbacks.health import ACTIONS, Verdict
+from lossscale_callbacks.health import ACTIONS, RanksDisagree
 from lossscale_callbacks.state import LossScaleState
 
 __all__ = ["RANKS_DISAGREE", "RANKS_TAG", "RankStates", "RankedState", "RanksDisagree", "split_health"]
@@ -104,41 +104,6 @@ class RankedState(LossScaleState):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RankedState, (tuple(self), self.ranks))
-
-
-@dataclasses.dataclass(frozen=True)
-class RanksDisagree:
-    """Fires when a rank's loss-scale state differs from rank 0's at a log-interval read.
-
-    Judged by the logging loop on the states gathered from every rank (never from the history of
-    one rank's snapshots), once per stretch of disagreement.
-
-    Args:
-        action: ``"warn"``, ``"raise"`` or ``"stop"``.
-    """
-
-    action: str = "warn"
-
-    def __post_init__(self) -> None:
-        if self.action not in ACTIONS:
-            raise ValueError(f"action must be one of {list(ACTIONS)}, got {self.action!r}")
-
-    def describe(self) -> str:
-        return "every rank held the same loss-scale state at each read"
-
-    def judge(self, ranks: RankStates, step: int) -> Verdict | None:
-        """The verdict on one gathered read, or ``None`` when every rank agrees with rank 0."""
-        differing = ranks.differing()
-        if not differing:
-            return None
-        names = ", ".join(map(str, differing))
-        return Verdict(
-            "ranks_disagree", self.action, step,
-            f"The ranks hold different loss-scale states at step {step} (rank(s) {names} differ from "
-            f"rank 0): {ranks.describe()}. Each rank now scales and skips on its own, so the replicas "
-            "drift apart. Usual causes: the overflow flag is not reduced across the shards "
-            "(LossScaler(sync_found_inf=True)), a rank resumed from another checkpoint, or a rank "
-            "that skipped scaler.update().")
 
 
 def split_health(spec: Any) -> tuple[Any, RanksDisagree | None]:
