@@ -7,6 +7,7 @@ back ``Result.metrics``, the run's TensorBoard folder and what each worker saw.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -76,6 +77,17 @@ def test_one_worker_skipping_a_step_does_not_hang(ray_runs):
     assert skip["metrics"]["loss_scale/ranks_disagree"] == 1
     assert skip["metrics"]["loss_scale/skipped_steps"] == 0  # rank 0's values are the ones kept
     assert "rank(s) 1 differ from rank 0" in ray_runs("skip_worker0")["summary"]
+
+
+def test_wandb_and_tensorboard_are_written_by_one_worker(ray_runs):
+    pytest.importorskip("wandb")
+    from lossscale_callbacks.wandb.reader import read_run, wait_until_finished
+
+    path = ray_runs("skip")["path"]
+    (run,) = glob.glob(os.path.join(path, "wandb", "offline-run-*"))  # one worker wrote
+    wait_until_finished(run)
+    assert read_run(run)["loss_scale/ranks_disagree"] == [(10, 1.0), (20, 1.0)]
+    assert len(os.listdir(os.path.join(path, "tensorboard"))) == 1
 
 
 @pytest.mark.parametrize("name", ["lightning", "transformers"])

@@ -9,7 +9,8 @@ saw at the end):
 * ``resumed``: the same run stopped after the step-20 checkpoint, then started again under the
   same name: ``ray.train.get_checkpoint()`` brings the model and the scaler back;
 * ``skip``: the overflow flag not reduced and an Inf on worker 1 only at step 5: only it skips,
-  the run must still end (every worker reports equally), and the workers' disagreement shows;
+  the run must still end (every worker reports equally), and the workers' disagreement shows; an
+  offline W&B run beside TensorBoard;
 * ``lightning`` / ``transformers``: Ray's own ``RayTrainReportCallback`` with our Lightning monitor
   and Trainer callback: the loss-scale metrics reach ``Result.metrics``;
 * ``readme``: the README's Ray Train block, as written.
@@ -56,7 +57,8 @@ def torch_loop(config: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**12, growth_interval=8),
                         sync_found_inf=config["sync"], device="cpu")
-    reporter = RayTrainReporter(scaler, log_every=LOG_EVERY, tensorboard=config["tensorboard"], echo=None)
+    reporter = RayTrainReporter(scaler, log_every=LOG_EVERY, tensorboard=config["tensorboard"],
+                                wandb=config.get("wandb"), echo=None)
     start = 0
     checkpoint = reporter.restore()
     if checkpoint is not None:
@@ -190,7 +192,8 @@ def main(out: str, names: list[str]) -> None:
             "first": run_torch(out, "resumed", storage, stop=20, checkpoints=(20,)),
             "second": run_torch(out, "resumed", storage, checkpoints=(20, STEPS))},
         "skip": lambda: run_torch(out, "skip", storage, sync=False, inject=(5,), inject_ranks=(1,), stop=20,
-                                  checkpoints=(20,)),
+                                  checkpoints=(20,), wandb={"mode": "offline", "project": "ray",
+                                                            "dir": os.path.join(storage, "skip")}),
         "lightning": lambda: run_callback(lightning_loop, "lightning", storage),
         "transformers": lambda: run_callback(
             transformers_loop, "transformers", storage, tests=os.path.dirname(os.path.dirname(__file__)),
