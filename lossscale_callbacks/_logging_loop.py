@@ -38,6 +38,7 @@ from lossscale_callbacks._metrics import (
     observed_state,
 )
 from lossscale_callbacks._policy import check_policy
+from lossscale_callbacks._rank_agreement import RANKS_DISAGREE, RANKS_TAG, RankStates, split_health
 from lossscale_callbacks._ranks import is_rank_zero
 from lossscale_callbacks._sinks import (
     GuardedSink,
@@ -113,7 +114,10 @@ class LoggingLoop:
 
     The arguments below from ``log_every`` to ``echo`` are the shared logging arguments: every
     integration (the Keras callback, the Lightning, Fabric and Accelerate monitors, the Trainer
-    callback) takes them with this meaning and hands them to its loop.
+    callback) takes them with this meaning and hands them to its loop. A state that carries every
+    rank's (a ``RankedState``, as torch's ``ScalerReader.read`` gathers under ``torch.distributed``)
+    is also compared across the ranks: ``loss_scale/ranks_disagree``, the ``ranks_disagree`` rule and
+    a sentence in the summary.
 
     Args:
         policy: the loss-scale policy (its ``min_scale`` says what "at the minimum" means, its
@@ -182,6 +186,8 @@ class LoggingLoop:
             raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
         _check_callable("stop", stop)
         _check_callable("echo", echo)
+        # The rank-agreement rule is judged on the gathered ranks, not on one rank's snapshots.
+        health, self._ranks_rule = split_health(health)
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
         self._user_sinks, self._named = named_sinks(sinks)
         self._tensorboard, self._wandb = check_tensorboard(tensorboard), check_wandb(wandb)
@@ -248,6 +254,10 @@ class LoggingLoop:
         self._last_read_time = self.clock()
         self.tracker = MetricsTracker(1.0)
         self.health: HealthMonitor | None = None
+        self._ranks_differ = False  # inside a stretch of reads where the ranks disagree
+        self.rank_reads = 0  # reads that gathered every rank's state (none with one process)
+        self.rank_disagreements: list[tuple[int, str]] = []  # (step, the ranks' states in words)
+        self._ranks_differing: int | None = None  # at the last gathered read
         self._judge_by(self._policy)
 
     @property
@@ -369,6 +379,7 @@ class LoggingLoop:
         Raises:
             ValueError: a field of ``state`` is missing or wrong, naming it.
         """
+        ranks = getattr(state, "ranks", None)
         state = observed_state(state)
         self._last_read_time = self.clock()
         if self._repeated(state):
@@ -377,7 +388,9 @@ class LoggingLoop:
             self._segment_from = int(state.steps)  # the segment's steps count from here
         if self._last_at is None:
             self._last_at = int(state.steps)
-        return self.tracker.observe(state)
+        snapshot = self.tracker.observe(state)
+        self._act(self._judge_ranks(ranks, snapshot.step))  # a rank resumed from another checkpoint
+        return snapshot
 
     def observe(self, state: Any, sink_step: int | None = None,
                 forensics: IntervalForensics | None = None) -> Snapshot:
@@ -401,6 +414,7 @@ class LoggingLoop:
                 ``skipped_steps > steps``), naming it; nothing is recorded then.
             LossScaleHealthError: a ``"raise"`` rule fired.
         """
+        ranks = getattr(state, "ranks", None)  # a RankedState: every rank's, gathered at this read
         state = observed_state(state)
         self._last_read_time = self.clock()
         last = self.tracker.last
@@ -413,12 +427,12 @@ class LoggingLoop:
         snapshot = self.tracker.observe(state)
         at = self._sink_step(snapshot.step if sink_step is None else int(sink_step))
         if self.writer:
-            self._write_metrics(at, snapshot, forensics, interval_known=not restarted)
+            self._write_metrics(at, snapshot, forensics, interval_known=not restarted, ranks=ranks)
         if forensics is not None:
             self._add_forensics(forensics, at, metrics_written=True)
-        if self.health is not None:
-            verdicts = self.health.observe(snapshot)
-            self._act(self._with_forensics(verdicts, forensics, snapshot.step))
+        verdicts = self.health.observe(snapshot) if self.health is not None else []
+        verdicts = self._with_forensics(verdicts, forensics, snapshot.step)
+        self._act(verdicts + self._judge_ranks(ranks, snapshot.step))
         return snapshot
 
     def _repeated(self, state: Any) -> bool:
@@ -446,6 +460,25 @@ class LoggingLoop:
                 at = step + self._sink_offset
             self._segment_from = None
         return at
+    def _judge_ranks(self, ranks: RankStates | None, step: int) -> list[Verdict]:
+        """The rank-agreement verdict of one gathered read: once per stretch of disagreement."""
+        if ranks is None:
+            return []
+        self.rank_reads += 1
+        self._ranks_differing = len(ranks.differing())
+        differ = bool(self._ranks_differing)
+        began, self._ranks_differ = differ and not self._ranks_differ, differ
+        if not began:
+            return []
+        self.rank_disagreements.append((step, ranks.describe()))
+        verdict = self._ranks_rule.judge(ranks, step) if self._ranks_rule is not None else None
+        if self.writer:
+            words = verdict.message if verdict else f"Step {step}: {ranks.describe()}"
+            self.sinks.write_text(RANKS_TAG, words)
+        if verdict is None or self.health is None:
+            return []
+        self.health.verdicts.append(verdict)
+        return [verdict]
 
     def _restart_if_needed(self, state: Any) -> bool:
         """A new segment when ``state`` cannot follow the last read in one continuous run."""
@@ -467,8 +500,10 @@ class LoggingLoop:
         return True
 
     def _write_metrics(self, at: int, snapshot: Snapshot, forensics: IntervalForensics | None,
-                       interval_known: bool) -> None:
+                       interval_known: bool, ranks: RankStates | None = None) -> None:
         metrics = snapshot.metrics()
+        if ranks is not None:
+            metrics[RANKS_DISAGREE] = len(ranks.differing())
         if not interval_known:  # the first read of a segment: where its interval began is not known
             for name in INTERVAL_METRICS:
                 metrics.pop(name)
@@ -572,6 +607,8 @@ class LoggingLoop:
     def _summary_text(self, note: str) -> str:
         min_scale = self._policy.min_scale if self._policy is not None else None
         text = summarize(self.tracker.last, min_scale)
+        if self.rank_reads:
+            text += " " + self._ranks_sentence()
         if self.restarts:
             moves = ", ".join(f"from {before} back to {after}" for before, after in self.restarts)
             text += (f" The run restarted {len(self.restarts)} time(s) (optimizer steps {moves}); these "
@@ -584,6 +621,19 @@ class LoggingLoop:
         if note:
             text += "\n" + note
         return text
+
+    def rank_metrics(self) -> dict[str, int]:
+        """``{"loss_scale/ranks_disagree": n}`` of the last read that gathered every rank's state, else ``{}``
+        (one process): for a trainer's own metrics (Lightning's ``callback_metrics``, the Trainer's logs)."""
+        return {} if self._ranks_differing is None else {RANKS_DISAGREE: self._ranks_differing}
+
+    def _ranks_sentence(self) -> str:
+        if not self.rank_disagreements:
+            return (f"The ranks' loss-scale states were compared at {self.rank_reads} read(s) and "
+                    "always agreed.")
+        step, words = self.rank_disagreements[0]
+        return (f"The ranks' loss-scale states disagreed {len(self.rank_disagreements)} time(s) in "
+                f"{self.rank_reads} compared read(s), first at step {step} ({words}).")
 
     def flush(self) -> None:
         if self.writer:

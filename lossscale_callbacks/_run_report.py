@@ -30,6 +30,7 @@ from lossscale_callbacks._forensics import (
 from lossscale_callbacks._health import HealthMonitor, Rule, Verdict, assess, default_rules
 from lossscale_callbacks._metrics import MetricsTracker, Snapshot
 from lossscale_callbacks._printable import printable
+from lossscale_callbacks._rank_agreement import RANKS_DISAGREE, RANKS_TAG
 from lossscale_callbacks._run_readers import (
     GROWTH_INTERVAL,
     MAX_SCALE,
@@ -412,12 +413,26 @@ def _judge(segment: Mapping[str, Points], prefix: str, min_scale: float,
     for snap in snapshots:
         monitor.observe(snap)
     monitor.final()
+    monitor.verdicts.extend(_ranks_verdicts(segment.get(prefix + RANKS_DISAGREE, ())))  # in its assessment
     verdicts = list(monitor.verdicts)
     forensics = totals_from_series({tag[len(prefix):]: points for tag, points in segment.items()
                                     if tag.startswith(prefix)})
     if forensics is not None and forensics.causes["loss_nonfinite"]:
         verdicts.append(Verdict("NonFiniteLoss", "warn", snapshots[-1].step, forensics.sentences()[0]))
     return _Judged(snapshots, monitor, verdicts, forensics, bool(segment.get(prefix + m.SKIPPED_STEPS)))
+
+
+def _ranks_verdicts(points: Points) -> list[Verdict]:
+    """The run's rank-agreement series (written by runs of several processes) in words."""
+    differing = [(int(step), int(value)) for step, value in points if value > 0]
+    if not differing:
+        return []
+    step, count = differing[0]
+    return [Verdict("ranks_disagree", "warn", step,
+                    f"The ranks held different loss-scale states at {len(differing)} of {len(points)} log "
+                    f"interval(s), first at step {step} ({count} rank(s) differed from rank 0; the run's "
+                    f"{RANKS_TAG} text names them and their values). Each rank scaled and skipped on its "
+                    "own.")]
 
 
 def _segment(index: int, judged: _Judged) -> Segment:

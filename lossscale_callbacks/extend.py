@@ -29,6 +29,7 @@ Example:
 from lossscale_callbacks._extras import MissingExtraError, require
 from lossscale_callbacks._health import (
     ConsecutiveSkips,
+    RanksDisagree,
     Rule,
     ScaleOnlyDecreases,
     SkipRate,
@@ -47,6 +48,7 @@ __all__ = [
     "MissingExtraError",
     "Ops",
     "Policy",
+    "RanksDisagree",
     "Reader",
     "Rule",
     "RunReadError",

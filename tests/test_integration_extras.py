@@ -51,6 +51,8 @@ def _import_without(hidden: str, code: str, **env: str) -> tuple[str, str, str]:
     ("tensorboard", "tensorboard", "tensorboard"),
     ("tensorboard", "google", "tensorboard"),  # TensorBoard installed without protobuf
     ("wandb", "wandb", "wandb"),
+    ("ray", "ray", "ray"),
+    ("ray", "torch", "ray"),  # the extra brings torch too
 ])
 def test_a_missing_package_names_the_extra_at_import(face, hidden, extra):
     kind, missing, message = _import_without(hidden, f"import lossscale_callbacks.{face}")

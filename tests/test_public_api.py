@@ -33,6 +33,7 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.wandb": ["WandbSink"],
     "lossscale_callbacks.accelerate": ["AccelerateLossScaleMonitor", "install_loss_scaler"],
     "lossscale_callbacks.transformers": ["LossScaleTrainerCallback"],
+    "lossscale_callbacks.ray": ["RayTrainReporter"],
 }
 # The outside package a face needs (its test is skipped where that is not installed): an integration's
 # folder is named as its outside package, integrations/<name> -> lossscale_callbacks.<name>.
@@ -45,15 +46,15 @@ MAX_NAMES = 40
 # and the test oracles a backend proves itself with. Everything else behind the faces is private.
 EXTENSION: dict[str, list[str]] = {
     "lossscale_callbacks.extend": [
-        "ConsecutiveSkips", "MissingExtraError", "Ops", "Policy", "Reader", "Rule", "RunReadError",
-        "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale", "Verdict", "default_rules",
-        "policy_from_config", "register_sink", "require"],
+        "ConsecutiveSkips", "MissingExtraError", "Ops", "Policy", "RanksDisagree", "Reader", "Rule",
+        "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale", "Verdict",
+        "default_rules", "policy_from_config", "register_sink", "require"],
     "lossscale_callbacks.testing": [
         "ConformanceCase", "assert_conforms", "conformance_cases", "reference_headroom",
         "reference_histogram", "reference_run", "stack_states"],
 }
 FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
-              "accelerate", "transformers")
+              "accelerate", "transformers", "ray")
 
 
 def _package_dirs() -> tuple[list[str], dict[str, str]]:

@@ -223,7 +223,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                 "behind the optimizer steps attempted." if lag else "")
         # One last read so the final values and the summary describe the whole run (host counts
         # say whether anything happened since the last read: no device read to find out).
-        if last is None or last.step != self.reader.steps:
+        # (the trainer's step, the same on every rank: each rank reads, and gathers, alike)
+        if last is None or self._read_at != trainer.global_step:
             self._observe(trainer)
         self.loop.finish(note=note)
 
@@ -252,7 +253,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
         snapshot = self.loop.observe(self.reader.read(), sink_step=sink_step,
                                      forensics=self.reader.read_forensics())
-        metrics = snapshot.metrics()
+        metrics = {**snapshot.metrics(), **self.loop.rank_metrics()}
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():
             callback_metrics[name] = torch.tensor(value)

@@ -23,6 +23,7 @@ from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._validation import INT64_MAX, check_int
 from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
 from lossscale_callbacks.torch._megatron_reader import MegatronScalerReader, has_megatron_scaler
+from lossscale_callbacks.torch._rank_gather import with_ranks
 from lossscale_callbacks.torch._scaler import LossScaler
 from lossscale_callbacks.torch._stock import StockSkipCounter, check_stock_state
 
@@ -161,15 +162,21 @@ class ScalerReader:
         if self._stock is not None:
             self._stock.after_optimizer_step()
 
-    def read(self) -> LossScaleState:
-        """The state as Python numbers: the one host read of an interval (DeepSpeed's are host numbers)."""
+    def read(self, gather: bool = True) -> LossScaleState:
+        """The state as Python numbers: the one host read of an interval (an engine's are host numbers).
+
+        With a ``torch.distributed`` group of two or more ranks (and ``gather``), every rank's state
+        comes along (a ``RankedState``, one ``all_gather`` of 4 numbers per rank), so the logging
+        loop can tell whether the ranks agree: then every rank must call this at the same reads.
+        """
         if self._engine is not None:
-            return LossScaleState(**self._engine.read())
-        if self._stock is not None:
-            return self._stock.read(self._steps)
-        state = self.scaler.get_state()
-        self._steps = int(state.steps)
-        return state
+            state = LossScaleState(**self._engine.read())
+        elif self._stock is not None:
+            state = self._stock.read(self._steps)
+        else:
+            state = self.scaler.get_state()
+            self._steps = int(state.steps)
+        return with_ranks(state) if gather else state
 
     def read_forensics(self) -> IntervalForensics | None:
         """Our scaler's overflow forensics of the interval (``diagnose=True``), else ``None``."""

@@ -66,7 +66,10 @@ class ScalerStepMonitor:
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
                                 **logging_args(type(self).__name__, logging))
         self.loop.start(sinks=run_sinks)
-        self.loop.restart_interval(self.reader.steps)
+        # The count intervals end on: the same on every rank (rank 0's steps at each gathered read),
+        # so all ranks read, and gather, at the same calls even when their scalers' counts differ.
+        self._ticks = self.reader.steps
+        self.loop.restart_interval(self._ticks)
 
     @property
     def scaler(self) -> Any:
@@ -90,8 +93,16 @@ class ScalerStepMonitor:
                 f"{type(self).__name__}.step() counts an optimizer step, but the loss scaler has not "
                 f"scaled any loss yet: call it after optimizer.step(), {self._FIRST_STEP_NEEDS}")
         self.reader.after_optimizer_step()  # device ops only for a stock scaler, no host read
-        return self.loop.maybe_observe(self.reader.steps, self.reader.read, sink_step=log_step,
+        self._ticks += 1
+        return self.loop.maybe_observe(self._ticks, self._read, sink_step=log_step,
                                        read_forensics=self.reader.read_forensics)
+
+    def _read(self) -> Any:
+        """The interval's read (every rank's state too, under torch.distributed); re-bases the count."""
+        state = self.reader.read()
+        ranks = getattr(state, "ranks", None)
+        self._ticks = ranks.rows[0][3] if ranks is not None else int(state.steps)
+        return state
 
     def finish(self) -> str:
         """End of training: one last read, the summary (printed on the writer, returned everywhere).
@@ -99,7 +110,7 @@ class ScalerStepMonitor:
         Closes the sinks made from ``tensorboard=``/``wandb=``; the framework's loggers are its own
         to close.
         """
-        return self.loop.finish(self.reader.read())
+        return self.loop.finish(self._read())
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the step count (and a stock scaler's skipped steps, which
@@ -118,4 +129,5 @@ class ScalerStepMonitor:
         """
         self.reader.load_state_dict(state)
         self.loop.set_policy(self.reader.policy)
-        self.loop.resume_at(self.reader.steps, self.reader.read)
+        self.loop.baseline(self._read())  # one read now, not a step (and the ranks compared); it
+        self.loop.restart_interval(self._ticks)  # re-bases the tick count, so the interval comes after

@@ -224,7 +224,8 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        added = {**snapshot.metrics(), **(forensics.metrics() if forensics is not None else {})}
+        added = {**snapshot.metrics(), **self.loop.rank_metrics(),
+                 **(forensics.metrics() if forensics is not None else {})}
         _add_to_history(state, logs, added)
         logs.update(added)
         if self._stop_requested:

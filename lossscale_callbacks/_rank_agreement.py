@@ -1,0 +1,131 @@
+"""Whether the ranks of a distributed run hold the same loss-scale state: the data, the words, the rule.
+
+Framework-free. An integration gathers every rank's state at the log interval (torch: one
+``all_gather`` of four float64 numbers per rank, see ``lossscale_callbacks.torch``) and hands it to
+the :class:`~lossscale_callbacks._logging_loop.LoggingLoop` as a :class:`RankedState`; the loop
+writes :data:`RANKS_DISAGREE`, applies :class:`RanksDisagree` and says it in the summary.
+Ranks that disagree are the silent failure of sharded fp16 training: an overflow flag not
+reduced across the shards, a rank resumed from another checkpoint, a rank that skipped
+``update()``; each rank then trains at its own scale and skips its own steps.
+
+Example:
+    >>> ranks = RankStates.from_rows([[1024.0, 3, 1, 50], [1024.0, 3, 1, 50], [512.0, 0, 2, 50]])
+    >>> ranks.differing()
+    [2]
+    >>> for group in ranks.describe().split("; "):
+    ...     print(group)
+    ranks 0, 1: scale 1024, growth counter 3, 1 of 50 steps skipped
+    rank 2: scale 512, growth counter 0, 2 of 50 steps skipped
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lossscale_callbacks._health import ACTIONS, RanksDisagree
+from lossscale_callbacks._state import LossScaleState
+
+__all__ = ["RANKS_DISAGREE", "RANKS_TAG", "RankStates", "RankedState", "RanksDisagree", "split_health"]
+
+# The number of ranks whose state differs from rank 0's (the rank that writes): 0 when they agree.
+# Written only by a run with more than one process.
+RANKS_DISAGREE = "loss_scale/ranks_disagree"
+RANKS_TAG = "loss_scale/ranks"
+# What each rank contributes to the gather, in this order.
+RANK_FIELDS = ("scale", "growth_counter", "skipped_steps", "steps")
+
+
+def _key(row: tuple[float, int, int, int]) -> tuple[Any, ...]:
+    return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in row)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStates:
+    """Every rank's (scale, growth counter, skipped steps, steps), rank 0 first, read at one interval."""
+
+    rows: tuple[tuple[float, int, int, int], ...]
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Sequence[float]]) -> RankStates:
+        """From one row of four numbers per rank (a gathered float64 tensor's ``tolist()``).
+
+        Raises:
+            ValueError: a row does not hold four numbers, or a count is not a whole number >= 0.
+        """
+        checked = []
+        for rank, row in enumerate(rows):
+            row = list(row)
+            if len(row) != len(RANK_FIELDS):
+                raise ValueError(f"rows: rank {rank} holds {len(row)} numbers, expected {list(RANK_FIELDS)}")
+            counts = row[1:]
+            if not all(math.isfinite(c) and c >= 0 and float(c).is_integer() for c in counts):
+                raise ValueError(f"rows: rank {rank}'s counts must be whole numbers >= 0, got {counts}")
+            checked.append((float(row[0]), *(int(c) for c in counts)))
+        if not checked:
+            raise ValueError("rows must hold at least one rank")
+        return cls(tuple(checked))  # type: ignore[arg-type]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rows)
+
+    def differing(self) -> list[int]:
+        """The ranks whose state differs from rank 0's."""
+        first = _key(self.rows[0])
+        return [rank for rank, row in enumerate(self.rows) if _key(row) != first]
+
+    def describe(self) -> str:
+        """The ranks grouped by the state they hold, in plain words."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for rank, row in enumerate(self.rows):
+            groups.setdefault(_key(row), []).append(rank)
+        parts = []
+        for ranks in groups.values():
+            scale, growth, skipped, steps = self.rows[ranks[0]]
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            parts.append(f"{who}: scale {scale:g}, growth counter {growth}, "
+                         f"{skipped} of {steps} steps skipped")
+        return "; ".join(parts)
+
+
+class RankedState(LossScaleState):
+    """A :class:`~lossscale_callbacks._state.LossScaleState` read on one rank, carrying every rank's
+    (:attr:`ranks`), gathered at the same read."""
+
+    ranks: RankStates
+
+    def __new__(cls, state: Sequence[Any], ranks: RankStates) -> RankedState:
+        self = super().__new__(cls, *state)
+        self.ranks = ranks
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RankedState, (tuple(self), self.ranks))
+
+
+def split_health(spec: Any) -> tuple[Any, RanksDisagree | None]:
+    """``health=`` as the per-rank rules see it, and the rank-agreement rule it asks for.
+
+    ``True``/``"warn"``/``"raise"``/``"stop"`` bring :class:`RanksDisagree` with that action; a list
+    of rules brings the :class:`RanksDisagree` in it (taken out of the list); ``None``/``False``
+    none.
+    """
+    if spec is None or spec is False:
+        return spec, None
+    if spec is True:
+        return spec, RanksDisagree()
+    if isinstance(spec, str):
+        return spec, RanksDisagree(spec) if spec in ACTIONS else None
+    if isinstance(spec, RanksDisagree):
+        return [], spec
+    if callable(spec):
+        return spec, None
+    try:
+        rules = list(spec)
+    except TypeError:
+        return spec, None
+    ours = [r for r in rules if isinstance(r, RanksDisagree)]
+    return [r for r in rules if not isinstance(r, RanksDisagree)], (ours[-1] if ours else None)
