@@ -8,6 +8,10 @@
   reference to another importable name of ours or a builtin renders as code; anything else stays a
   nitpicky warning, so a misspelt or removed name fails the build.
 - ``lsc-argparse``: the reference of a command line, generated from its parser builder function.
+- **Generated pages**: a face that no page under ``docs/api/`` documents (a new integration) gets one of its
+  own in ``docs/api/_generated/`` at the start of the build (an orphan page: its names are linked from
+  every reference to them), so a new integration needs no edit here; a hand-written page
+  (``.. automodule:: <face>``) replaces it.
 
 Example (a Markdown page)::
 
@@ -74,6 +78,23 @@ def missing_entries(names: dict[str, list[str]], documented: Iterable[str]) -> l
 
 def _faces(app: Sphinx) -> list[str]:
     return [*package_faces(), *app.config.lsc_extra_faces]
+
+
+def generate_missing_pages(app: Sphinx) -> None:
+    """Write an API page for every face that no page under ``docs/api/`` documents, before reading."""
+    api = Path(app.srcdir) / "api"
+    generated = api / "_generated"
+    written = "".join(p.read_text() for p in api.glob("*.md"))
+    wanted = {face: (f"---\norphan: true\n---\n\n# {face}\n\n```{{eval-rst}}\n.. automodule:: {face}\n```\n")
+              for face in _faces(app) if f".. automodule:: {face}\n" not in written}
+    for old in generated.glob("*.md") if generated.is_dir() else []:
+        if old.stem not in wanted:
+            old.unlink()
+    for face, text in wanted.items():
+        generated.mkdir(exist_ok=True)
+        page = generated / f"{face}.md"
+        if not page.exists() or page.read_text() != text:  # unchanged pages are not rebuilt
+            page.write_text(text)
 
 
 def check_faces(app: Sphinx, env: Any) -> None:
@@ -211,6 +232,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     GoogleDocstring._parse_attribute_docstring = _attribute_docstring  # type: ignore[method-assign]
     app.add_config_value("lsc_extra_faces", [], "env")
     app.add_directive("lsc-argparse", ArgparseDirective)
+    app.connect("builder-inited", generate_missing_pages)
     app.connect("env-check-consistency", check_faces)
     app.connect("missing-reference", resolve_reference)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
