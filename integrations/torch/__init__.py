@@ -1,6 +1,6 @@
 """PyTorch: ``LossScaler``, a ``torch.amp.GradScaler`` drop-in on the shared loss-scaling core, and
 ``ScalerReader``, the one reader of a torch run's loss scaler (ours, a stock ``GradScaler``/
-``ShardedGradScaler`` or DeepSpeed's) that every monitor uses.
+``ShardedGradScaler``, DeepSpeed's or Megatron-Core's) that every monitor uses.
 
 Needs only ``torch`` (``pip install "lossscale-callbacks[torch]"``); the Lightning plugins and monitor
 live in :mod:`lossscale_callbacks.lightning`. The torch ops, the stock and DeepSpeed scaler readers and
