@@ -113,16 +113,49 @@ class SkipRate:
     # Fewer steps after the warm-up than this, and the run's rate says too little to judge.
     min_final_steps: int = dataclasses.field(default=100, repr=False)
 
+    # The window of the last call, carried to the next: the rules run once per snapshot, in order, so
+    # the window moves by one snapshot a call. Walking it back each time cost window/interval snapshots
+    # per call (a report replaying a million one-step log points walked a billion).
+    _last: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+
     def _measured(self, history: Sequence[Snapshot], window: int) -> tuple[int, int]:
-        """(steps, skipped) over the most recent whole intervals after the warm-up, up to ``window`` steps."""
+        """(steps, skipped) over the most recent whole intervals after the warm-up, up to ``window`` steps:
+        the shortest run of the latest snapshots that reaches ``window`` steps (or all after the warm-up).
+        """
+        if not history:
+            return 0, 0
+        last = self._last
+        newest = history[-1]
+        if last and last[0] is history and last[1] is newest:
+            return last[3], last[4]
+        if last and last[0] is history and len(history) >= 2 and history[-2] is last[1]:
+            _, _, kept, steps, skipped = last  # one new snapshot: slide the window
+            if newest.step - newest.interval_steps < self.warmup_steps:
+                kept.clear()
+                steps = skipped = 0
+            else:
+                kept.append(newest)
+                steps, skipped = steps + newest.interval_steps, skipped + newest.skipped_in_interval
+                while kept and (steps - kept[0].interval_steps >= window or len(kept) > len(history)):
+                    dropped = kept.popleft()
+                    steps, skipped = steps - dropped.interval_steps, skipped - dropped.skipped_in_interval
+        else:
+            kept, steps, skipped = self._walk(history, window)
+        self._last[:] = [history, newest, kept, steps, skipped]
+        return steps, skipped
+
+    def _walk(self, history: Sequence[Snapshot], window: int) -> tuple[deque[Snapshot], int, int]:
+        """The window found from scratch, walking back from the newest snapshot."""
+        kept: deque[Snapshot] = deque()
         steps = skipped = 0
         for snap in reversed(history):
             start = snap.step - snap.interval_steps
             if start < self.warmup_steps or steps >= window:
                 break
+            kept.appendleft(snap)
             steps += snap.interval_steps
             skipped += snap.skipped_in_interval
-        return steps, skipped
+        return kept, steps, skipped
 
     def _verdict(self, history: Sequence[Snapshot], steps: int, skipped: int) -> Verdict | None:
         rate = skipped / steps
