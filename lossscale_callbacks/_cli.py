@@ -21,12 +21,12 @@ import contextlib
 import importlib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
 from lossscale_callbacks._extras import MissingExtraError
-from lossscale_callbacks._printable import printable
 from lossscale_callbacks._version import __version__
 
 # ----------------------------------------
@@ -38,11 +38,45 @@ PROG = "lossscale-callbacks"
 EXIT_BAD_INPUT = 2
 
 
+# ---------------------------------------- printing what comes from the disk
+# A run folder's name, a tag, a layer name or a reader's message comes from the disk and may hold anything:
+# a newline would forge a row of the table, an escape sequence would drive the terminal, a byte that is not
+# UTF-8 (decoded by Python as a lone surrogate) would stop ``print``. Every line ``report`` prints, and
+# every error line, goes through :func:`printable`. JSON needs none of this: the encoder escapes them.
+
+# Control characters (C0, DEL, C1), the Unicode line and paragraph separators, the bidirectional
+# controls that reorder what a terminal shows, and lone surrogates (undecodable bytes of a file name).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on written as Python writes it in a string
+    literal (``\\n``, ``\\x1b``, ``\\u202e``, ``\\udcff``); only what it would never print itself, so
+    escaping twice changes nothing.
+
+    Example:
+        >>> printable("run\\n  b  999  OK")
+        'run\\\\n  b  999  OK'
+        >>> printable("\\x1b[2Jrun") == printable(printable("\\x1b[2Jrun"))
+        True
+    """
+    return _UNSAFE.sub(_escape, text)
+
+
 def fail(command: str, message: object, err: TextIO | None = None) -> int:
     """Print ``message`` as one line on ``err`` (stderr) and return the bad-input exit status, 2.
 
     One line, whatever the cause: these messages end up in CI logs and shell scripts (names in it are
-    escaped by :func:`~lossscale_callbacks._printable.printable`). ``command``
+    escaped by :func:`~lossscale_callbacks._cli.printable`). ``command``
     (``"report"``, ``"check"``, or ``""`` for the program itself) starts the line.
     """
     where = f"{PROG} {command}" if command else PROG

@@ -25,13 +25,14 @@ from typing import Any
 from lossscale_callbacks import _engine_formats as f
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._engine_parsers import PARSERS, Trajectory
-from lossscale_callbacks._engine_sniff import ENGINE_LOG, looks_like_engine_log
 from lossscale_callbacks._run_readers import (
+    ENGINE_LOG,
     GROWTH_INTERVAL,
     MIN_SCALE,
     NoLossScaleError,
     RunReadError,
     RunSeries,
+    looks_like_engine_log,
 )
 
 __all__ = ["ENGINE_LOG", "looks_like_engine_log", "read_run"]

@@ -22,9 +22,8 @@ from typing import Any, TextIO
 
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks import _run_readers as run_readers
-from lossscale_callbacks._cli import PROG, fail, positive_number, quiet_native_stderr
+from lossscale_callbacks._cli import PROG, fail, positive_number, printable, quiet_native_stderr
 from lossscale_callbacks._extras import MissingExtraError, install_hint, require
-from lossscale_callbacks._printable import printable
 from lossscale_callbacks._run_readers import (
     FoundRun,
     NoLossScaleError,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from lossscale_callbacks import _metrics as m
+from lossscale_callbacks._cli import printable
 from lossscale_callbacks._forensics import (
     CAUSE_METRICS,
     LAYER_METRIC_PREFIX,
@@ -29,7 +30,6 @@ from lossscale_callbacks._forensics import (
 )
 from lossscale_callbacks._health import HealthMonitor, Rule, Verdict, assess, default_rules
 from lossscale_callbacks._metrics import MetricsTracker, Snapshot
-from lossscale_callbacks._printable import printable
 from lossscale_callbacks._rank_agreement import RANKS_DISAGREE, RANKS_TAG
 from lossscale_callbacks._run_readers import (
     GROWTH_INTERVAL,
@@ -367,7 +367,7 @@ class RunReport:
         return self.health or assess((), list(self.snapshots), self.verdicts)
 
     def text(self) -> str:
-        """The summary in plain words, each line escaped by :func:`~lossscale_callbacks._printable.printable`
+        """The summary in plain words, each line escaped by :func:`~lossscale_callbacks._cli.printable`
         (a name from the disk cannot add a line or drive the terminal)."""
         if self.steps == 0:
             return printable(f"{self.path}: the run logged its loss scale, but no optimizer step was taken.")

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import struct
@@ -48,13 +49,14 @@ from lossscale_callbacks._run_readers import (
     is_regular_file,
 )
 from lossscale_callbacks._sinks import POLICY_TAG, policy_bounds_from_markdown, policy_values_from_markdown
-from lossscale_callbacks.tensorboard._writers import check_one_writer_at_a_time
 
 __all__ = [
     "FileReading",
     "Layout",
     "RecordRows",
     "RunReadError",
+    "check_one_writer_at_a_time",
+    "closed_at",
     "crc32c_rows",
     "decode_rows",
     "event_files",
@@ -755,7 +757,7 @@ def _read_files(files: list[str], damage: list[str], notes: list[str]) -> _Colle
     none can be read."""
     collector = _Collector()
     unreadable: list[str] = []
-    writers = []  # the files that hold the loss scale: one at a time, or two writers (see _writers)
+    writers = []  # files holding the loss scale: one at a time, or two writers (check_one_writer_at_a_time)
     for number, file_path in enumerate(files):
         reading = FileReading(file_path)
         before = collector.scale_points()
@@ -855,3 +857,59 @@ __test__ = {
     [3808858755]
 """,
 }
+
+
+# ---------------------------------------- two writers at once
+# Two writers at once in one TensorBoard folder: told apart from a restarted job by the events' wall times.
+# A job that resumes writes a new event file after the old one's last event; two processes logging the
+# loss scale into one folder at the same time open their files while the other still writes. Read one
+# after the other, both look like a run whose steps went back (a restart): the reader refuses that instead.
+
+
+def closed_at(path: str) -> float:
+    """The wall time of a file's last complete event (its writer's last write); ``-inf`` if none.
+
+    Walks the record headers only (a seek per record, no data read but the last record's); a length
+    that runs past the end of the file ends the walk, so a damaged length costs nothing.
+    """
+    last = -1
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            offset = 0
+            while offset + _HEADER <= size:
+                handle.seek(offset)
+                (length,) = struct.unpack("<Q", handle.read(8))
+                end = offset + _HEADER + length + 4
+                if end > size:
+                    break
+                last, offset = offset, end
+            if last < 0:
+                return -math.inf
+            handle.seek(last)
+            length = struct.unpack("<Q", handle.read(8))[0]
+            handle.seek(last + _HEADER)
+            return float(event_pb2.Event.FromString(handle.read(length)).wall_time)
+    except (OSError, DecodeError, struct.error):
+        return -math.inf
+
+
+def check_one_writer_at_a_time(folder: str, writers: list[tuple[str, float]]) -> None:
+    """Refuse a folder where a file with the loss scale was opened while another such file was still written.
+
+    Args:
+        folder: the run folder (for the message).
+        writers: ``(path, opened_at)`` of each file with loss-scale series, in the order opened.
+
+    Raises:
+        RunReadError: two writers at once, naming both files and how to report each.
+    """
+    for (earlier, _), (later, opened) in itertools.pairwise(writers):
+        last_write = closed_at(earlier)
+        if opened < last_write:
+            raise RunReadError(
+                f"{folder}: two writers wrote the loss scale into this folder at the same time "
+                f"({os.path.basename(earlier)} was still written after {os.path.basename(later)} was "
+                "opened), so their steps would read as restarts; "
+                f"give each run its own folder, or report one file: "
+                f"`lossscale-callbacks report {later}`")
