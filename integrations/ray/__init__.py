@@ -24,3 +24,8 @@ require("torch", "ray", feature="lossscale_callbacks.ray")
 from lossscale_callbacks.ray._reporter import RayTrainReporter  # noqa: E402
 
 __all__ = ["RayTrainReporter"]
+
+
+def __dir__() -> list[str]:
+    """The face only: the private modules and helpers behind it stay out of ``dir()``."""
+    return list(__all__)

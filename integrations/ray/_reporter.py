@@ -9,17 +9,19 @@ reports at the same steps even when one of them skipped a step the others took.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import ray.train
 import torch
 
-from lossscale_callbacks._health import HealthSpec
+from lossscale_callbacks._logging_loop import LoggingArgs, logging_args
 from lossscale_callbacks._metrics import Snapshot
-from lossscale_callbacks._sinks import Sink
 from lossscale_callbacks._validation import check_bool
 from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = ["RayTrainReporter"]
 
@@ -34,14 +36,12 @@ class RayTrainReporter(ScalerStepMonitor):
 
     Args:
         scaler: the worker's ``LossScaler`` (or a ``GradScaler``/``ShardedGradScaler``).
-        log_every: optimizer steps between reads (>= 1).
+        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop`, in optimizer steps (>= 1).
         report: ``True``: each read ends with ``ray.train.report(metrics)`` on every worker; ``False``:
             the metrics go out with your own :meth:`report` calls only.
-        health: the health rules (``None``/``False`` off, ``"warn"``, ``"raise"``, ``"stop"``, or rules).
-        tensorboard: a log directory (the run's folder, say) for a TensorBoard sink, on rank 0.
-        wandb: ``True`` or ``wandb.init`` arguments for a W&B sink, on rank 0.
-        sinks: more sinks, written on rank 0.
-        echo: prints the end-of-run summary on rank 0 (``None``: silent).
+        **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
+            ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
+            its Args); the sinks are written and the summary printed on rank 0.
 
     Raises:
         ValueError: ``report`` is not a bool, or what the step monitor refuses.
@@ -60,13 +60,12 @@ class RayTrainReporter(ScalerStepMonitor):
     CHECKPOINT_FILE = "lossscale_scaler.pt"
     _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated in this worker"
 
-    def __init__(self, scaler: Any, *, log_every: int = 100, report: bool = True, health: HealthSpec = "warn",
-                 tensorboard: Any = None, wandb: Any = None, sinks: Iterable[Sink] = (),
-                 echo: Any = print) -> None:
+    def __init__(self, scaler: Any, *, log_every: int = 100, report: bool = True,
+                 **logging: Unpack[LoggingArgs]) -> None:
         self._report = check_bool("report", report)
         rank = ray.train.get_context().get_world_rank()
-        super().__init__(scaler, log_every=log_every, health=health, tensorboard=tensorboard, wandb=wandb,
-                         sinks=sinks, writer=rank == 0, echo=echo)
+        super().__init__(scaler, log_every=log_every, writer=rank == 0,
+                         **logging_args(type(self).__name__, logging))
         self.metrics: dict[str, float | int] = {}
 
     def step(self) -> Snapshot | None:
