@@ -181,19 +181,21 @@ class ActivationTrace:
         """The trace in words: the producer (with the advice), then the headroom."""
         return [s for s in (self.producer_sentence(), self.headroom_sentence()) if s]
 
-    def to_markdown(self, limit: int = 20) -> str:
-        """The words, and a table of the layers nearest the limit over the traced steps kept."""
+    def to_markdown(self, limit: int = 20, title: str | None = None) -> str:
+        """The words, and a table of the ``limit`` layers nearest the limit over the traced steps kept."""
         last = self.steps[-1] if self.steps else "none"
-        lines = [f"### Forward trace ({self.traced} traced steps in the interval, last at step {last})", ""]
+        title = title or f"Forward trace ({self.traced} traced steps in the interval, last at step {last})"
+        lines = [f"### {title}", ""]
         lines += [f"- {s}" for s in self.sentences()] or ["- Nothing traced in this interval."]
         if not self.steps:
             return "\n".join(lines)
         order = sorted(range(len(self.layers)), key=lambda i: _badness(self.maxima[:, i]))[:limit]
         steps = ", ".join(str(s) for s in self.steps)
-        lines += ["", f"Largest |output| per layer at the traced steps {steps} (log2 margin against "
+        when = f" at the traced steps {steps}" if title is None else ""
+        columns = [f"step {s}" for s in self.steps] if title is None else ["largest abs output"]
+        lines += ["", f"Largest |output| per layer{when} (log2 margin against "
                   f"{DTYPE_TEXT[self.dtype]}'s max {DTYPE_MAX[self.dtype]:g} at the last):", "",
-                  "| layer | " + " | ".join(f"step {s}" for s in self.steps) + " | margin |",
-                  "|---" * (len(self.steps) + 2) + "|"]
+                  "| layer | " + " | ".join(columns) + " | margin |", "|---" * (len(self.steps) + 2) + "|"]
         for i in order:
             cells = " | ".join(_cell(v) for v in self.maxima[:, i])
             margin = margin_log2(float(self.maxima[-1, i]), self.dtype)

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from lossscale_callbacks._activations import DTYPE_MAX, DTYPE_TEXT, check_dtype
+from lossscale_callbacks._activations import DTYPE_MAX, DTYPE_TEXT, ActivationTrace, check_dtype
 from lossscale_callbacks.forensics_words import pow2, times
 
 FP16_MIN_SUBNORMAL_LOG2 = -24.0
@@ -45,7 +45,8 @@ MAX_SCALE = 2.0**24
 DEFAULT_GROWTH_INTERVAL = 1000
 NAN_RECURRING = 2  # NaN-gradient skips with a finite loss from which they count as recurring
 
-__all__ = ["FP16_SPAN_LOG2", "Advice", "GradientRange", "advise", "fitting_scale", "smallest_keep_set"]
+__all__ = ["FP16_SPAN_LOG2", "Advice", "AuditResult", "GradientRange", "advise", "fitting_scale",
+           "smallest_keep_set"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class GradientRange:
 
     @classmethod
     def from_histogram(cls, edges: Sequence[float], counts: Sequence[int], scale: float,
-                       quantile: float = 1e-3) -> GradientRange | None:
+                       quantile: float = 1e-2) -> GradientRange | None:
         """From a histogram of ``log2 |scaled gradient|`` (the forensics' bins) at ``scale``: the top of the
         highest bin and the bottom of the bin holding the ``quantile`` smallest (``None``: all empty)."""
         total = sum(counts)
@@ -168,7 +169,8 @@ def advise(*, producers: Mapping[str, int] | None = None, over_range: Mapping[st
            keep_float32: Sequence[str] = (), gradients: GradientRange | None = None,
            causes: Mapping[str, int] | None = None, origins: Mapping[str, int] | None = None,
            at_min_scale: bool = False, settled_scale: float | None = None, min_scale: float = 1.0,
-           dtype: str = "float16", code: Callable[[Sequence[str]], str] | None = None) -> Advice:
+           dtype: str = "float16", code: Callable[[Sequence[str]], str] | None = None,
+           initial_scale: float | None = None) -> Advice:
     """The advice for what was seen (see the module docstring); every argument may be left out.
 
     Args:
@@ -183,6 +185,8 @@ def advise(*, producers: Mapping[str, int] | None = None, over_range: Mapping[st
         min_scale: the policy's minimum.
         dtype: the compute dtype.
         code: the user's code for a keep list (e.g. ``keep_in_float32(model, [...])``).
+        initial_scale: a starting scale the integration measured (an audit's largest finite power of
+            two); default: :func:`fitting_scale` of ``gradients.largest``.
 
     Raises:
         ValueError: ``dtype`` is not one of :data:`~lossscale_callbacks._activations.DTYPE_MAX`'s keys.
@@ -220,11 +224,11 @@ def advise(*, producers: Mapping[str, int] | None = None, over_range: Mapping[st
         actions.append(f"Keep these layers in float32: {_names(keep)}{written}.")
     if bf16:
         actions.append("Use bfloat16 (float32's exponent range, no loss scaling needed) instead of float16.")
-    scale = settled_scale
+    scale = settled_scale if initial_scale is None else initial_scale
     if scale is None and gradients is not None and not bf16:
         scale = fitting_scale(gradients.largest, dtype, min_scale)
     interval = None
-    if scale is not None and not bf16 and (actions or settled_scale is None):
+    if scale is not None and not bf16 and (actions or settled_scale is None or initial_scale is not None):
         interval = DEFAULT_GROWTH_INTERVAL
         actions.append(f"Start the loss scale at {pow2(scale)} with a growth interval of {interval} steps "
                        "(a growth that overflows skips one step in a thousand at most).")
@@ -250,3 +254,42 @@ def _needs_bfloat16(findings: list[str], gradients: GradientRange | None, at_min
     findings.append(f"The loss scale collapsed to its minimum ({min_scale:g}); the skipped steps were "
                     f"mostly {cause[0]}.")
     return cause[1] > 0 and cause[0].startswith("Inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditResult:
+    """An offline audit's answer: the advice, and the numbers it rests on.
+
+    Attributes:
+        advice: what to change (:class:`Advice`); ``advice.fits`` says whether float16 fits as it is.
+        trace: the per-layer largest ``|output|`` over the sample batches in the reference precision.
+        gradients: the unscaled gradients' extent over the sample batches.
+        batches: how many sample batches were run.
+        reference: the precision of the reference passes (``"float32"``, or the model's own dtype).
+        verified: the float16 runs with ``advice.keep_float32`` kept in float32 were finite.
+    """
+
+    advice: Advice
+    trace: ActivationTrace | None
+    gradients: GradientRange | None
+    batches: int
+    reference: str = "float32"
+    verified: bool = True
+
+    def markdown(self) -> str:
+        """The verdict, the advice, and the layers nearest float16's limit."""
+        verdict = ("float16 fits: no layer needs float32." if self.advice.fits else
+                   "float16 does not fit as it is." if self.verified else
+                   "float16 does not fit, and keeping the layers found in float32 did not make it finite.")
+        lines = [f"### Precision audit ({self.batches} sample batches, reference {self.reference})", "",
+                 verdict, "", self.advice.markdown()]
+        if self.trace is not None and self.trace.steps:
+            lines += ["", self.trace.to_markdown(limit=10, title=f"Activations in {self.reference}")]
+        return "\n".join(lines).replace("\n\n\n", "\n\n")
+
+    def to_dict(self) -> dict[str, Any]:
+        trace = self.trace.latest() if self.trace is not None else {}
+        return {"fits": self.advice.fits, "advice": self.advice.to_dict(), "batches": self.batches,
+                "reference": self.reference, "verified": self.verified,
+                "gradients": None if self.gradients is None else dataclasses.asdict(self.gradients),
+                "activation_max": {layer: value for layer, value in trace.items()}}
