@@ -65,7 +65,8 @@ class ActivationTracer:
 
     def __init__(self) -> None:
         self._model: weakref.ref[torch.nn.Module] | None = None
-        self._index: dict[int, int] = {}  # id(module) -> layer index
+        # module -> layer index; weak, so a module of a dead model is never taken for a new one at its address
+        self._index: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.layers: list[str] = []
         self.series_layers: tuple[str, ...] = ()
         self._handle: Any = None
@@ -84,10 +85,10 @@ class ActivationTracer:
         """Trace ``model``'s modules from now on (named as the gradient forensics name their layers)."""
         inner, _ = unwrap(model)  # the names are taken inside the wrappers: no prefix to strip
         self._model = weakref.ref(model)
-        self._index, self.layers = {}, []
+        self._index, self.layers = weakref.WeakKeyDictionary(), []
         for name, module in inner.named_modules():
-            if id(module) not in self._index:  # a shared module keeps its first name
-                self._index[id(module)] = len(self.layers)
+            if module not in self._index:  # a shared module keeps its first name
+                self._index[module] = len(self.layers)
                 self.layers.append(name or type(inner).__name__)
         owners = {layer_of(n) if "." in n else type(inner).__name__ for n, _ in inner.named_parameters()}
         self.series_layers = tuple(layer for layer in self.layers if layer in owners)
@@ -126,8 +127,10 @@ class ActivationTracer:
             self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        layer = self._index.get(id(module))
+        layer = self._index.get(module)
         if layer is None or not torch.is_grad_enabled():  # another model, or an evaluation pass
+            if self._model is None or self._model() is None:  # the model is gone: so is the hook
+                self.end_step(0)
             return
         inputs, outputs = _floats((args, kwargs)), _floats(output)
         if not outputs:
