@@ -271,3 +271,14 @@ def _train(name, fp16, keep, steps, initial_scale=2.0**16, growth_interval=2000,
         losses.append(loss.detach())
     return float(torch.stack(losses[-50:]).mean()), scaler.get_scale()
 
+
+
+def test_readme_block(capsys):
+    from test_readme import block_after
+
+    namespace: dict = {}
+    exec(block_after("Precision advisor: does float16 fit, what to keep in float32, which scale"), namespace)
+    out = capsys.readouterr().out
+    assert "Keep these layers in float32: `2` (`keep_in_float32(model, ['2'])`)" in out
+    assert "Layer `2` reaches |1.096e+05|, 1.7× above float16's max 65504." in out
+    assert namespace["model"][2].weight.dtype == torch.float32 and "forward" in namespace["model"][2].__dict__
