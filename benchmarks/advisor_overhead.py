@@ -1,6 +1,6 @@
 """What the forward trace costs a torch step: ``diagnose=True`` with and without tracing the forward pass.
 
-    python benchmarks/advisor_overhead.py [--rounds 7] [--steps 20] [--quick]
+    python benchmarks/advisor_overhead.py [--rounds 7] [--steps 20] [--shapes launch_bound mlp] [--quick]
 
 Three arms of the same model in one process, alternating round by round (the order reversed every other
 round), ``LossScaler(diagnose=True)`` with ``AdamW(foreach=True)`` in each; the process's CPU time per step:
@@ -84,11 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--shapes", nargs="+", choices=("launch_bound", "mlp"),
+                        default=["launch_bound", "mlp"])
     args = parse_args(parser, argv, rounds=2, steps=3)
     import torch
 
     print(f"{'setup':<14} {'off ms':>8} {'on ms':>8} {'traced ms':>10} {'on/off':>7} {'traced/off':>10}")
-    for shape in ("launch_bound", "mlp"):
+    for shape in args.shapes:
         threads = torch.get_num_threads()
         if shape == "launch_bound":
             torch.set_num_threads(1)

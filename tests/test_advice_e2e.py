@@ -159,3 +159,33 @@ def test_lightning_names_the_producer(tmp_path):
     assert "Keep these layers in float32: `net.ff.wo`" in monitor.summary
     texts = {tag: text for tag, _, text in read_texts(logger.log_dir)}  # Lightning's tags: "/text_summary"
     assert "Keep these layers in float32: `net.ff.wo`" in texts[ADVICE_TAG + "/text_summary"]
+
+
+def test_accelerate_names_the_producer():
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from hf_scripts import tiny_accelerate
+
+    from lossscale_callbacks import InMemorySink
+    from lossscale_callbacks.accelerate import AccelerateLossScaleMonitor, install_loss_scaler
+
+    tiny_accelerate.reset_accelerate()
+    try:
+        accelerator = Accelerator(mixed_precision="fp16", cpu=True)  # our installer makes fp16 real on the CPU
+        torch.manual_seed(0)
+        model = MODELS["t5"]()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        install_loss_scaler(accelerator, policy=DynamicPolicy(initial_scale=4.0), diagnose=True).watch(model)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        memory = InMemorySink()
+        monitor = AccelerateLossScaleMonitor(accelerator, log_every=4, sinks=[memory], trackers=False, echo=None)
+        with pytest.warns(UserWarning, match="Layer `ff.wo` produced"):
+            for x, y in batches("t5", 8):
+                accelerator.backward(F.mse_loss(model(x).float(), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                monitor.step()
+        assert KEEP_WO in monitor.finish()
+        assert memory.series("loss_scale/activation_producer/ff.wo")
+    finally:
+        tiny_accelerate.reset_accelerate()
