@@ -171,14 +171,15 @@ def test_accelerate_names_the_producer():
 
     tiny_accelerate.reset_accelerate()
     try:
-        accelerator = Accelerator(mixed_precision="fp16", cpu=True)  # our installer makes fp16 real on the CPU
+        accelerator = Accelerator(mixed_precision="fp16", cpu=True)  # our installer: real fp16 on the CPU
         torch.manual_seed(0)
         model = MODELS["t5"]()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         install_loss_scaler(accelerator, policy=DynamicPolicy(initial_scale=4.0), diagnose=True).watch(model)
         model, optimizer = accelerator.prepare(model, optimizer)
         memory = InMemorySink()
-        monitor = AccelerateLossScaleMonitor(accelerator, log_every=4, sinks=[memory], trackers=False, echo=None)
+        monitor = AccelerateLossScaleMonitor(accelerator, log_every=4, sinks=[memory], trackers=False,
+                                             echo=None)
         with pytest.warns(UserWarning, match="Layer `ff.wo` produced"):
             for x, y in batches("t5", 8):
                 accelerator.backward(F.mse_loss(model(x).float(), y))
