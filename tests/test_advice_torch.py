@@ -282,3 +282,17 @@ def test_readme_block(capsys):
     assert "Keep these layers in float32: `2` (`keep_in_float32(model, ['2'])`)" in out
     assert "Layer `2` reaches |1.096e+05|, 1.7× above float16's max 65504." in out
     assert namespace["model"][2].weight.dtype == torch.float32 and "forward" in namespace["model"][2].__dict__
+
+
+def test_an_armed_tracer_does_not_outlive_its_scaler():
+    """A scaler dropped while its tracer waits for the next step takes the global hook with it."""
+    def ours():
+        return [h for h in torch.nn.modules.module._global_forward_hooks.values()
+                if h.__qualname__ == "ActivationTracer.arm.<locals>.hook"]
+
+    model = MODELS["fits"]()
+    scaler = LossScaler("cpu", diagnose="every_step").watch(model)  # armed for step 0
+    assert scaler.forensics.tracer.armed and ours()
+    del scaler
+    model(torch.ones(2, 8))  # the first module call finds the tracer gone and removes the hook
+    assert ours() == []

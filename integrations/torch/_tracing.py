@@ -39,6 +39,7 @@ from lossscale_callbacks.forensics import layer_of
 from lossscale_callbacks.torch.forensics import _fill_index, unwrap
 
 RING = 4  # traced steps kept per interval
+MAX_CALLS = 65536  # module calls kept before a fold; more means no scaler step follows these forwards
 
 
 __all__ = ["RING", "ActivationTracer", "autocast_dtype_name"]
@@ -122,15 +123,34 @@ class ActivationTracer:
         return self._handle is not None
 
     def arm(self) -> None:
-        """Trace the coming forward passes (until :meth:`end_step`)."""
-        if self._handle is None and self._model is not None and self._model() is not None:
-            self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook, with_kwargs=True)
+        """Trace the coming forward passes (until :meth:`end_step`).
+
+        The global hook holds the tracer weakly: a scaler dropped (or whose forensics were replaced)
+        while armed takes its hook with it at the next module call.
+        """
+        if self._handle is not None or self._model is None or self._model() is None:
+            return
+        tracer, handles = weakref.ref(self), []
+
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            alive = tracer()
+            if alive is None:
+                handles[0].remove()
+            else:
+                alive._hook(module, args, kwargs, output)
+
+        self._handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+        handles.append(self._handle)
 
     def _hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         layer = self._index.get(module)
         if layer is None or not torch.is_grad_enabled():  # another model, or an evaluation pass
             if self._model is None or self._model() is None:  # the model is gone: so is the hook
                 self.end_step(0)
+            return
+        if len(self._calls) >= MAX_CALLS:  # forward passes with no scaler step after them: stop tracing
+            self._calls.clear()
+            self.end_step(0)
             return
         inputs, outputs = _floats((args, kwargs)), _floats(output)
         if not outputs:
