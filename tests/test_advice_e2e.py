@@ -1,6 +1,7 @@
 """The precision advisor's words end to end on torch: real tiny runs on CPU float16 autocast, read back
 from the real files (TensorBoard event files, the W&B offline run, ``lossscale-callbacks report``), plain
-torch and through Lightning. About 40 s on a free core (marked slow)."""
+torch, and the producer named through Lightning, Accelerate and the Transformers Trainer. About 90 s on the
+shared machine (marked slow)."""
 
 from __future__ import annotations
 
@@ -188,5 +189,26 @@ def test_accelerate_names_the_producer():
                 monitor.step()
         assert KEEP_WO in monitor.finish()
         assert memory.series("loss_scale/activation_producer/ff.wo")
+    finally:
+        tiny_accelerate.reset_accelerate()
+
+
+def test_transformers_trainer_names_the_producer(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_scripts import tiny_accelerate
+    from hf_scripts import tiny_trainer as tiny
+
+    from lossscale_callbacks.transformers import LossScaleTrainerCallback
+
+    tiny_accelerate.reset_accelerate()
+    try:
+        trainer = tiny.trainer(str(tmp_path), max_steps=8, logging_steps=4, report_to=[])
+        with torch.no_grad():  # a GPT-2 MLP projection whose outputs exceed float16's range
+            trainer.model.transformer.h[1].mlp.c_proj.weight.mul_(1e8)
+        callback = LossScaleTrainerCallback(policy=DynamicPolicy(initial_scale=4.0), diagnose=True,
+                                            echo=None).attach(trainer)
+        with pytest.warns(UserWarning, match="Layer `transformer.h.1.mlp.c_proj` produced"):
+            trainer.train()
+        assert "Keep these layers in float32: `transformer.h.1.mlp.c_proj`" in callback.summary
     finally:
         tiny_accelerate.reset_accelerate()
