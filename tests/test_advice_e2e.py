@@ -1,6 +1,6 @@
 """The precision advisor's words end to end on torch: real tiny runs on CPU float16 autocast, read back
 from the real files (TensorBoard event files, the W&B offline run, ``lossscale-callbacks report``), plain
-torch, and the producer named through Lightning, Accelerate and the Transformers Trainer. About 90 s on the
+torch, and the producer named through Lightning, Fabric, Accelerate and the Transformers Trainer. About 90 s on the
 shared machine (marked slow)."""
 
 from __future__ import annotations
@@ -212,3 +212,28 @@ def test_transformers_trainer_names_the_producer(tmp_path):
         assert "Keep these layers in float32: `transformer.h.1.mlp.c_proj`" in callback.summary
     finally:
         tiny_accelerate.reset_accelerate()
+
+
+def test_fabric_names_the_producer(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning.fabric import Fabric
+
+    from lossscale_callbacks import InMemorySink
+    from lossscale_callbacks.lightning.fabric import FabricLossScaleMonitor, LossScaleFabricPlugin
+
+    torch.manual_seed(0)
+    model = MODELS["t5"]()
+    scaler = LossScaler("cpu", policy=DynamicPolicy(initial_scale=4.0), diagnose=True).watch(model)
+    plugin = LossScaleFabricPlugin(device="cpu", scaler=scaler)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    fabric.launch()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    memory = InMemorySink()
+    monitor = FabricLossScaleMonitor(fabric, log_every=4, sinks=[memory])
+    with pytest.warns(UserWarning, match="Layer `ff.wo` produced"):
+        for x, y in batches("t5", 8):
+            optimizer.zero_grad()
+            fabric.backward(F.mse_loss(model(x).float(), y))
+            optimizer.step()
+            monitor.step()
+    assert memory.series("loss_scale/activation_producer/ff.wo")
