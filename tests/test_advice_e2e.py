@@ -1,7 +1,7 @@
 """The precision advisor's words end to end on torch: real tiny runs on CPU float16 autocast, read back
 from the real files (TensorBoard event files, the W&B offline run, ``lossscale-callbacks report``), plain
-torch, and the producer named through Lightning, Fabric, Accelerate and the Transformers Trainer. About 90 s on the
-shared machine (marked slow)."""
+torch, and the producer named through Lightning, Fabric, Accelerate and the Transformers Trainer. About
+90 s on the shared machine (marked slow)."""
 
 from __future__ import annotations
 
