@@ -70,7 +70,7 @@ def test_a_linear_crossing_65504_is_named_at_its_step_or_the_next(diagnose, name
         assert trace.traced == 3  # step 1 (the first sample) and the two after the skip at step 11
     assert [r for r in reads.reads if r[0] != "item"] == []  # ours: no host read in any step
     # The one read a non-fused optimizer step makes anyway is the scaler's own (GradScaler's too).
-    assert {r[1] for r in reads.reads} <= {"scaler.py", "update_paths.py"}
+    assert {r[1] for r in reads.reads} <= {"_scaler.py", "_update_paths.py"}
 
 
 @pytest.mark.parametrize(("name", "producer", "passed"), [
