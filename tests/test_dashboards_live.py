@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import browser_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -173,22 +173,8 @@ def test_every_run_has_the_loss_scale_section_layout(tensorboard, logdir):
         assert any(b"custom_scalars__config__" in f.read_bytes() for f in files), run
 
 
-def _browser_or_skip():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        sync_playwright = None
-    if chromium is None or sync_playwright is None:
-        why = "no Chromium on PATH" if chromium is None else "the playwright package is not installed"
-        if os.environ.get("CI"):
-            pytest.fail(f"the browser test must run on CI, but {why} (python3 dev.py installs both)")
-        pytest.skip(f"{why}; python3 dev.py installs Debian's chromium and playwright")
-    return chromium, sync_playwright
-
-
 def test_the_loss_scale_section_has_data_in_a_real_browser(tensorboard, tmp_path):
-    chromium, sync_playwright = _browser_or_skip()
+    chromium, sync_playwright = browser_or_skip()
     # launch() gives the browser a fresh, temporary profile of its own.
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)

@@ -13,7 +13,6 @@ import functools
 import http.server
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+from browser import browser_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
@@ -92,20 +92,6 @@ def test_every_internal_link_and_image_of_the_site_resolves(site):
     assert len(pages) > 20 and not broken, broken
 
 
-def _browser_or_skip():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        sync_playwright = None
-    if chromium is None or sync_playwright is None:
-        why = "no Chromium on PATH" if chromium is None else "the playwright package is not installed"
-        if os.environ.get("CI"):
-            pytest.fail(f"the browser test must run on CI, but {why} (python3 dev.py installs both)")
-        pytest.skip(f"{why}; python3 dev.py installs Debian's chromium and playwright")
-    return chromium, sync_playwright
-
-
 # page -> (its heading, text that must be visible on it)
 PAGES = {
     "index.html": ("lossscale-callbacks", "Troubleshooting"),
@@ -118,7 +104,7 @@ PAGES = {
 @pytest.mark.slow
 def test_the_site_renders_in_a_real_browser(site):
     _, url = site
-    chromium, sync_playwright = _browser_or_skip()
+    chromium, sync_playwright = browser_or_skip()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
         try:
