@@ -118,6 +118,10 @@ class LossScaleCallback(keras.callbacks.Callback):
             model's layer objects, in the model's order. No host read is added to the step (on torch
             the step's own read of the skip flag serves them).
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
+        trace_every: with ``diagnose``, optimizer steps between traced forward passes (per layer the
+            largest ``|output|`` and the layer that produced the first non-finite activation, on the
+            device; the step after a skipped untraced one is traced too); ``diagnose="every_step"``
+            traces every step.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend,
             whose checker is imported here; on JAX and torch it warns and training goes on).
@@ -146,6 +150,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         check_alignment: bool = False,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
+        trace_every: int = 100,
     ) -> None:
         super().__init__()
         check_policy("policy", policy)
@@ -153,6 +158,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.diagnose = check_diagnose(diagnose)
         self._fit_sampling = FitSampling()  # JAX: the headroom samples decided on the host
         self.headroom_every = check_int("headroom_every", headroom_every)
+        self.trace_every = check_int("trace_every", trace_every)
+        self.forward_trace: dict[str, Any] | None = None  # the last interval's forward trace (NumPy fields)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
@@ -186,6 +193,7 @@ class LossScaleCallback(keras.callbacks.Callback):
                 with _strategy_scope(model):
                     current.set_diagnose(self.diagnose, self.headroom_every)
                     current.watch(model)
+                    current.set_forward_trace(model, self._trace_every())
                 model.make_train_function(force=True)  # the step now carries the forensics
             if self.policy is not None and current.policy != self.policy:
                 warnings.warn(
@@ -205,6 +213,7 @@ class LossScaleCallback(keras.callbacks.Callback):
             if self.diagnose:
                 ours.set_diagnose(self.diagnose, self.headroom_every)
                 ours.watch(model)
+                ours.set_forward_trace(model, self._trace_every())
             if model.built and model.trainable_variables:
                 ours.build(model.trainable_variables)
         model.optimizer = ours
@@ -212,6 +221,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         # fit() made (but has not traced) the train function for the old optimizer.
         model.make_train_function(force=True)
         return ours
+
+    def _trace_every(self) -> int:
+        return 1 if self.diagnose == "every_step" else self.trace_every
 
     # ---- reading ----
 
@@ -228,11 +240,20 @@ class LossScaleCallback(keras.callbacks.Callback):
         """One host read of the state, through the logging loop; the metrics ``names`` into ``logs``."""
         assert self.optimizer is not None
         state = self._read_state()
-        snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
+        snapshot = self.loop.observe(state, forensics=self._forensics(state))
         if logs is not None and names:
             metrics = snapshot.metrics()
             logs.update({name: metrics[name] for name in names})
         return snapshot
+
+    def _forensics(self, state: Any) -> Any:
+        """The interval's gradient forensics, with the forward trace's activations (one read each)."""
+        assert self.optimizer is not None
+        forensics = self.optimizer.read_forensics(state)
+        fields = self.optimizer.read_forward_trace()
+        if fields is not None:
+            self.forward_trace = fields
+        return forensics
 
     def _stop(self) -> None:
         self.model.stop_training = True
@@ -297,7 +318,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         state = self._read_state()
         last = self.loop.last
         if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
-            self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
+            self.loop.observe(state, forensics=self._forensics(state))
         self._fit_sampling.end(self.model)
         self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
 
