@@ -48,6 +48,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lossscale_callbacks._activations import ActivationTrace
+from lossscale_callbacks._advice import Advice, GradientRange, advise
 from lossscale_callbacks.forensics_words import (
     FP16_MAX,
     FP16_MAX_LOG2,
@@ -57,6 +59,7 @@ from lossscale_callbacks.forensics_words import (
     pow2,
     relation,
 )
+from lossscale_callbacks.metrics import ACTIVATION_PRODUCER_PREFIX
 
 FP16_MIN_SUBNORMAL = 2.0**-24
 
@@ -171,6 +174,8 @@ class IntervalForensics:
         histogram: the counts of ``log2 |scaled gradient|`` in :data:`HISTOGRAM_EDGES` bins at that
             step (``None`` when none was sampled).
         headroom_scale: the scale at that sampled step.
+        activations: the forward trace of the interval (:mod:`lossscale_callbacks._activations`), when
+            the integration traces the forward pass.
     """
 
     step: int
@@ -182,6 +187,7 @@ class IntervalForensics:
     headroom: tuple[LayerHeadroom, ...] = ()
     histogram: tuple[int, ...] | None = None
     headroom_scale: float | None = None
+    activations: ActivationTrace | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.causes) - set(CAUSES)
@@ -208,6 +214,8 @@ class IntervalForensics:
         largest = largest_log2(self.headroom)
         if largest is not None:
             values[HEADROOM_METRIC] = FP16_MAX_LOG2 - largest
+        if self.activations is not None:
+            values.update(self.activations.metrics())
         return values
 
     def findings(self) -> Findings:
@@ -263,6 +271,8 @@ class ForensicsTotals:
         self.largest_log2: float | None = None  # at the last headroom sample
         self.last: IntervalForensics | None = None
         self.last_headroom: IntervalForensics | None = None
+        self.producers: dict[str, int] = {}  # per layer, traced steps it produced a non-finite activation
+        self.activations: ActivationTrace | None = None  # the latest forward trace with traced steps
 
     def series(self, interval: IntervalForensics) -> tuple[dict[str, int], dict[str, int | float]]:
         """What the sinks get for ``interval`` (call it before :meth:`add`): ``(first, metrics)``.
@@ -292,6 +302,14 @@ class ForensicsTotals:
                     mine[layer] = mine.get(layer, 0) + int(count)
         if interval.layer_order:
             self.layer_order = interval.layer_order
+        trace = interval.activations
+        if trace is not None:
+            for layer, count in trace.producer_counts.items():
+                if count:
+                    self.producers[layer] = self.producers.get(layer, 0) + int(count)
+            if trace.steps and (trace.producer is not None or self.activations is None
+                                or self.activations.producer is None):
+                self.activations = trace  # the first producer's trace is kept over later clean ones
         self.last = interval
         if interval.headroom:
             self.last_headroom = interval
@@ -311,6 +329,17 @@ class ForensicsTotals:
     def sentences(self) -> list[str]:
         """The whole run in plain words, one sentence per finding."""
         return self.findings().sentences()
+
+    def advice(self, at_min_scale: bool = False, min_scale: float = 1.0) -> Advice:
+        """The run's precision advice (:func:`lossscale_callbacks._advice.advise`) from these counts: the
+        forward producers, the causes, the backward origins and the last gradient histogram's spread."""
+        room = self.last_headroom
+        gradients = None
+        if room is not None and room.histogram is not None and room.headroom_scale:
+            gradients = GradientRange.from_histogram(HISTOGRAM_EDGES, room.histogram, room.headroom_scale)
+        dtype = self.activations.dtype if self.activations is not None else "float16"
+        return advise(producers=self.producers, gradients=gradients, causes=self.causes,
+                      origins=self.layer_origins, at_min_scale=at_min_scale, min_scale=min_scale, dtype=dtype)
 
 
 def totals_from_series(series: Mapping[str, Sequence[tuple[int, float]]]) -> ForensicsTotals | None:
@@ -339,6 +368,7 @@ def totals_from_series(series: Mapping[str, Sequence[tuple[int, float]]]) -> For
     totals.add(IntervalForensics(step=last_step, scale=0.0, causes=causes,
                                  layer_skips=summed(LAYER_METRIC_PREFIX),
                                  layer_origins=summed(ORIGIN_METRIC_PREFIX)))
+    totals.producers = {layer: count for layer, count in summed(ACTIVATION_PRODUCER_PREFIX).items() if count}
     headroom = series.get(HEADROOM_METRIC)
     if headroom:
         totals.largest_log2 = FP16_MAX_LOG2 - float(headroom[-1][1])

@@ -25,6 +25,8 @@ from lossscale_callbacks.forensics import (
 )
 from lossscale_callbacks.health import HealthMonitor, HealthSpec, Verdict
 from lossscale_callbacks.metrics import (
+    ACTIVATIONS_TAG,
+    ADVICE_TAG,
     ALIGNMENT_TAG,
     INTERVAL_METRICS,
     RESTART_TAG,
@@ -195,6 +197,7 @@ class LoggingLoop:
         self.restarts: list[tuple[int, int]] = []
         self._restart_text: str | None = None
         self._loss_verdict_given = False
+        self._advice_verdicts: set[str] = set()  # the advice verdicts given in this run (once each)
         self.should_stop = False  # a "stop" rule fired in this run
         self._config_written = False
         self._mark = 0
@@ -400,6 +403,8 @@ class LoggingLoop:
             self.sinks.write_text(FORENSICS_TAG, forensics.to_markdown())
         if forensics.histogram is not None:
             self.sinks.write_histogram(at, HISTOGRAM_TAG, HISTOGRAM_EDGES, forensics.histogram)
+        if forensics.activations is not None and forensics.activations.traced:
+            self.sinks.write_text(ACTIVATIONS_TAG, forensics.activations.to_markdown())
 
     def _with_forensics(self, verdicts: list[Verdict], forensics: IntervalForensics | None,
                         step: int) -> list[Verdict]:
@@ -413,7 +418,30 @@ class LoggingLoop:
             self._loss_verdict_given = True
             action = self.health.rules[0].action if self.health.rules else "warn"
             verdicts = [*verdicts, Verdict("NonFiniteLoss", action, step, words.loss)]
-        return verdicts
+        return self._with_advice(verdicts, forensics, step)
+
+    def _with_advice(self, verdicts: list[Verdict], forensics: IntervalForensics, step: int) -> list[Verdict]:
+        """The advice (:mod:`lossscale_callbacks._advice`) added to a collapse verdict, and its own verdicts
+        once a run: a layer named as the producer of a non-finite activation, recurring NaN gradients."""
+        at_min = any(v.rule == "stuck_at_min_scale" for v in verdicts)
+        advice = self.forensics.advice(at_min_scale=at_min, min_scale=self.tracker.min_scale)
+        words = " ".join(advice.sentences())
+        if at_min and words:
+            verdicts = [dataclasses.replace(v, message=f"{v.message} {words}")
+                        if v.rule == "stuck_at_min_scale" else v for v in verdicts]
+        trace, given = forensics.activations, self._advice_verdicts
+        new, action = [], self._advice_action()
+        if trace is not None and trace.producer is not None and "ForwardOverflow" not in given:
+            new.append(Verdict("ForwardOverflow", action, step, str(trace.producer_sentence())))
+        if "NaN gradients with a finite loss recurred" in words and "RecurringNaN" not in given:
+            new.append(Verdict("RecurringNaN", action, step, words))
+        given.update(v.rule for v in new)
+        if (new or at_min) and words and self.writer:
+            self.sinks.write_text(ADVICE_TAG, advice.markdown())
+        return [*verdicts, *new]
+
+    def _advice_action(self) -> str:
+        return self.health.rules[0].action if self.health is not None and self.health.rules else "warn"
 
     def _act(self, verdicts: list[Verdict]) -> None:
         if not verdicts:
@@ -486,9 +514,25 @@ class LoggingLoop:
         diagnosis = self.forensics.findings().markdown()
         if diagnosis:
             text += "\nForensics:\n" + diagnosis
+        advice = self._run_advice()
+        if advice is not None:
+            text += "\nPrecision advice:\n" + advice
         if note:
             text += "\n" + note
         return text
+
+    def _run_advice(self) -> str | None:
+        """The run's advice in markdown, also written to the sinks (``loss_scale/advice``); ``None``: none."""
+        last = self.tracker.last
+        at_min = last is not None and (last.at_min_scale or last.total_steps_at_min_scale > 0)
+        if last is not None and at_min and not self.forensics.skipped:
+            at_min = False  # a scale that only started at its minimum skipped nothing: no collapse
+        advice = self.forensics.advice(at_min_scale=at_min, min_scale=self.tracker.min_scale)
+        if not advice.sentences():
+            return None
+        if self.writer:
+            self.sinks.write_text(ADVICE_TAG, advice.markdown())
+        return advice.markdown()
 
     def flush(self) -> None:
         if self.writer:

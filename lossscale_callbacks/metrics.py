@@ -39,6 +39,14 @@ METRIC_NAMES: tuple[str, ...] = (
 SUMMARY_TAG = "loss_scale/summary"
 RESTART_TAG = "loss_scale/restart"
 ALIGNMENT_TAG = "loss_scale/alignment"
+# The forward trace and the precision advice (lossscale_callbacks._activations, ._advice): per layer the
+# log2 margin of its largest |output| below the compute dtype's max, the smallest of them, per layer the
+# traced steps in which it produced the first non-finite value; the trace's table and the advice as text.
+ACTIVATION_HEADROOM_PREFIX = "loss_scale/activation_headroom/"
+MIN_ACTIVATION_HEADROOM = "loss_scale/min_activation_headroom"
+ACTIVATION_PRODUCER_PREFIX = "loss_scale/activation_producer/"
+ACTIVATIONS_TAG = "loss_scale/activations"
+ADVICE_TAG = "loss_scale/advice"
 COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)
 INTERVAL_METRICS: tuple[str, ...] = (SKIPPED_IN_INTERVAL, SKIP_RATE)
 

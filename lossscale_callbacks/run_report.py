@@ -301,6 +301,10 @@ class RunReport:
     def healthy(self) -> bool:
         return not self.verdicts
 
+    def advice(self) -> Any:
+        """The precision advice from the logged forensics (the words of the run's own summary)."""
+        return self.forensics.advice(at_min_scale=self.steps_at_min_scale > 0, min_scale=self.min_scale)
+
     def to_json(self) -> dict[str, Any]:
         """Plain numbers for machines (``--json``)."""
         return {
@@ -323,7 +327,8 @@ class RunReport:
             "notes": list(self.notes),
             "segments": [segment.to_json() for segment in self.segments],
             "forensics": None if self.forensics is None else {
-                "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips)},
+                "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips),
+                "producers": dict(self.forensics.producers), "advice": self.advice().to_dict()},
             # (step, value) pairs: JSON writes a tuple as an array, so the pairs need no copy
             "series": {tag: list(points) for tag, points in self.series.items()},
         }
@@ -362,6 +367,9 @@ class RunReport:
         ]
         if self.forensics is not None:
             lines.extend(_forensics_lines(self.forensics))
+            advice = self.advice()
+            lines.extend(advice.findings)
+            lines.extend(f"Advice: {sentence}" for sentence in advice.actions)
         if self.damage:
             lines.append(f"Damaged records, left out ({len(self.damage)}): {_listed(self.damage)}")
         if self.notes:

@@ -24,7 +24,7 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"],
-    "lossscale_callbacks.torch": ["LossScaler", "ScalerReader"],
+    "lossscale_callbacks.torch": ["LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"],
     "lossscale_callbacks.lightning": ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"],
     "lossscale_callbacks.lightning.fabric": [
         "FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"],

@@ -57,6 +57,7 @@ from lossscale_callbacks.forensics import (
 )
 
 _LO, _HI = HISTOGRAM_EXPONENTS
+FOLLOW = 3  # steps whose forward pass is traced after a skipped step
 SAMPLE_CHUNK = 2**24
 MAX_PLANS = 16
 # Wrappers whose parameters are their wrapped module's, by class, with the attribute that holds it.
@@ -139,14 +140,22 @@ class GradForensics:
     Made by :class:`~lossscale_callbacks.torch.LossScaler` (``diagnose=True`` or ``"every_step"``);
     its hooks are called by the scaler.
 
+    The forward pass of the watched model is traced too (:mod:`lossscale_callbacks.torch._tracing`)
+    at the sampled steps and after skipped ones; ``trace_forward = False`` switches that off.
+
     Args:
         mode: ``True`` or ``"every_step"``.
         headroom_every: sample the headroom every this many optimizer steps (``True`` mode).
     """
 
     def __init__(self, mode: bool | str, headroom_every: int) -> None:
+        from lossscale_callbacks.torch._tracing import ActivationTracer  # it imports this module's helpers
+
         self.mode = mode
         self.headroom_every = headroom_every
+        self.tracer = ActivationTracer()
+        self.trace_forward = True
+        self._follow = 0  # steps still to trace after a skipped one
         self._names: dict[int, str] = {}  # id(parameter) -> name, from watch()
         self._anonymous: dict[int, str] = {}  # names given to parameters nobody named
         self._device: torch.device | None = None
@@ -189,6 +198,16 @@ class GradForensics:
         self._reset_layers()
         for name in self._names.values():
             self._layer_id(layer_of(name))
+        self.tracer.watch(model)
+        self._arm_tracer()
+
+    def _arm_tracer(self) -> None:
+        """Trace the next step's forward pass when it is sampled, or follows a skipped step."""
+        if not self.trace_forward:
+            return
+        if self.mode == "every_step" or self._steps % self.headroom_every == 0 or self._follow > 0:
+            self._follow = max(0, self._follow - 1)
+            self.tracer.arm()
 
     def _layer_name(self, param: torch.Tensor) -> str:
         name = self._names.get(id(param))
@@ -289,6 +308,7 @@ class GradForensics:
 
     def on_scale(self, outputs: list[torch.Tensor]) -> None:
         """The loss (or outputs) given to ``scaler.scale``: remember whether any was non-finite."""
+        self.tracer.fold()  # the forward pass is over
         if not outputs:
             return
         self._ensure(outputs[0].device)
@@ -321,6 +341,8 @@ class GradForensics:
         """What the scaler knows about the step of optimizer ``key``: ``True`` (skipped, read on the host by
         a non-fused step) or ``None`` (decided on the device) take the per-layer maxima now; ``False``
         (applied) drops them: there is nothing to explain."""
+        if skipped:
+            self._follow = FOLLOW  # a forward overflow would recur: trace the next steps to name it
         pending = self._pending.pop(key, None)
         if pending is not None and skipped is not False:
             self._analyse(*pending)
@@ -402,6 +424,8 @@ class GradForensics:
         maxima were not taken (the host knew it was applied) has nothing to count: one op, the probe's reset.
         """
         self._steps += 1
+        self.tracer.end_step(self._steps)
+        self._arm_tracer()
         for pending in self._pending.values():  # checked but never stepped, or stepped by other means
             self._analyse(*pending)
         self._pending.clear()
@@ -443,8 +467,9 @@ class GradForensics:
     def read(self, step: int, scale: float) -> IntervalForensics:
         """The interval's forensics as host numbers (one host read), and a fresh interval."""
         order = tuple(self._layers)
+        trace = self.tracer.read()
         if self._device is None or self._counts is None:
-            return IntervalForensics(step=step, scale=scale, causes={}, layer_order=order)
+            return IntervalForensics(step=step, scale=scale, causes={}, layer_order=order, activations=trace)
         n = len(order)
         sample = self._sample if self._sample is not None and "max" in self._sample else None
         assert self._origins is not None
@@ -472,6 +497,9 @@ class GradForensics:
         self._counts.zero_()
         self._origins.zero_()
         torch._foreach_zero_(self._tally)
+        if causes["loss_nonfinite"] and (trace is None or trace.producer is None) and self.trace_forward:
+            self._follow = FOLLOW  # a fused optimizer's skips are not seen on the host: trace from here
+            self._arm_tracer()
         return IntervalForensics(step=step, scale=scale, causes=causes, layer_skips=layer_skips,
                                  layer_origins=layer_origins, layer_order=order, headroom=headroom,
-                                 histogram=histogram, headroom_scale=headroom_scale)
+                                 histogram=histogram, headroom_scale=headroom_scale, activations=trace)
