@@ -5,6 +5,7 @@ Each subcommand lives in its own module and registers itself on the parser (``re
 
     lossscale-callbacks report RUN [--json] [--png PATH] [--min-scale X] [--fail-unhealthy]
     lossscale-callbacks check MODEL.keras --batch-size N [--json] [--target GPU] [--fail-on LEVEL]
+    lossscale-callbacks audit MODEL.keras [--data SAMPLES.npz] [--batches N] [--json]
 
 Bad input (nothing at the path, no run in the folder, a corrupt file) prints one line on stderr
 and exits with status 2, never a traceback. A missing optional package (``--png`` without the
@@ -20,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from lossscale_callbacks._audit_cli import add_audit_parser
 from lossscale_callbacks._version import __version__
 from lossscale_callbacks.alignment_cli import add_check_parser
 from lossscale_callbacks.cli_common import PROG, fail
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_report_parser(subparsers)
     add_check_parser(subparsers)
+    add_audit_parser(subparsers)
     return parser
 
 

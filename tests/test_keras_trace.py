@@ -3,7 +3,12 @@ backend (``tests/keras_scripts/trace_checks.py``): known-answer models under ``m
 
 from __future__ import annotations
 
+import glob
 import importlib.util
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -76,3 +81,51 @@ def test_torch_trace_adds_no_host_read_per_step(results):
     reads = results("torch")["host_reads"]
     # the step's own read of the skip flag (one per step), with the trace on every step or without
     assert reads == {"4/False": 4, "4/every_step": 4, "8/False": 8, "8/every_step": 8}
+
+
+def _tensorboard(run: str) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[str]]]:
+    """The scalar series and the texts of a run (TensorFlow's writer stores both as tensors)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(run, size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    series = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    texts: dict[str, list[str]] = {}
+    for tag in acc.Tags()["tensors"]:
+        values = [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
+        if all(v.dtype == object for _, v in values):
+            texts[tag] = [(v.item() if v.ndim == 0 else v.flat[0]).decode(errors="replace")
+                          for _, v in values]
+        elif all(v.ndim == 0 for _, v in values):
+            series[tag] = [(s, float(v)) for s, v in values]
+    return series, texts
+
+
+PRODUCER = ("Layer `wo` produced the first non-finite activation (Inf) at step 0: its inputs were finite, "
+            "its output was not (`add`, `norm`, `head` passed it on). Keep `wo` in float32.")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_words_in_the_summary_tensorboard_wandb_and_report(results, backend):
+    pytest.importorskip("tensorboard")
+    board = results(backend)["dashboards"]
+    assert "Layer `wo` produced a non-finite activation from finite inputs" in board["summary"]
+    assert "Keep these layers in float32: `wo`." in board["summary"]
+    series, texts = _tensorboard(board["tensorboard"])
+    assert any(PRODUCER in text for text in texts["loss_scale/activations"])
+    assert any("Keep these layers in float32: `wo`" in text for text in texts["loss_scale/advice"])
+    assert sum(v for _, v in series["loss_scale/activation_producer/wo"]) >= 1
+    wi = series["loss_scale/activation_headroom/wi"][0][1]
+    assert wi == pytest.approx(math.log2(65504 / 0.601), abs=0.01)
+    report = subprocess.run([sys.executable, "-m", "lossscale_callbacks.cli", "report", board["tensorboard"]],
+                            capture_output=True, text=True, timeout=120)
+    assert "Layer `wo` produced a non-finite activation from finite inputs" in report.stdout, report.stdout
+    from lossscale_callbacks.wandb import reader
+
+    (run,) = glob.glob(os.path.join(board["wandb"], "offline-run-*"))
+    reader.wait_until_finished(run)
+    assert sum(v for _, v in reader.read_run(run)["loss_scale/activation_producer/wo"]) >= 1
+    tables = [row for tag, _, _, rows in reader.read_tables(run) for row in rows if "advice" in tag]
+    assert any("Keep these layers in float32: `wo`" in str(row) for row in tables), reader.read_tables(run)

@@ -23,7 +23,8 @@ FACES: dict[str, list[str]] = {
         "LossScaleHealthWarning", "LossScaleState", "Sink", "__version__", "initial_state", "next_state"],
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
-    "lossscale_callbacks.keras": ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"],
+    "lossscale_callbacks.keras": [
+        "DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer", "audit_precision", "keep_in_float32"],
     "lossscale_callbacks.torch": ["LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"],
     "lossscale_callbacks.lightning": ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"],
     "lossscale_callbacks.lightning.fabric": [

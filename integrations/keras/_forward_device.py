@@ -5,7 +5,9 @@ for its output (0 finite, 1 an Inf, 2 a NaN), the largest finite ``|output|`` an
 :func:`step_vector` folds the events into one float32 vector per step, ``[traced, producer, maxima[L],
 codes[L]]``: ``producer`` is the layer of the first event whose inputs were finite and whose output was
 not (the layer that *made* the first non-finite value; the layers after it only passed it on), ``-1``
-when none. A nested layer finishes before its parent, so the innermost producer comes first.
+when none. A nested layer finishes before its parent, so the innermost producer comes first. When no
+layer made one from finite inputs, the producer is the first layer whose input was non-finite only
+after Keras cast it to the layer's dtype (a float32 layer's output above 65504 entering a float16 one).
 
 :func:`fold` adds one step's vector to the tally, branch-free on a few vectors of ``L`` values: the
 interval's per-layer maxima and codes, how many traced and non-finite steps, how often each layer
@@ -85,17 +87,26 @@ def step_vector(events: Sequence[tuple[int, Sequence[Any], Sequence[Any]]], laye
     if not events:
         return ops.concatenate([head, -ops.ones((layers,), "float32"), ops.zeros((layers,), "float32")])
     out_codes: list[Any] = []
-    in_codes: list[Any] = []
+    matched: list[Any] = []  # per event: the codes of inputs that are earlier events' outputs
+    own: list[Any] = []  # and of inputs reduced here (made inside a parent, or cast to the layer's dtype)
+    zero = ops.zeros((), "float32")
     for _, outs, ins in events:
         out_codes.append(ops.max(ops.stack([ops.cast(output_code(t), "float32") for t in outs])))
-        codes = [out_codes[i] if isinstance(i, int) else ops.cast(output_code(i), "float32") for i in ins]
-        in_codes.append(ops.max(ops.stack(codes)) if codes else ops.zeros((), "float32"))
-    out_code, in_code = ops.stack(out_codes), ops.stack(in_codes)
+        known = [out_codes[i] for i in ins if isinstance(i, int)]
+        other = [ops.cast(output_code(t), "float32") for t in ins if not isinstance(t, int)]
+        matched.append(ops.max(ops.stack(known)) if known else zero)
+        own.append(ops.max(ops.stack(other)) if other else zero)
+    out_code, in_known, in_own = ops.stack(out_codes), ops.stack(matched), ops.stack(own)
     maxima = ops.stack([ops.max(ops.stack([finite_max(t) for t in outs])) for _, outs, _ in events])
     ids = ops.convert_to_tensor(np.asarray([layer for layer, _, _ in events], "int32"))
-    made = ops.logical_and(out_code > 0, ops.equal(in_code, 0.0))
-    first = ops.argmax(ops.cast(made, "float32"))  # the first maximum: the earliest finished call
-    producer = ops.where(ops.any(made), ops.cast(ops.take(ids, first), "float32"), -1.0)
+    bad_out = out_code > 0
+    made = ops.logical_and(bad_out, ops.equal(ops.maximum(in_known, in_own), 0.0))
+    # No layer made it from finite inputs: then the first whose own input was non-finite although its
+    # producers' outputs were finite (a float32 output that overflowed when cast to this layer's float16).
+    cast = ops.logical_and(bad_out, ops.logical_and(ops.equal(in_known, 0.0), in_own > 0))
+    chosen = ops.where(ops.any(made), made, cast)
+    first = ops.argmax(ops.cast(chosen, "float32"))  # the first maximum: the earliest finished call
+    producer = ops.where(ops.any(chosen), ops.cast(ops.take(ids, first), "float32"), -1.0)
     # A layer this forward pass never called (a fused path, a branch not taken) reads -1, not 0.
     called = np.zeros(layers, bool)
     called[[layer for layer, _, _ in events]] = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import warnings
@@ -11,8 +12,10 @@ from typing import Any
 
 import keras
 
+from lossscale_callbacks._activations import ActivationTrace
 from lossscale_callbacks._validation import check_bool, check_int, check_known
 from lossscale_callbacks.forensics import check_diagnose
+from lossscale_callbacks.keras._forward_trace import activation_arguments
 from lossscale_callbacks.keras.config import record_in_compile_config
 from lossscale_callbacks.keras.fit_sampling import FitSampling
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer
@@ -121,7 +124,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         trace_every: with ``diagnose``, optimizer steps between traced forward passes (per layer the
             largest ``|output|`` and the layer that produced the first non-finite activation, on the
             device; the step after a skipped untraced one is traced too); ``diagnose="every_step"``
-            traces every step.
+            traces every step; ``None``: no forward trace.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend,
             whose checker is imported here; on JAX and torch it warns and training goes on).
@@ -150,7 +153,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         check_alignment: bool = False,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
-        trace_every: int = 100,
+        trace_every: int | None = 100,
     ) -> None:
         super().__init__()
         check_policy("policy", policy)
@@ -158,7 +161,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.diagnose = check_diagnose(diagnose)
         self._fit_sampling = FitSampling()  # JAX: the headroom samples decided on the host
         self.headroom_every = check_int("headroom_every", headroom_every)
-        self.trace_every = check_int("trace_every", trace_every)
+        self.trace_every = None if trace_every is None else check_int("trace_every", trace_every)
         self.forward_trace: dict[str, Any] | None = None  # the last interval's forward trace (NumPy fields)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
@@ -193,7 +196,7 @@ class LossScaleCallback(keras.callbacks.Callback):
                 with _strategy_scope(model):
                     current.set_diagnose(self.diagnose, self.headroom_every)
                     current.watch(model)
-                    current.set_forward_trace(model, self._trace_every())
+                    self._trace(current, model)
                 model.make_train_function(force=True)  # the step now carries the forensics
             if self.policy is not None and current.policy != self.policy:
                 warnings.warn(
@@ -213,7 +216,7 @@ class LossScaleCallback(keras.callbacks.Callback):
             if self.diagnose:
                 ours.set_diagnose(self.diagnose, self.headroom_every)
                 ours.watch(model)
-                ours.set_forward_trace(model, self._trace_every())
+                self._trace(ours, model)
             if model.built and model.trainable_variables:
                 ours.build(model.trainable_variables)
         model.optimizer = ours
@@ -222,8 +225,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         model.make_train_function(force=True)
         return ours
 
-    def _trace_every(self) -> int:
-        return 1 if self.diagnose == "every_step" else self.trace_every
+    def _trace(self, optimizer: LossScaleOptimizer, model: keras.Model) -> None:
+        if self.trace_every is not None:
+            optimizer.set_forward_trace(model, 1 if self.diagnose == "every_step" else self.trace_every)
 
     # ---- reading ----
 
@@ -253,6 +257,9 @@ class LossScaleCallback(keras.callbacks.Callback):
         fields = self.optimizer.read_forward_trace()
         if fields is not None:
             self.forward_trace = fields
+            if forensics is not None:
+                trace = ActivationTrace(**activation_arguments(fields))
+                forensics = dataclasses.replace(forensics, activations=trace)
         return forensics
 
     def _stop(self) -> None:

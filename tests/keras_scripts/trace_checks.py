@@ -153,6 +153,21 @@ def cases() -> dict:
     return out
 
 
+def dashboards(out: str) -> dict:
+    """The T5-style block with TensorBoard and an offline W&B run: the files are read back by the test."""
+    fresh()
+    model = t5_model(2e4)
+    model.compile(keras.optimizers.SGD(1e-4), "mse")
+    tensorboard = os.path.join(out, "tb")
+    wandb = {"dir": out, "project": "lossscale-trace", "mode": "offline"}
+    callback = LossScaleCallback(log_every=2, diagnose=True, trace_every=5, health="warn",
+                                 tensorboard=tensorboard, wandb=wandb)
+    rng = np.random.default_rng(0)
+    model.fit(rng.uniform(0.5, 1.0, (6, 8)).astype("float32"), np.ones((6, 1), "float32"), batch_size=1,
+              verbose=0, callbacks=[callback])
+    return {"summary": callback.summary, "tensorboard": tensorboard, "wandb": os.path.join(out, "wandb")}
+
+
 def torch_host_reads() -> dict:
     """The library's host reads in ``fit`` with the trace on every step and without forensics, for two
     run lengths: the difference must not grow with the steps (the trace reads only at the interval)."""
@@ -178,7 +193,7 @@ def torch_host_reads() -> dict:
 
 
 def main() -> None:
-    result = {"backend": BACKEND, "cases": cases()}
+    result = {"backend": BACKEND, "cases": cases(), "dashboards": dashboards(sys.argv[1])}
     if BACKEND == "torch":
         result["host_reads"] = torch_host_reads()
     print("RESULT " + json.dumps(result))
