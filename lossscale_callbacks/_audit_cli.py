@@ -1,6 +1,6 @@
 """``lossscale-callbacks audit MODEL.keras [--data SAMPLES.npz] [--batches N] [--batch-size N] [--json]``.
 
-The precision audit of a saved Keras model (:func:`lossscale_callbacks.keras.audit_precision`): a few
+The precision audit of a saved Keras model (:func:`lossscale_callbacks.keras.audit_keras_precision`): a few
 forward and backward passes in float32, then in float16 with a growing keep-in-float32 set; prints
 whether float16 fits, the layers to keep in float32 with the code for it, and a starting loss scale (or
 the whole result as JSON). The model runs on the Keras backend of ``KERAS_BACKEND``. Exit status: 0

@@ -1,5 +1,6 @@
-"""The Keras precision audit (``audit_precision``, ``keep_in_float32``) on TensorFlow, JAX and torch, one
-process per backend (``tests/keras_scripts/audit_checks.py``), on the known-answer models of the trace."""
+"""The Keras precision audit (``audit_keras_precision``, ``keep_keras_layers_in_float32``) on TensorFlow, JAX
+and torch, one process per backend (``tests/keras_scripts/audit_checks.py``), on the known-answer models of
+the trace."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_the_audit_names_a_verified_keep_list(results, backend):
     # wo overflows; its float32 output overflows again when cast into the float16 residual add
     assert (t5["fits"], t5["keep"], t5["verified"]) == (False, ["wo", "add"], True)
     assert (attention["fits"], attention["keep"], attention["verified"]) == (False, ["attn"], True)
-    assert "keep_in_float32(model, ['wo', 'add'])" in t5["markdown"]
+    # its softmax saturates: the gradients' spread is at float16's 40 binades (bfloat16 advised, or not)
+    assert "keep_keras_layers_in_float32(model, ['wo', 'add'])" in t5["markdown"]
     assert "Layer `wo` reaches |1.6" in t5["markdown"] and "float16 does not fit as it is." in t5["markdown"]
     # the audit puts every layer's dtype policy back
     assert t5["policies"] == attention["policies"] == ["float32"]
@@ -51,7 +53,8 @@ def test_the_keep_list_trains_float16_to_the_float32_loss(results, backend, mode
     r = results(backend)[model]
     assert math.isnan(r["unkept"]["loss"])  # NaN without the keep list
     kept, reference = r["kept"]["loss"], r["float32"]["loss"]
-    assert kept is not None and math.isfinite(kept) and r["kept"]["skipped"] == 0
+    # from the advised scale (the default 2^15 where the audit advises bfloat16 too): a few backoffs at most
+    assert kept is not None and math.isfinite(kept) and r["kept"]["skipped"] <= 8
     assert abs(kept - reference) <= 0.05 * reference
 
 
@@ -76,7 +79,7 @@ def test_the_audit_command_on_a_saved_keras_model(results):
     t5 = _cli(os.path.join(out, "t5.keras"), "--data", os.path.join(out, "t5.npz"))
     assert t5.returncode == 1, t5.stderr[-3000:]
     assert "float16 does not fit as it is." in t5.stdout
-    assert "keep_in_float32(model, ['wo', 'add'])" in t5.stdout
+    assert "keep_keras_layers_in_float32(model, ['wo', 'add'])" in t5.stdout
     fits = _cli(os.path.join(out, "fits.keras"), "--json")  # no samples: standard-normal inputs
     assert fits.returncode == 0, fits.stderr[-3000:]
     found = json.loads(fits.stdout.strip().splitlines()[-1])

@@ -188,5 +188,6 @@ def test_keras_precision_advisor_block(tmp_path, monkeypatch, capsys):
     advice = namespace["result"].advice
     assert (advice.fits, advice.keep_float32, namespace["result"].verified) == (False, ("wo", "add"), True)
     out = capsys.readouterr().out
-    assert "Keep these layers in float32: `wo`, `add` (`keep_in_float32(model, ['wo', 'add'])`)." in out
+    keep = "Keep these layers in float32: `wo`, `add` (`keep_keras_layers_in_float32(model, ['wo', 'add'])`)."
+    assert keep in out
     assert "Loss scaling: 16 optimizer steps" in out

@@ -1,7 +1,7 @@
 """Keras 3 on any backend (TensorFlow, JAX, torch): ``LossScaleCallback`` and ``LossScaleOptimizer`` on the
 shared core, ``DynamicLossScale`` (the ``tf.train.experimental`` seed API, TensorFlow only), and the
-precision audit: ``audit_precision`` (does float16 fit, what to keep in float32, where to start) and
-``keep_in_float32``, which applies its keep list.
+precision audit: ``audit_keras_precision`` (does float16 fit, what to keep in float32, where to start) and
+``keep_keras_layers_in_float32``, which applies its keep list.
 
 TensorFlow is imported only on the TensorFlow backend, or when ``DynamicLossScale`` is asked for. The
 rest is imported from its module: ``wrap`` and ``resolve_policy`` (``lossscale_callbacks.keras.optimizer``),
@@ -42,12 +42,12 @@ def _require_keras() -> None:
 
 _require_keras()
 
-from lossscale_callbacks.keras._audit import audit_precision, keep_in_float32  # noqa: E402
+from lossscale_callbacks.keras._audit import audit_keras_precision, keep_keras_layers_in_float32  # noqa: E402
 from lossscale_callbacks.keras.callback import LossScaleCallback  # noqa: E402
 from lossscale_callbacks.keras.optimizer import LossScaleOptimizer  # noqa: E402
 
-__all__ = ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer", "audit_precision",
-           "keep_in_float32"]
+__all__ = ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer", "audit_keras_precision",
+           "keep_keras_layers_in_float32"]
 
 
 def __getattr__(name: str) -> Any:

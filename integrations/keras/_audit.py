@@ -1,7 +1,7 @@
 """The precision audit for Keras models, before training: does float16 fit, what to keep in float32, where to
 start. Every Keras backend; also run by ``lossscale-callbacks audit`` on a saved ``.keras`` file.
 
-:func:`audit_precision` runs a few sample batches (eagerly, with host reads: it is not a training step):
+:func:`audit_keras_precision` runs a few sample batches (eagerly, with host reads: it is not a training step):
 
 1. in float32 (every layer's dtype policy ``float32`` for the passes, put back after): per layer the
    largest ``|output|`` (the live trace's own capture and rule, :mod:`~._forward_trace`), the largest
@@ -12,9 +12,10 @@ start. Every Keras backend; also run by ``lossscale-callbacks audit`` on a saved
 3. with that set kept: the largest power-of-two loss scale at which every batch's float16 gradients are
    finite (a bisection over 2^0 to 2^24), the advised starting scale.
 
-The rules and the words are the core's (:func:`lossscale_callbacks._advice.advise`). :func:`keep_in_float32`
-applies a keep list: the layers (with their sublayers) get the ``float32`` dtype policy, so Keras casts
-their inputs to float32 and they compute in it; the weights are the same variables.
+The rules and the words are the core's (:func:`lossscale_callbacks._advice.advise`).
+:func:`keep_keras_layers_in_float32` applies a keep list: the layers (with their sublayers) get the
+``float32`` dtype policy, so Keras casts their inputs to float32 and they compute in it; the weights are
+the same variables.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lossscale_callbacks._advice import AuditResult, GradientRange, advise, smal
 from lossscale_callbacks.keras import _forward_device as device
 from lossscale_callbacks.keras._forward_trace import ForwardTrace, traced_layers
 
-__all__ = ["audit_precision", "keep_in_float32"]
+__all__ = ["audit_keras_precision", "keep_keras_layers_in_float32"]
 
 FP16_MAX = 65504.0
 
@@ -64,7 +65,7 @@ def _retrace(model: Any) -> None:
             setattr(model, name, None)
 
 
-def keep_in_float32(model: keras.Model, layers: Iterable[str]) -> keras.Model:
+def keep_keras_layers_in_float32(model: keras.Model, layers: Iterable[str]) -> keras.Model:
     """Keep the named layers (and their sublayers) in float32 under ``mixed_float16``: each gets the
     ``float32`` dtype policy, so Keras casts its inputs to float32 and it computes in float32.
 
@@ -79,9 +80,10 @@ def keep_in_float32(model: keras.Model, layers: Iterable[str]) -> keras.Model:
         ValueError: a name is not a layer of ``model``.
 
     Example:
-        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="wo"),
-        ...                           keras.layers.Dense(1, name="head")], dtype="mixed_float16")
-        >>> _ = keep_in_float32(model, ["wo"])
+        >>> half = "mixed_float16"
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="wo", dtype=half),
+        ...                           keras.layers.Dense(1, name="head", dtype=half)])
+        >>> _ = keep_keras_layers_in_float32(model, ["wo"])
         >>> model.get_layer("wo").compute_dtype, model.get_layer("head").compute_dtype
         ('float32', 'float16')
     """
@@ -213,7 +215,11 @@ def _weights_over(model: Any) -> dict[str, float]:
     return over
 
 
-def audit_precision(model: keras.Model, batches: Iterable[Any],
+def _code(names: Sequence[str]) -> str:
+    return f"keep_keras_layers_in_float32(model, {list(names)!r})"
+
+
+def audit_keras_precision(model: keras.Model, batches: Iterable[Any],
                     loss_fn: Callable[[keras.Model, Any], Any] | None = None, *,
                     max_rounds: int = 8) -> AuditResult:
     """Can this Keras model train in float16? Which layers must stay float32, which loss scale to start at.
@@ -238,7 +244,7 @@ def audit_precision(model: keras.Model, batches: Iterable[Any],
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="out")])
         >>> model.compile(loss="mse")
         >>> x = np.ones((8, 4), "float32")
-        >>> result = audit_precision(model, [(x, x[:, :1])])
+        >>> result = audit_keras_precision(model, [(x, x[:, :1])])
         >>> result.advice.fits, result.advice.keep_float32
         (True, ())
     """
@@ -258,7 +264,7 @@ def audit_precision(model: keras.Model, batches: Iterable[Any],
     finally:
         runner.close()
     advice = advise(over_range=over, producers=dict.fromkeys(keep, 1), keep_float32=keep, gradients=gradients,
-                    initial_scale=scale, code=lambda names: f"keep_in_float32(model, {list(names)!r})")
+                    initial_scale=scale, code=_code)
     return AuditResult(advice=advice, trace=trace, gradients=gradients, batches=len(batches),
                        reference="float32", verified=verified)
 
@@ -311,4 +317,4 @@ def audit_model_file(path: str, *, data: str | None = None, batches: int = 2, ba
 
     check_archive(path, max_unzipped_mib)
     model = keras.saving.load_model(path, compile=True, safe_mode=True)
-    return audit_precision(model, _sample_batches(model, data, batches, batch_size), _file_loss)
+    return audit_keras_precision(model, _sample_batches(model, data, batches, batch_size), _file_loss)

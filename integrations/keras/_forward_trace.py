@@ -15,6 +15,8 @@ runs inside ``value_and_grad``, so the vector leaves through the backward pass o
 identity on the loss (as the loss flag of the forensics does), and the tally is one of the optimizer's
 variables, which ``fit``'s jitted step threads. torch decides ``due`` on the host (its step reads the
 skip flag anyway). No host read in the step; :meth:`ForwardTrace.read` is one, at the log interval.
+Under ``tf.distribute`` with several replicas nothing is traced (their forward passes run in threads of
+their own); the gradient forensics work there as before.
 """
 
 from __future__ import annotations
@@ -196,6 +198,10 @@ class ForwardTrace:
                 return None
             with _no_grad():
                 return device.step_vector(events, layers, 2.0 if self._host_armed else 1.0)
+        if backend == "tensorflow" and _replicas() > 1:
+            # tf.distribute runs each replica's forward pass in a thread of its own: the events of one
+            # pass are not told apart from another's, so nothing is traced (the gradient forensics still are).
+            return ops.convert_to_tensor(device.not_traced(layers))
         if backend == "jax":
             events = [(i, [ops.stop_gradient(t) for t in outs], [j if isinstance(j, int) else
                                                                    ops.stop_gradient(j) for j in ins])
@@ -279,6 +285,13 @@ class ForwardTrace:
         fields = device.decode(host, self.layout)
         fields["layers"], fields["dtypes"] = self.layers, self.dtypes
         return fields
+
+
+def _replicas() -> int:
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else int(context.num_replicas_in_sync)
 
 
 def _creation_scope() -> Any:

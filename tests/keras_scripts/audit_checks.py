@@ -20,11 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trace_checks import BACKEND, attention_model, fits_model, t5_model
 
-from lossscale_callbacks.keras import audit_precision, keep_in_float32
+from lossscale_callbacks.keras import audit_keras_precision, keep_keras_layers_in_float32
 from lossscale_callbacks.keras.callback import LossScaleCallback
 from lossscale_callbacks.policy import DynamicPolicy
 
-STEPS = 60
+STEPS = 300
 
 
 def fresh(policy: str) -> None:
@@ -46,7 +46,7 @@ def train(make, shape, keep=None, steps: int = STEPS, initial_scale: float | Non
     model = make()
     callbacks = []
     if keep is not None:
-        keep_in_float32(model, keep)
+        keep_keras_layers_in_float32(model, keep)
         policy = DynamicPolicy(initial_scale=initial_scale) if initial_scale else None
         callbacks = [LossScaleCallback(log_every=10_000, health=None, policy=policy)]
     model.compile(keras.optimizers.Adam(1e-3), "mse")
@@ -64,7 +64,7 @@ def audit(make, shape) -> dict:
     model = make()
     model.compile(keras.optimizers.Adam(1e-3), "mse")
     x, y = data(shape, 16)
-    result = audit_precision(model, [(x[:8], y[:8]), (x[8:], y[8:])])
+    result = audit_keras_precision(model, [(x[:8], y[:8]), (x[8:], y[8:])])
     advice = result.advice
     return {"fits": advice.fits, "keep": list(advice.keep_float32), "verified": result.verified,
             "initial_scale": advice.initial_scale, "growth_interval": advice.growth_interval,
