@@ -44,8 +44,12 @@ FP16_SPAN_LOG2 = math.log2(DTYPE_MAX["float16"]) - FP16_MIN_SUBNORMAL_LOG2
 MAX_SCALE = 2.0**24
 DEFAULT_GROWTH_INTERVAL = 1000
 NAN_RECURRING = 2  # NaN-gradient skips with a finite loss from which they count as recurring
+# What an Advice can have found: layers over the dtype's range, a producer of non-finite activations, a
+# non-finite loss whose producer no traced step saw, recurring NaN gradients, a gradient spread no scale
+# holds, gradients that overflow at the minimum scale, a collapse of the scale to its minimum.
+KINDS = ("over_range", "producer", "unnamed_loss", "recurring_nan", "spread", "overflow_at_min", "collapse")
 
-__all__ = ["FP16_SPAN_LOG2", "Advice", "AuditResult", "GradientRange", "advise", "fitting_scale",
+__all__ = ["FP16_SPAN_LOG2", "KINDS", "Advice", "AuditResult", "GradientRange", "advise", "fitting_scale",
            "smallest_keep_set"]
 
 
@@ -131,6 +135,7 @@ class Advice:
         growth_interval: a growth interval to go with it.
         findings: what was seen, one sentence each.
         actions: what to change, one sentence each (empty when nothing).
+        kinds: which findings were made (:data:`KINDS`), for code that acts on one of them.
     """
 
     fits: bool
@@ -140,6 +145,7 @@ class Advice:
     growth_interval: int | None = None
     findings: tuple[str, ...] = ()
     actions: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()
 
     def sentences(self) -> list[str]:
         return [*self.findings, *self.actions]
@@ -195,6 +201,7 @@ def advise(*, producers: Mapping[str, int] | None = None, over_range: Mapping[st
     producers, over_range = dict(producers or {}), dict(over_range or {})
     causes, origins = dict(causes or {}), dict(origins or {})
     findings: list[str] = []
+    kinds: list[str] = ["over_range"] * bool(over_range) + ["producer"] * bool(producers)
     keep = list(keep_float32)
     limit = DTYPE_MAX[dtype]
     for layer, value in over_range.items():
@@ -209,15 +216,17 @@ def advise(*, producers: Mapping[str, int] | None = None, over_range: Mapping[st
     inf = int(causes.get("grad_inf", 0)) + int(causes.get("grad_nonfinite", 0))
     origin = max(origins.items(), key=lambda item: item[1])[0] if origins else None
     if loss_bad and not producers:
+        kinds.append("unnamed_loss")
         findings.append(f"The loss was non-finite in {loss_bad} steps, and no traced step saw which layer "
                         "produced it: trace every step (diagnose=\"every_step\") to name it.")
     if nan >= NAN_RECURRING and not loss_bad:
+        kinds.append("recurring_nan")
         where = f", starting in layer `{origin}`" if origin else ""
         findings.append(f"NaN gradients with a finite loss recurred in {nan} skipped steps{where}: an "
                         "Inf - Inf or 0 * Inf in the backward pass, which no loss scale fixes.")
         if origin and origin not in keep:
             keep.append(origin)
-    bf16 = _needs_bfloat16(findings, gradients, at_min_scale, loss_bad, nan, inf, min_scale)
+    bf16 = _needs_bfloat16(findings, kinds, gradients, at_min_scale, loss_bad, nan, inf, min_scale)
     actions = []
     if keep:
         written = f" (`{code(keep)}`)" if code is not None else ""
@@ -234,21 +243,24 @@ def advise(*, producers: Mapping[str, int] | None = None, over_range: Mapping[st
                        "(a growth that overflows skips one step in a thousand at most).")
     fits = not keep and not bf16 and not over_range
     return Advice(fits, tuple(keep), bf16, scale if interval else None, interval, tuple(findings),
-                  tuple(actions))
+                  tuple(actions), tuple(kinds))
 
 
-def _needs_bfloat16(findings: list[str], gradients: GradientRange | None, at_min_scale: bool,
-                    loss_bad: int, nan: int, inf: int, min_scale: float) -> bool:
-    """Whether no loss scale fits; the reason goes into ``findings``."""
+def _needs_bfloat16(findings: list[str], kinds: list[str], gradients: GradientRange | None,
+                    at_min_scale: bool, loss_bad: int, nan: int, inf: int, min_scale: float) -> bool:
+    """Whether no loss scale fits; the reason goes into ``findings`` (and its kind into ``kinds``)."""
     if gradients is not None and gradients.span_log2 > FP16_SPAN_LOG2:
+        kinds.append("spread")
         findings.append(_spread_words(gradients))
         return True
     if gradients is not None and gradients.largest * min_scale > DTYPE_MAX["float16"]:
+        kinds.append("overflow_at_min")
         findings.append(f"The largest gradient, {gradients.largest:.4g}, overflows float16 even at the "
                         f"minimum scale {min_scale:g}.")
         return True
     if not at_min_scale:
         return False
+    kinds.append("collapse")
     cause = max((("a forward overflow (a non-finite loss)", loss_bad), ("NaN from the backward pass", nan),
                  ("Inf gradients at the minimum scale", inf)), key=lambda item: item[1])
     findings.append(f"The loss scale collapsed to its minimum ({min_scale:g}); the skipped steps were "

@@ -338,8 +338,13 @@ class ForensicsTotals:
         if room is not None and room.histogram is not None and room.headroom_scale:
             gradients = GradientRange.from_histogram(HISTOGRAM_EDGES, room.histogram, room.headroom_scale)
         dtype = self.activations.dtype if self.activations is not None else "float16"
+        # Where the scale settled is the starting point to advise, unless it collapsed: then the one that
+        # fits the last sampled gradients (said only with another change: a healthy run gets no advice).
+        last = self.last.scale if self.last is not None else 0.0
+        settled = last if last > 0 and not at_min_scale else None
         return advise(producers=self.producers, gradients=gradients, causes=self.causes,
-                      origins=self.layer_origins, at_min_scale=at_min_scale, min_scale=min_scale, dtype=dtype)
+                      origins=self.layer_origins, at_min_scale=at_min_scale, settled_scale=settled,
+                      min_scale=min_scale, dtype=dtype)
 
 
 def totals_from_series(series: Mapping[str, Sequence[tuple[int, float]]]) -> ForensicsTotals | None:

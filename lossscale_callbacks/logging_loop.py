@@ -433,7 +433,7 @@ class LoggingLoop:
         new, action = [], self._advice_action()
         if trace is not None and trace.producer is not None and "ForwardOverflow" not in given:
             new.append(Verdict("ForwardOverflow", action, step, str(trace.producer_sentence())))
-        if "NaN gradients with a finite loss recurred" in words and "RecurringNaN" not in given:
+        if "recurring_nan" in advice.kinds and "RecurringNaN" not in given:
             new.append(Verdict("RecurringNaN", action, step, words))
         given.update(v.rule for v in new)
         if (new or at_min) and words and self.writer:

@@ -87,7 +87,9 @@ def test_advice_cases() -> None:
     spread = advise(gradients=GradientRange(2.0**6, 2.0**-40))
     assert spread.use_bfloat16 and spread.initial_scale is None and not spread.fits
     assert f"float16 holds {FP16_SPAN_LOG2:.1f}" in spread.findings[0]
+    assert spread.kinds == ("spread",) and fits.kinds == ()
     nan = advise(causes={"grad_nan": 3}, origins={"dec.attn": 3, "dec.ff": 1})
+    assert nan.kinds == ("recurring_nan",)
     assert nan.keep_float32 == ("dec.attn",) and "recurred in 3 skipped steps" in nan.findings[0]
     collapse = advise(causes={"grad_inf": 40}, at_min_scale=True)
     assert collapse.use_bfloat16 and "mostly Inf gradients at the minimum scale" in collapse.findings[0]

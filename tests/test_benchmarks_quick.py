@@ -21,6 +21,9 @@ NUM = r"\d+\.\d+"  # a finite decimal figure: nan and inf do not match
 
 # script -> (extra arguments besides --quick, patterns its output must hold, one per figure line)
 SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    "advisor_overhead.py": ([], [
+        rf"^{shape}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$" for shape in ("launch_bound", "mlp")
+    ]),
     "alignment_gemm.py": ([], [
         r"^aligned\s+64\s+64\s+128\s+none",
         r"^in-1\s+63\s+64\s+128\s+high",

@@ -156,8 +156,8 @@ class _Runner:
         self.model.zero_grad(set_to_none=True)
         return out
 
-    def reference(self) -> tuple[ActivationTrace | None, GradientRange | None]:
-        """Float32 (the model's own dtype): the activation maxima and the gradients' extent."""
+    def reference(self) -> tuple[ActivationTrace | None, list[tuple[str, torch.Tensor]]]:
+        """Float32 (the model's own dtype): the activation maxima, and each layer's ``|gradient|`` values."""
         traces, grads = [], []
         for i, batch in enumerate(self.batches):
             self.tracer.arm()
@@ -165,14 +165,8 @@ class _Runner:
             self.tracer.end_step(i + 1)
             loss.float().backward()
             traces.append(self.tracer.read())
-            grads += [g.abs().flatten() for _, g in self._grads()]
-        values = torch.cat(grads) if grads else torch.zeros(0)
-        values = values[torch.logical_and(values > 0, torch.isfinite(values))]
-        span = None
-        if values.numel():
-            small = torch.kthvalue(values, max(1, int(1e-2 * values.numel()))).values
-            span = GradientRange(largest=float(values.max()), smallest=float(small))
-        return _merged([t for t in traces if t is not None]), span
+            grads += [(layer, g.abs().flatten()) for layer, g in self._grads()]
+        return _merged([t for t in traces if t is not None]), grads
 
     def half(self, keep: Sequence[str], scale: float = 1.0) -> tuple[str | None, bool]:
         """Float16 autocast with ``keep`` in float32: ``(forward producer, gradients finite)``."""
@@ -206,6 +200,21 @@ class _Runner:
             else:
                 high = mid - 1
         return 2.0**low
+
+
+def _extent(grads: list[tuple[str, torch.Tensor]], keep: Sequence[str], root: str) -> GradientRange | None:
+    """The largest and the 1% quantile of the non-zero ``|gradient|`` of the layers float16 computes (those
+    kept in float32 have float32 gradients: their spread is no float16 concern)."""
+    def kept(layer: str) -> bool:
+        return any(layer == k or layer.startswith(k + ".") or k == root for k in keep)
+
+    parts = [g for layer, g in grads if not kept(layer)]
+    values = torch.cat(parts) if parts else torch.zeros(0)
+    values = values[torch.logical_and(values > 0, torch.isfinite(values))]
+    if not values.numel():
+        return None
+    small = torch.kthvalue(values, max(1, int(1e-2 * values.numel()))).values
+    return GradientRange(largest=float(values.max()), smallest=float(small))
 
 
 def _merged(traces: list[ActivationTrace]) -> ActivationTrace | None:
@@ -256,8 +265,9 @@ def audit_precision(model: torch.nn.Module, batches: Iterable[Any],
     first = next(model.parameters(), None)
     device_type = device_type or (first.device.type if first is not None else "cpu")
     runner = _Runner(model, batches, loss_fn, device_type)
-    trace, gradients = runner.reference()
+    trace, grads = runner.reference()
     keep, verified = smallest_keep_set(lambda kept: runner.half(kept)[0], max_rounds)
+    gradients = _extent(grads, keep, type(unwrap(model)[0]).__name__)
     limit = 65504.0
     over = {layer: value for layer, value in (trace.latest() if trace else {}).items()
             if math.isfinite(value) and value > limit}

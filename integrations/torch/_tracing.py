@@ -39,6 +39,7 @@ from lossscale_callbacks.forensics import layer_of
 from lossscale_callbacks.torch.forensics import _fill_index, unwrap
 
 RING = 4  # traced steps kept per interval
+MAX_CALLS = 65536  # module calls kept before a fold; more means no scaler step follows these forwards
 
 
 __all__ = ["RING", "ActivationTracer", "autocast_dtype_name"]
@@ -65,7 +66,8 @@ class ActivationTracer:
 
     def __init__(self) -> None:
         self._model: weakref.ref[torch.nn.Module] | None = None
-        self._index: dict[int, int] = {}  # id(module) -> layer index
+        # module -> layer index; weak, so a module of a dead model is never taken for a new one at its address
+        self._index: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.layers: list[str] = []
         self.series_layers: tuple[str, ...] = ()
         self._handle: Any = None
@@ -84,10 +86,10 @@ class ActivationTracer:
         """Trace ``model``'s modules from now on (named as the gradient forensics name their layers)."""
         inner, _ = unwrap(model)  # the names are taken inside the wrappers: no prefix to strip
         self._model = weakref.ref(model)
-        self._index, self.layers = {}, []
+        self._index, self.layers = weakref.WeakKeyDictionary(), []
         for name, module in inner.named_modules():
-            if id(module) not in self._index:  # a shared module keeps its first name
-                self._index[id(module)] = len(self.layers)
+            if module not in self._index:  # a shared module keeps its first name
+                self._index[module] = len(self.layers)
                 self.layers.append(name or type(inner).__name__)
         owners = {layer_of(n) if "." in n else type(inner).__name__ for n, _ in inner.named_parameters()}
         self.series_layers = tuple(layer for layer in self.layers if layer in owners)
@@ -121,13 +123,34 @@ class ActivationTracer:
         return self._handle is not None
 
     def arm(self) -> None:
-        """Trace the coming forward passes (until :meth:`end_step`)."""
-        if self._handle is None and self._model is not None and self._model() is not None:
-            self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook, with_kwargs=True)
+        """Trace the coming forward passes (until :meth:`end_step`).
+
+        The global hook holds the tracer weakly: a scaler dropped (or whose forensics were replaced)
+        while armed takes its hook with it at the next module call.
+        """
+        if self._handle is not None or self._model is None or self._model() is None:
+            return
+        tracer, handles = weakref.ref(self), []
+
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            alive = tracer()
+            if alive is None:
+                handles[0].remove()
+            else:
+                alive._hook(module, args, kwargs, output)
+
+        self._handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+        handles.append(self._handle)
 
     def _hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        layer = self._index.get(id(module))
+        layer = self._index.get(module)
         if layer is None or not torch.is_grad_enabled():  # another model, or an evaluation pass
+            if self._model is None or self._model() is None:  # the model is gone: so is the hook
+                self.end_step(0)
+            return
+        if len(self._calls) >= MAX_CALLS:  # forward passes with no scaler step after them: stop tracing
+            self._calls.clear()
+            self.end_step(0)
             return
         inputs, outputs = _floats((args, kwargs)), _floats(output)
         if not outputs:
