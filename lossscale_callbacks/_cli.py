@@ -1,11 +1,13 @@
 """The ``lossscale-callbacks`` command line.
 
 Each subcommand lives in its own module and registers itself on the parser (``report`` in
-:mod:`lossscale_callbacks._report_cli`, ``check`` in :mod:`lossscale_callbacks._alignment_cli`); a
+:mod:`lossscale_callbacks._report_cli`, ``check`` in :mod:`lossscale_callbacks._alignment_cli`, ``audit``
+in :mod:`lossscale_callbacks._audit_cli`); a
 command line that names one imports only that one (``report`` never loads the alignment checker).
 
     lossscale-callbacks report RUN [--json] [--png PATH] [--min-scale X] [--fail-unhealthy]
     lossscale-callbacks check MODEL.keras --batch-size N [--json] [--target GPU] [--fail-on LEVEL]
+    lossscale-callbacks audit MODEL.keras [--data SAMPLES.npz] [--batches N] [--json]
 
 Bad input (nothing at the path, no run in the folder, a corrupt file) prints one line on stderr
 and exits with status 2, never a traceback. A missing optional package (``--png`` without the
@@ -149,7 +151,8 @@ EXIT_OK = 0
 Handler = Callable[[argparse.Namespace], int]
 # subcommand -> (its module, the function that adds its parser); imported when the command line needs it.
 _COMMANDS = {"report": ("lossscale_callbacks._report_cli", "add_report_parser"),
-             "check": ("lossscale_callbacks._alignment_cli", "add_check_parser")}
+             "check": ("lossscale_callbacks._alignment_cli", "add_check_parser"),
+             "audit": ("lossscale_callbacks._audit_cli", "add_audit_parser")}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -44,6 +44,10 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         for name in ("torch_adamw_foreach", "torch_adamw_fused", "torch_launch_bound_foreach",
                      "torch_launch_bound_fused", "keras_fit", "keras_fit_jax", "keras_fit_torch")
     ]),
+    "keras_trace_overhead.py": ([], [
+        rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
+        for name in ("keras_fit", "keras_fit_jax", "keras_fit_torch")
+    ]),
     "keras_overhead.py": ([], [
         *(rf"^{arm}\s+{NUM}\s+{NUM}\s+{NUM}$" for arm in ("keras", "ours", r"ours\+cb", r"ours\+null")),
         *(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$" for label in (

@@ -24,7 +24,9 @@ FACES: dict[str, list[str]] = {
         "LossScaleHealthWarning", "LossScaleState", "Sink", "__version__", "initial_state", "next_state"],
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
-    "lossscale_callbacks.keras": ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer"],
+    "lossscale_callbacks.keras": [
+        "DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer", "audit_keras_precision",
+        "keep_keras_layers_in_float32"],
     "lossscale_callbacks.torch": ["LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"],
     "lossscale_callbacks.lightning": ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"],
     "lossscale_callbacks.lightning.fabric": [

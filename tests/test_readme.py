@@ -183,3 +183,23 @@ def test_fabric_block(tmp_path, monkeypatch):
     assert saved["loss_scale"]["steps"] == 5
     assert saved["loss_scale"]["scaler"]["scale"] == monitor.scaler.get_scale()
     assert any((tmp_path / "runs").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_keras_precision_advisor_block(tmp_path, monkeypatch, capsys):
+    import keras
+
+    monkeypatch.chdir(tmp_path)
+    previous = keras.mixed_precision.global_policy()
+    try:
+        namespace: dict = {}
+        heading = "Precision advisor on Keras: does float16 fit, and what to keep in float32"
+        exec(block_after(heading), namespace)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    advice = namespace["result"].advice
+    assert (advice.fits, advice.keep_float32, namespace["result"].verified) == (False, ("wo", "add"), True)
+    out = capsys.readouterr().out
+    keep = "Keep these layers in float32: `wo`, `add` (`keep_keras_layers_in_float32(model, ['wo', 'add'])`)."
+    assert keep in out
+    assert "Loss scaling: 16 optimizer steps" in out

@@ -90,6 +90,15 @@ class _Step:
         """The per-layer flags and the loss flag of every replica (one process holds them all but on TF)."""
         return flags, loss_bad
 
+    def note_trace(self, trace: Any, loss: Any, vector: Any) -> Any:
+        """Keep the forward trace's vector of this step for the apply (by trace); returns the loss."""
+        trace.keep(self.call_site()[1], vector)
+        return loss
+
+    def take_trace(self, trace: Any, grads: Sequence[Any]) -> Any:
+        """The forward trace's vector of this apply's step (``None``: no traced forward pass preceded)."""
+        return trace.take(self.call_site()[1])
+
 
 class TensorFlowStep(_Step):
     """The TensorFlow step: ``tf.cond`` skip, replicas agree on the flag, forensics traced in."""
@@ -175,6 +184,10 @@ class TensorFlowStep(_Step):
                 return tf.constant(True)
 
             tf.cond(changed, commit, lambda: tf.constant(False))  # an ordinary step assigns nothing
+        trace = opt.forward_trace
+        if trace is not None:
+            steps = opt.loss_scale_variables.fields.steps.value
+            trace.commit_tf(self.take_trace(trace, grads), finite, steps)
         if not unscaled:
             grads = self.unscale_all(grads, variables or opt._trainable_variables,
                                      opt.loss_scale_variables.scale.value)
@@ -263,6 +276,11 @@ class _KerasOpsStep(_Step):
                                                        self.take_loss(grads), state, unscaled, self.agree)
             tally = update() if changed is None else Packed(*ops.cond(changed, update, lambda: tally))
             by_variable.update({id(v): value for v, value in zip(forensics.variables, tally, strict=True)})
+        trace = opt.forward_trace
+        if trace is not None:
+            key = id(trace.variable)
+            vector = self.take_trace(trace, grads)
+            by_variable[key] = trace.fold(by_variable[key], vector, finite, state.steps)
         if not unscaled:
             grads = self.unscale_all(grads, opt._trainable_variables, state.scale)
 
@@ -370,6 +388,14 @@ class JaxStep(_KerasOpsStep):
         flag, self._loss_flag = self._loss_flag, None
         return flag if flag is not None and _same_trace(flag, grads) else ops.convert_to_tensor(False)
 
+    def note_trace(self, trace: Any, loss: Any, vector: Any) -> Any:
+        """The loss through the trace's carrier: its backward pass keeps the vector (``_forward_trace``)."""
+        return trace.carry(loss, vector)
+
+    def take_trace(self, trace: Any, grads: Sequence[Any]) -> Any:
+        vector = trace.take_jax()
+        return vector if vector is not None and _same_trace(vector, grads) else None
+
     def pack_state(self, state: LossScaleState) -> Any:
         """The state as one integer vector: the float32 scale's bits, then the counters (one jitted call)."""
         return self._pack(*state)
@@ -449,6 +475,9 @@ class TorchStep(_KerasOpsStep):
             forensics.eager(grads, trainable, not applied, lambda: self.take_loss(grads),
                             state_vars.scale.value, unscaled)
         self._loss = None
+        trace = opt.forward_trace
+        if trace is not None:  # the host knows both the schedule and the skip: fold only when either says so
+            trace.host_fold(self.take_trace(trace, grads), applied, state_vars.fields.steps.value)
         if applied:
             opt.inner_optimizer.apply(unscaled_grads, variables)
         state_vars.advance(finite, self._ops_on(state_vars.scale.value.device))

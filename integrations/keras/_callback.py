@@ -4,6 +4,7 @@ puts our optimizer in the model's place, and JAX's headroom sampling in ``fit``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import warnings
 from collections.abc import Callable, Iterable
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
+from lossscale_callbacks._activations import ActivationTrace
 from lossscale_callbacks._forensics import check_diagnose
 from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, check_log_every, logging_args
 from lossscale_callbacks._metrics import COUNT_METRICS, METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
@@ -19,6 +21,7 @@ from lossscale_callbacks._policy import DynamicPolicy, Policy, check_policy
 from lossscale_callbacks._validation import check_bool, check_int, check_known
 from lossscale_callbacks.keras._arguments import release_inner_optimizer
 from lossscale_callbacks.keras._config import record_in_compile_config
+from lossscale_callbacks.keras._forward_trace import activation_arguments
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
 
 if TYPE_CHECKING:
@@ -188,6 +191,10 @@ class LossScaleCallback(keras.callbacks.Callback):
             causes, the layer where each overflow started and a gradient histogram go to the sinks,
             the health warnings and the summary. No host read is added to the step.
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
+        trace_every: with ``diagnose``, optimizer steps between traced forward passes (per layer the
+            largest ``|output|`` and the layer that produced the first non-finite activation, on the
+            device; the step after a skipped untraced one is traced too); ``diagnose="every_step"``
+            traces every step; ``None``: no forward trace.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend; on
             JAX and torch it warns and training goes on).
@@ -216,11 +223,14 @@ class LossScaleCallback(keras.callbacks.Callback):
         **logging: Unpack[LoggingArgs],
     ) -> None:
         super().__init__()
+        trace_every: int | None = 100,
         check_policy("policy", policy)
         check_bool("check_alignment", check_alignment)
         self.diagnose = check_diagnose(diagnose)
         self._fit_sampling = FitSampling()  # JAX: the headroom samples decided on the host
         self.headroom_every = check_int("headroom_every", headroom_every)
+        self.trace_every = None if trace_every is None else check_int("trace_every", trace_every)
+        self.forward_trace: dict[str, Any] | None = None  # the last interval's forward trace (NumPy fields)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
@@ -254,6 +264,7 @@ class LossScaleCallback(keras.callbacks.Callback):
                 with _strategy_scope(model):
                     current.set_diagnose(self.diagnose, self.headroom_every)
                     current.watch(model)
+                    self._trace(current, model)
                 model.make_train_function(force=True)  # the step now carries the forensics
             if self.policy is not None and current.policy != self.policy:
                 warnings.warn(
@@ -273,6 +284,7 @@ class LossScaleCallback(keras.callbacks.Callback):
             if self.diagnose:
                 ours.set_diagnose(self.diagnose, self.headroom_every)
                 ours.watch(model)
+                self._trace(ours, model)
             if model.built and model.trainable_variables:
                 ours.build(model.trainable_variables)
         model.optimizer = ours
@@ -280,6 +292,10 @@ class LossScaleCallback(keras.callbacks.Callback):
         # fit() made (but has not traced) the train function for the old optimizer.
         model.make_train_function(force=True)
         return ours
+
+    def _trace(self, optimizer: LossScaleOptimizer, model: keras.Model) -> None:
+        if self.trace_every is not None:
+            optimizer.set_forward_trace(model, 1 if self.diagnose == "every_step" else self.trace_every)
 
     # ---- reading ----
 
@@ -296,12 +312,24 @@ class LossScaleCallback(keras.callbacks.Callback):
         """One host read of the state, through the logging loop; the metrics ``names`` into ``logs``."""
         assert self.optimizer is not None
         state = self._read_state()
-        snapshot = self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
+        snapshot = self.loop.observe(state, forensics=self._forensics(state))
         if logs is not None and names:
             metrics = snapshot.metrics()
             logs.update({name: _Count(metrics[name]) if name in COUNT_METRICS else metrics[name]
                          for name in names})
         return snapshot
+
+    def _forensics(self, state: Any) -> Any:
+        """The interval's gradient forensics, with the forward trace's activations (one read each)."""
+        assert self.optimizer is not None
+        forensics = self.optimizer.read_forensics(state)
+        fields = self.optimizer.read_forward_trace()
+        if fields is not None:
+            self.forward_trace = fields
+            if forensics is not None:
+                trace = ActivationTrace(**activation_arguments(fields))
+                forensics = dataclasses.replace(forensics, activations=trace)
+        return forensics
 
     def _stop(self) -> None:
         self.model.stop_training = True
@@ -364,7 +392,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         state = self._read_state()
         last = self.loop.last
         if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
-            self.loop.observe(state, forensics=self.optimizer.read_forensics(state))
+            self.loop.observe(state, forensics=self._forensics(state))
         self._fit_sampling.end(self.model)
         self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
 

@@ -34,6 +34,7 @@ from lossscale_callbacks.keras._arguments import (
 )
 from lossscale_callbacks.keras._backend_steps import backend_step
 from lossscale_callbacks.keras._forensics_wiring import ForensicsWiring
+from lossscale_callbacks.keras._forward_trace import ForwardTrace
 from lossscale_callbacks.keras._seed_api import PendingUnscales, SeedAPI, delegated_hyperparameters
 from lossscale_callbacks.keras._state_variables import LossScaleVariables
 
@@ -126,6 +127,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         self._step = step
         self._pending_unscales = PendingUnscales(step.call_site)
         self._forensics_wiring = forensics
+        self._forward_trace: ForwardTrace | None = None  # set_forward_trace(model) switches it on
         self.inner_optimizer = inner_optimizer
         # As Keras does: the inner optimizer must not scale the loss a second time.
         inner_optimizer.loss_scale_factor = None
@@ -160,8 +162,9 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
     def variables(self) -> list[Any]:
         """Every variable this optimizer steps: its own, the loss-scale counters, the forensics tally (with
         ``diagnose``; never saved), the inner optimizer's."""
+        trace = self._forward_trace.variable_list if self._forward_trace is not None else []
         return (self._variables + self.loss_scale_counters.variables + self._forensics_wiring.variable_list
-                + self.inner_optimizer.variables)
+                + trace + self.inner_optimizer.variables)
 
     # Names of Keras' own LossScaleOptimizer, for code written against it.
     @property
@@ -225,6 +228,10 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         loss = ops.convert_to_tensor(loss)
         if self.forensics is not None:
             loss = self._step.note_loss(loss)  # whether it was finite, for the step's skip cause
+        trace = self.forward_trace
+        if trace is not None:  # the forward pass just ran: its vector, made only when the step is due
+            loss = self._step.note_trace(trace, loss, trace.vector(self._state_variables.fields.steps.value,
+                                                                   trace.variable.value))
         dtype = keras.backend.standardize_dtype(loss.dtype)
         if dtype in ("float16", "bfloat16"):
             loss, dtype = ops.cast(loss, "float32"), "float32"
@@ -318,6 +325,33 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         if self.forensics is None:
             return None
         return self._forensics_wiring.read(self.read_state() if state is None else state)
+
+    # ---- forward trace ----
+
+    @property
+    def forward_trace(self) -> ForwardTrace | None:
+        """The forward trace while it runs (see :meth:`set_forward_trace`), else ``None``."""
+        trace = self._forward_trace
+        return trace if trace is not None and trace.active else None
+
+    def set_forward_trace(self, model: Any, every: int = 100) -> None:
+        """Trace ``model``'s forward pass in every ``every``-th step (and the step after a skipped one):
+        per layer the largest ``|output|`` and the layer that produced the first non-finite activation,
+        on the device (see :mod:`~lossscale_callbacks.keras._forward_trace`). ``model=None`` stops it.
+        Retrace the train function after it (the tally is one of ``variables``)."""
+        if self._forward_trace is not None:
+            self._forward_trace.unwatch()
+            self._forward_trace = None
+        if model is not None:
+            trace = ForwardTrace(every)
+            trace.watch(model)
+            self._forward_trace = trace
+
+    def read_forward_trace(self) -> dict[str, Any] | None:
+        """The forward trace since the last call, as NumPy fields (``None`` when off). One host read (on JAX
+        in ``fit``, sync the model's state first): call it at the log interval."""
+        trace = self.forward_trace
+        return trace.read() if trace is not None else None
 
     # ---- config ----
 
