@@ -220,10 +220,10 @@ class LossScaleCallback(keras.callbacks.Callback):
         check_alignment: bool = False,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
+        trace_every: int | None = 100,
         **logging: Unpack[LoggingArgs],
     ) -> None:
         super().__init__()
-        trace_every: int | None = 100,
         check_policy("policy", policy)
         check_bool("check_alignment", check_alignment)
         self.diagnose = check_diagnose(diagnose)
