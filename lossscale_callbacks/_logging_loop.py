@@ -433,8 +433,9 @@ class LoggingLoop:
             self._write_metrics(at, snapshot, forensics, interval_known=not restarted, ranks=ranks)
         if forensics is not None:
             self._add_forensics(forensics, at, metrics_written=True)
-        verdicts = self.health.observe(snapshot) if self.health is not None else []
-        verdicts = self._with_forensics(verdicts, forensics, snapshot.step)
+        verdicts: list[Verdict] = []
+        if self.health is not None:  # health=None: no rule, so no verdict of the forensics either
+            verdicts = self._with_forensics(self.health.observe(snapshot), forensics, snapshot.step)
         self._act(verdicts + self._judge_ranks(ranks, snapshot.step))
         return snapshot
 
