@@ -286,9 +286,11 @@ def test_readme_block(capsys):
 
 def test_an_armed_tracer_does_not_outlive_its_scaler():
     """A scaler dropped while its tracer waits for the next step takes the global hook with it."""
+    before = set(torch.nn.modules.module._global_forward_hooks)  # another test's live scaler may be armed
+
     def ours():
-        return [h for h in torch.nn.modules.module._global_forward_hooks.values()
-                if h.__qualname__ == "ActivationTracer.arm.<locals>.hook"]
+        return [h for key, h in torch.nn.modules.module._global_forward_hooks.items()
+                if key not in before and h.__qualname__ == "ActivationTracer.arm.<locals>.hook"]
 
     model = MODELS["fits"]()
     scaler = LossScaler("cpu", diagnose="every_step").watch(model)  # armed for step 0

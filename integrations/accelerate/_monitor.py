@@ -200,8 +200,8 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
         if self._resumed is not None:  # the scaler is loaded by now: judge by its policy, from the save
             resumed, self._resumed = self._resumed, None
             self.loop.set_policy(self.reader.policy)
-            self.loop.restart_interval(resumed.steps)
-            self.loop.baseline(resumed)
+            self._ticks = resumed.steps  # the steps counted on from the save, on every rank alike
+            self.loop.resume_at(resumed.steps, lambda: resumed)
         if self.reader.started and not self.accelerator.sync_gradients:
             return None  # an accumulation step: the prepared optimizer did not step
         return self._count_step(log_step)
