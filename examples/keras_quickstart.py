@@ -15,6 +15,10 @@ overflow forensics, one sentence per finding: why steps were skipped, the layer 
 started (and how often), the flagged layers as a table, and the largest scaled gradient against
 float16's maximum. The sinks get the same words (TensorBoard's Text tab), per-layer counts and a
 histogram of the scaled gradients. It works the same on ``KERAS_BACKEND=jax`` or ``torch``.
+
+Last, the precision audit (what to do when no loss scale helps): a T5-style block whose ``wo`` outgrew
+float16, audited on one sample batch before training it in float16: which layers to keep in float32 and
+which scale to start at.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import keras
 import numpy as np
 
 from lossscale_callbacks import DynamicPolicy, InMemorySink
-from lossscale_callbacks.keras import LossScaleCallback
+from lossscale_callbacks.keras import LossScaleCallback, audit_keras_precision
 
 
 def make_data(n: int = 4096, features: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -39,6 +43,28 @@ def make_data(n: int = 4096, features: int = 32, seed: int = 0) -> tuple[np.ndar
     w = rng.normal(size=(features, 1)).astype("float32")
     y = (200.0 * np.tanh(x @ w)).astype("float32")  # large targets: large gradients at a high scale
     return x, y
+
+
+def t5_block() -> keras.Model:
+    """A T5-style feed-forward block whose ``wo`` outputs exceed 65504 (as bf16-pretrained ones do)."""
+    x = keras.Input((8,))
+    wo = keras.layers.Dense(8, name="wo", kernel_initializer=keras.initializers.Constant(3e4))
+    h = keras.layers.Add(name="add")([x, wo(keras.layers.Dense(16, "relu", name="wi")(x))])
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+
+
+def audit() -> None:
+    keras.mixed_precision.set_global_policy("float32")  # the reference the audit compares float16 with
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.0, (32, 8)).astype("float32")
+    block = t5_block()
+    block.compile(optimizer="adam", loss="mse")
+    result = audit_keras_precision(block, [(x, x.mean(axis=1, keepdims=True))])
+    print("\nPrecision audit of a T5-style block (lossscale_callbacks.keras.audit_keras_precision):")
+    for sentence in result.advice.sentences():
+        print(f"  {sentence}")
 
 
 def main() -> None:
@@ -77,6 +103,7 @@ def main() -> None:
     print("TensorBoard: .venv/bin/tensorboard --logdir runs   (then open the Custom Scalars tab)")
     print("Report:      .venv/bin/lossscale-callbacks report runs")
     print("W&B:         .venv/bin/wandb sync runs/wandb/offline-run-*")
+    audit()
 
 
 if __name__ == "__main__":

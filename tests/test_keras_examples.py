@@ -39,6 +39,10 @@ def test_keras_quickstart(tmp_path):
     assert "(float16's max is 2^15.99)" in out and not re.search(r"2\^-[\d.]+ below", out)
     assert glob.glob(str(tmp_path / "runs" / "keras_quickstart" / "events.out.tfevents.*"))
     assert glob.glob(str(tmp_path / "runs" / "wandb" / "offline-run-*" / "*.wandb"))
+    # The precision audit (issue 27): the layers to keep in float32 and the starting scale.
+    keep = "Keep these layers in float32: `wo`, `add` (`keep_keras_layers_in_float32(model, ['wo', 'add'])`)"
+    assert keep in out
+    assert "Start the loss scale at 2^" in out
     bar = out.split("Loss-scale trajectory")[0]  # quiet by default (issue 19): the scale and the skips
     assert "loss_scale/skipped_steps" in bar and "loss_scale/skip_rate" not in bar
 
