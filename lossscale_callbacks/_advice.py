@@ -50,7 +50,7 @@ NAN_RECURRING = 2  # NaN-gradient skips with a finite loss from which they count
 KINDS = ("over_range", "producer", "unnamed_loss", "recurring_nan", "spread", "overflow_at_min", "collapse")
 
 __all__ = ["FP16_SPAN_LOG2", "KINDS", "Advice", "AuditResult", "GradientRange", "advise", "fitting_scale",
-           "smallest_keep_set"]
+           "largest_finite_scale", "smallest_keep_set"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +94,26 @@ def fitting_scale(largest: float, dtype: str = "float16", min_scale: float = 1.0
         return max_scale
     exponent = math.floor(math.log2(DTYPE_MAX[check_dtype(dtype)] / largest))
     return float(min(max(2.0**exponent, min_scale), max_scale))
+
+
+def largest_finite_scale(finite_at: Callable[[float], bool], low: int = 0, high: int = 24) -> float:
+    """The largest power of two from ``2**low`` to ``2**high`` at which ``finite_at(scale)`` holds, found by
+    bisection (an audit's sample gradients stay finite up to a scale and overflow above it); ``2**low``
+    when none does.
+
+    Example:
+        >>> largest_finite_scale(lambda scale: scale * 3.0 < 65504)  # 3 * 2**14 fits, 3 * 2**15 does not
+        16384.0
+    """
+    if not finite_at(2.0**low):
+        return 2.0**low
+    while low < high:
+        mid = (low + high + 1) // 2
+        if finite_at(2.0**mid):
+            low = mid
+        else:
+            high = mid - 1
+    return 2.0**low
 
 
 def smallest_keep_set(run: Callable[[tuple[str, ...]], str | None], max_rounds: int = 8

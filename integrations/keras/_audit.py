@@ -30,7 +30,13 @@ import numpy as np
 from keras import ops
 
 from lossscale_callbacks._activations import ActivationTrace
-from lossscale_callbacks._advice import AuditResult, GradientRange, advise, smallest_keep_set
+from lossscale_callbacks._advice import (
+    AuditResult,
+    GradientRange,
+    advise,
+    largest_finite_scale,
+    smallest_keep_set,
+)
 from lossscale_callbacks.keras import _forward_device as device
 from lossscale_callbacks.keras._forward_trace import ForwardTrace, traced_layers
 
@@ -192,16 +198,7 @@ class _Runner:
 
     def largest_scale(self, keep: Sequence[str]) -> float:
         """The largest power of two (2^0 to 2^24) at which every batch's float16 gradients are finite."""
-        low, high = 0, 24
-        if not self.half(keep, 2.0**low)[1]:
-            return 1.0
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.half(keep, 2.0**mid)[1]:
-                low = mid
-            else:
-                high = mid - 1
-        return 2.0**low
+        return largest_finite_scale(lambda scale: self.half(keep, scale)[1])
 
 
 def _weights_over(model: Any) -> dict[str, float]:

@@ -32,7 +32,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 from lossscale_callbacks._activations import ActivationTrace
-from lossscale_callbacks._advice import AuditResult, GradientRange, advise, smallest_keep_set
+from lossscale_callbacks._advice import (
+    AuditResult,
+    GradientRange,
+    advise,
+    largest_finite_scale,
+    smallest_keep_set,
+)
 from lossscale_callbacks._forensics import layer_of
 from lossscale_callbacks.torch._forensics import unwrap
 from lossscale_callbacks.torch._tracing import ActivationTracer
@@ -190,16 +196,7 @@ class _Runner:
 
     def largest_scale(self, keep: Sequence[str]) -> float:
         """The largest power of two (2^0 to 2^24) at which every batch's float16 gradients are finite."""
-        low, high = 0, 24
-        if not self.half(keep, 2.0**low)[1]:
-            return 1.0
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.half(keep, 2.0**mid)[1]:
-                low = mid
-            else:
-                high = mid - 1
-        return 2.0**low
+        return largest_finite_scale(lambda scale: self.half(keep, scale)[1])
 
 
 def _extent(grads: list[tuple[str, torch.Tensor]], keep: Sequence[str], root: str) -> GradientRange | None:
