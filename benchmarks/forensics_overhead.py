@@ -98,7 +98,11 @@ def torch_rounds(rounds: int, steps: int, fused: bool, width: int = 2048, batch:
     return times
 
 
-def keras_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
+def keras_rounds(rounds: int, steps: int,
+                 arms_kwargs: dict[str, dict] | None = None) -> dict[str, list[float]]:
+    """Per arm, the wall time per step of each round of ``fit`` on this process's Keras backend: one model
+    per arm, each with a ``LossScaleCallback(**arms_kwargs[arm])`` (default: this benchmark's forensics
+    modes), alternating round by round, the order reversed every other round."""
     import keras
     import numpy as np
 
@@ -110,16 +114,17 @@ def keras_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128 * steps, 64)).astype("float32")
     y = rng.integers(0, 10, size=(128 * steps,))
+    if arms_kwargs is None:
+        arms_kwargs = {name: {"diagnose": MODES[name]} for name in ARMS}
     arms = {}
-    for name in ARMS:
+    for name, kwargs in arms_kwargs.items():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
                                   keras.layers.Dense(256, activation="relu"),
                                   keras.layers.Dense(256, activation="relu"),
                                   keras.layers.Dense(10, dtype="float32")])
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        callback = LossScaleCallback(log_every=100, health=None, diagnose=MODES[name])
-        arms[name] = (model, callback)
+        arms[name] = (model, LossScaleCallback(log_every=100, health=None, **kwargs))
 
     def run(name: str, n: int) -> float:
         model, callback = arms[name]
@@ -129,11 +134,11 @@ def keras_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
                       callbacks=[callback])
             return (time.perf_counter() - start) / n
 
-    for name in ARMS:
-        run(name, 20)
-    times: dict[str, list[float]] = {name: [] for name in ARMS}
+    for name in arms:
+        run(name, 20)  # compile every arm first
+    times: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(rounds):
-        for name in ARMS if r % 2 == 0 else tuple(reversed(ARMS)):
+        for name in arms if r % 2 == 0 else tuple(reversed(arms)):
             times[name].append(run(name, steps))
     return times
 

@@ -15,18 +15,16 @@ the step after an untraced skip), ``every`` (``trace_every=1``: what a traced st
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 from _quick import parse_args
+from forensics_overhead import keras_rounds
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -35,42 +33,10 @@ ROWS = {"tensorflow": "keras_fit", "jax": "keras_fit_jax", "torch": "keras_fit_t
 
 
 def rounds_here(rounds: int, steps: int) -> dict[str, list[float]]:
-    """Per arm, the wall time per step of each round, on this process's Keras backend."""
-    import keras
-    import numpy as np
-
-    from lossscale_callbacks.keras import LossScaleCallback
-
-    on_torch = keras.backend.backend() == "torch"
-    keras.mixed_precision.set_global_policy("float32" if on_torch else "mixed_float16")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(128 * steps, 64)).astype("float32")
-    y = rng.integers(0, 10, size=(128 * steps,))
-    arms = {}
-    for name, every in ARMS.items():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
-                                  keras.layers.Dense(256, activation="relu"),
-                                  keras.layers.Dense(256, activation="relu"),
-                                  keras.layers.Dense(10, dtype="float32")])
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        arms[name] = (model, LossScaleCallback(log_every=100, health=None, diagnose=True, trace_every=every))
-
-    def run(name: str, n: int) -> float:
-        model, callback = arms[name]
-        with contextlib.redirect_stdout(io.StringIO()):
-            start = time.perf_counter()
-            model.fit(x[:n * 128], y[:n * 128], batch_size=128, epochs=1, shuffle=False, verbose=0,
-                      callbacks=[callback])
-            return (time.perf_counter() - start) / n
-
-    for name in ARMS:
-        run(name, 20)  # compile every arm first
-    times: dict[str, list[float]] = {name: [] for name in ARMS}
-    for r in range(rounds):
-        for name in ARMS if r % 2 == 0 else tuple(reversed(ARMS)):
-            times[name].append(run(name, steps))
-    return times
+    """Per arm, the wall time per step of each round, on this process's Keras backend (the forensics
+    benchmark's model and loop, with the trace's arms)."""
+    return keras_rounds(rounds, steps, {name: {"diagnose": True, "trace_every": every}
+                                        for name, every in ARMS.items()})
 
 
 def summarize(times: dict[str, list[float]]) -> dict[str, float]:
