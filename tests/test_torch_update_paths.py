@@ -23,6 +23,7 @@ from lossscale_callbacks.testing import (  # noqa: E402
 )
 from lossscale_callbacks.torch._update_paths import (  # noqa: E402
     AmpPath,
+    CudaGraphPath,
     PathState,
     RulePath,
     TablePath,
@@ -164,6 +165,22 @@ def test_counters_from_a_checkpoint_beyond_float_precision_stay_exact():
         state = path.read()
         assert (state.skipped_steps, state.steps) == (big - 4, big + 1)
         assert int(path.tensors().skipped_steps) == big - 4
+
+
+@pytest.mark.parametrize("cls", [AmpPath, TablePath, RulePath])
+def test_the_cuda_graph_wrapper_answers_every_name_a_path_has(cls):
+    """The scaler reads its path by these names whatever the device; on CUDA the path is wrapped, and a
+    name the wrapper lacks fails only there (``device`` did, on the first GPU run). Built around a CPU
+    path: the constructor runs no CUDA op, and the names are what is compared."""
+    policy = DynamicPolicy(growth_interval=3)
+    inner = cls(policy, CPU, PathState.from_host(initial_state(policy)))
+    wrapped = CudaGraphPath(inner)
+    names = {n for n in dir(inner) if not n.startswith("_")} - {"device_step", "after_step"}
+    missing = sorted(n for n in names if not hasattr(wrapped, n))
+    assert not missing, f"CudaGraphPath lacks {missing}"
+    assert wrapped.device == inner.device and wrapped.policy is inner.policy
+    assert wrapped.scale is inner.scale and wrapped.steps == inner.steps
+    assert wrapped.read() == inner.read()
 
 
 @pytest.mark.cuda

@@ -316,6 +316,16 @@ class CudaGraphPath:
         self._input = torch.zeros((), dtype=torch.float32, device=path.device)
         self._graph: Any = None  # None: not captured yet; False: capture failed, run the ops
 
+    # The scaler reads a path through these names whatever its class (tests/test_torch_update_paths.py
+    # checks that the wrapper answers every public name a plain path has).
+    @property
+    def device(self) -> torch.device:
+        return self.path.device
+
+    @property
+    def policy(self) -> Policy:
+        return self.path.policy
+
     @property
     def steps(self) -> int:
         return self.path.steps
