@@ -84,7 +84,7 @@ def backward(model: torch.nn.Module, scaler: torch.amp.GradScaler, x: torch.Tens
     scaler.scale(loss).backward()
     if inject_inf:
         with torch.no_grad():
-            next(model.parameters()).grad[0, 0] = math.inf
+            next(model.parameters()).grad[0, 0].fill_(math.inf)  # a view filled on the device: no host copy
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -138,29 +138,52 @@ def test_whole_step_launches_at_most_grad_scalers(kind):
     assert counts["ours"] <= counts["torch"], counts
 
 
-def _forensics_launches(layers: int, diagnose: bool | str, headroom_every: int) -> int:
-    """Launches a whole fused-AdamW step adds with the forensics on, for an MLP of ``layers`` layers."""
+def _forensics_launches(layers: int, diagnose: bool | str, headroom_every: int, trace_forward: bool) -> int:
+    """Launches a whole fused-AdamW step adds with the forensics on, for an MLP of ``layers`` layers.
+
+    ``trace_forward``: whether the forward trace (the advisor's, on at the headroom samples) is on too.
+    """
     x = torch.randn(8, 16, device="cuda")
     counts = []
     for mode in (False, diagnose):
         model = mlp(layers)
         opt = OPTIMIZERS["adamw_fused"](model.parameters())
         scaler = LossScaler(device="cuda", diagnose=mode, headroom_every=headroom_every).watch(model)
+        if scaler.forensics is not None:
+            scaler.forensics.trace_forward = trace_forward
         for _ in range(3):
             train_step(model, opt, scaler, x)
         counts.append(count_launches(functools.partial(train_step, model, opt, scaler, x)))
+    print(f"forensics launches, {layers} layers, diagnose={diagnose!r}, headroom_every={headroom_every}, "
+          f"trace_forward={trace_forward}: {counts[1]} - {counts[0]} = {counts[1] - counts[0]}")
     return counts[1] - counts[0]
 
 
 @pytest.mark.parametrize(("diagnose", "headroom_every"), [(True, 1000), (True, 1), ("every_step", 1000)],
                          ids=["ordinary-step", "sampled-step", "every-step"])
-def test_forensics_launches_do_not_grow_with_the_model(diagnose, headroom_every):
-    small = _forensics_launches(2, diagnose, headroom_every)  # 4 parameter tensors
-    large = _forensics_launches(100, diagnose, headroom_every)  # 200 parameter tensors
+def test_gradient_forensics_launches_do_not_grow_with_the_model(diagnose, headroom_every):
+    small = _forensics_launches(2, diagnose, headroom_every, trace_forward=False)  # 4 parameter tensors
+    large = _forensics_launches(100, diagnose, headroom_every, trace_forward=False)  # 200 parameter tensors
     # A multi-tensor kernel launches once per chunk of its tensor list (up to ~100 tensors a chunk on
     # CUDA), so 200 tensors may cost each such kernel one or two launches more than 4 do; a pass per
     # parameter would cost about 200 more.
     assert large <= small + 16, (small, large)
+
+
+@pytest.mark.parametrize(("diagnose", "headroom_every"), [(True, 1), ("every_step", 1000)],
+                         ids=["sampled-step", "every-step"])
+def test_the_forward_trace_adds_a_few_launches_per_module_call(diagnose, headroom_every):
+    """The forward trace takes one multi-tensor max-norm per module call (its design: a module's output
+    exists only inside its call): on CUDA a few launches per call, nothing per parameter or element."""
+    def trace_only(layers: int) -> int:
+        return (_forensics_launches(layers, diagnose, headroom_every, trace_forward=True)
+                - _forensics_launches(layers, diagnose, headroom_every, trace_forward=False))
+
+    small, large = trace_only(2), trace_only(100)
+    per_call = (large - small) / 98
+    print(f"forward trace on CUDA: {small} launches at 2 Linear layers, {large} at 100: "
+          f"{per_call:.2f} per module call")
+    assert 1 <= per_call <= 4, (small, large)
 
 
 @pytest.mark.parametrize("diagnose", [False, True, "every_step"])
@@ -207,7 +230,7 @@ def test_lightning_plugin_and_monitor_make_no_host_sync_in_the_step(diagnose):
         def on_after_backward(self) -> None:
             if self.trainer.global_step == 3:
                 with torch.no_grad():
-                    self.net[0].weight.grad[0, 0] = math.inf
+                    self.net[0].weight.grad[0, 0].fill_(math.inf)  # a view filled on the device: no host copy
 
         def configure_optimizers(self):
             return OPTIMIZERS["adamw_fused"](self.parameters())
@@ -262,7 +285,7 @@ def test_fabric_plugin_makes_no_host_sync_in_the_step():
         fabric.backward(loss)
         if inject_inf:
             with torch.no_grad():
-                net[0].weight.grad[0, 0] = math.inf
+                net[0].weight.grad[0, 0].fill_(math.inf)  # a view filled on the device: no host copy
         opt.step()
 
     step()
