@@ -36,6 +36,20 @@ def test_a_dense_output_crossing_65504_is_named_at_its_step(results, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_ordinary_step_of_fit_carries_nothing_of_the_trace(results, backend):
+    """At the default schedule the trace is in 3 of 250 steps (0, 100, 200) and nowhere else: on TensorFlow
+    and JAX ``fit`` runs a train function compiled without it (the trace's code ran only to compile the
+    traced one, which JAX traces twice; no ``cond``: the host chose the step), on torch the host skips it
+    step by step."""
+    schedule = results(backend)["schedule"]
+    assert schedule["traced"] == 3, schedule
+    assert schedule["cond"] == 0, schedule
+    expected = {"tensorflow": 1, "jax": 2, "torch": 3}[backend]
+    assert schedule["step_vector"] == schedule["fold"] == expected, schedule
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_overflow_at_an_untraced_step_is_named_at_the_next(results, backend):
     sampled = results(backend)["cases"]["dense_every_5"]
     # step 16 (not due) overflowed and was skipped: step 17 was traced because of it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -28,36 +29,52 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 # ----------------------------------------
-# JAX's ``fit`` with overflow forensics: the float16 headroom sample decided on the host.
+# ``fit`` with the sampled parts decided on the host: JAX's float16 headroom sample, and the forward trace
+# on TensorFlow and JAX.
 #
-# A jitted step that could take the sample holds the gradients in a ``lax.cond`` for it, which costs
-# XLA a few percent of every step although the sample is one step in ``headroom_every``. So while
-# :class:`~lossscale_callbacks.keras.LossScaleCallback` drives ``fit`` on JAX, the forensics count the
-# steps on the host (:meth:`~lossscale_callbacks.keras._forensics_wiring.ForensicsWiring.host_due`) and
-# ``fit`` runs one of two train functions: the ordinary one, whose trace has no sample in it, and a
-# second one, traced with the sample in it, on the steps due for one. No host read either way.
+# A jitted step that could take the headroom sample holds the gradients in a ``lax.cond`` for it, which costs
+# XLA a few percent of every step although the sample is one step in ``headroom_every``; a step that could
+# trace its forward pass carries the due check and two ``cond``s (7 % of a small model's step). So while
+# :class:`~lossscale_callbacks.keras.LossScaleCallback` drives ``fit``, the host counts the steps
+# (``ForensicsWiring.host_due``, ``ForwardTrace.host_due``) and ``fit`` runs one of a few train functions:
+# the ordinary one, whose trace has neither in it, and others, each traced with the sample or the forward
+# trace (scheduled, or armed by a loss that turned non-finite) in it, made when first needed. No host read
+# either way: the loss that arms the trace is the one Keras has read back for the batch-end callbacks.
 
 
-def _while_sampling(function: Callable[..., Any], wiring: Any) -> Callable[..., Any]:
-    """``function`` with the forensics' ``sampling`` on while it runs (so while it traces)."""
+def _with_flags(function: Callable[..., Any], wiring: Any, trace: Any,
+                key: tuple[bool, float]) -> Callable[..., Any]:
+    """``function`` with the forensics' ``sampling`` and the trace's ``recording``/``kind`` set as ``key``
+    says while it runs (so while it traces)."""
+    sample, kind = key
 
-    def sampled(*args: Any, **kwargs: Any) -> Any:
-        wiring.sampling = True
+    def flagged(*args: Any, **kwargs: Any) -> Any:
+        if wiring is not None:
+            wiring.sampling = sample
+        if trace is not None:
+            trace.recording, trace.kind = kind > 0, kind or 1.0
         try:
             return function(*args, **kwargs)
         finally:
-            wiring.sampling = False
+            if wiring is not None:
+                wiring.sampling = False
+            if trace is not None:
+                trace.recording = False
 
-    return sampled
+    return flagged
 
 
 def _second_train_function(model: Any) -> Any:
-    """A second train function of ``model``, with a trace cache of its own: ``jax.jit`` keys its traces on
+    """Another train function of ``model``, with a trace cache of its own: ``jax.jit`` keys its traces on
     the function it compiles, so it compiles a function of its own here, not the bound ``train_step``."""
     ordinary = model.train_function
 
-    def train_step(state: Any, data: Any) -> Any:
-        return type(model).train_step(model, state, data)
+    if keras.backend.backend() == "jax":
+        def train_step(state: Any, data: Any) -> Any:
+            return type(model).train_step(model, state, data)
+    else:  # TensorFlow's tf.function is a new one at each make_train_function: this keeps the signature
+        def train_step(data: Any) -> Any:
+            return type(model).train_step(model, data)
 
     model.train_step = train_step  # what make_train_function compiles, for this one call
     try:
@@ -69,43 +86,81 @@ def _second_train_function(model: Any) -> Any:
 
 
 class FitSampling:
-    """The two train functions of one model's ``fit`` and the choice between them, batch by batch."""
+    """The train functions of one model's ``fit`` and the choice between them, batch by batch."""
 
     def __init__(self) -> None:
         self._wiring: Any = None
+        self._trace: Any = None
         self._ordinary: Any = None
-        self._sampled: Any = None
+        self._variants: dict[tuple[bool, float], Any] = {}
+        self._armed = False
+        self._loss_finite = True
 
     @property
     def active(self) -> bool:
-        """Whether a ``fit`` on JAX with forensics is being driven."""
-        return self._wiring is not None
+        """Whether a ``fit`` is being driven (JAX with forensics, or the forward trace on TF or JAX)."""
+        return self._wiring is not None or self._trace is not None
 
     def begin(self, optimizer: Any) -> None:
-        """At ``on_train_begin``: drive the samples from the host when on JAX with forensics on."""
+        """At ``on_train_begin``: drive the samples from the host where a compiled step would carry them."""
+        backend = keras.backend.backend()
         wiring = optimizer.forensics
-        self._wiring = wiring if keras.backend.backend() == "jax" else None
+        self._wiring = wiring if backend == "jax" else None
+        self._trace = optimizer.forward_trace if backend in ("tensorflow", "jax") else None
         if self._wiring is not None:
             self._wiring.host_schedule = True
+        if self._trace is not None:
+            self._trace.host_schedule = True
+        self._armed, self._loss_finite = False, True
 
     def before_batch(self, model: Any) -> None:
         """At ``on_train_batch_begin``: the train function for the next execution of the step."""
-        wiring = self._wiring
-        if wiring is None:
+        if not self.active:
             return
-        if self._ordinary is None or model.train_function not in (self._ordinary, self._sampled):
-            self._ordinary = model.train_function  # made afresh (a new optimizer or diagnose setting)
-            self._sampled = _while_sampling(_second_train_function(model), wiring)
+        current = model.train_function
+        known = current is self._ordinary or current in self._variants.values()
+        if self._ordinary is None or not known:
+            self._ordinary, self._variants = current, {}  # made afresh (a new optimizer or diagnose setting)
         steps = int(getattr(model, "steps_per_execution", 1) or 1)
-        model.train_function = self._sampled if wiring.host_due(steps) else self._ordinary
+        sample = self._wiring.host_due(steps) if self._wiring is not None else False
+        kind = 0.0
+        if self._trace is not None:
+            due = self._trace.host_due(steps)
+            kind, self._armed = (2.0 if self._armed else 1.0 if due else 0.0), False
+        key = (sample, kind)
+        if key == (False, 0.0):
+            model.train_function = self._ordinary
+            return
+        if key not in self._variants:
+            model.train_function = self._ordinary
+            self._variants[key] = _with_flags(_second_train_function(model), self._wiring, self._trace, key)
+        model.train_function = self._variants[key]
+
+    def after_batch(self, logs: dict[str, Any] | None) -> None:
+        """At ``on_train_batch_end``: a loss that turned non-finite arms a trace of the next step (Keras'
+        ``loss`` is the epoch's running mean: it turns once, and stays, until the epoch ends)."""
+        if self._trace is None or not logs or "loss" not in logs:
+            return
+        try:
+            finite = math.isfinite(float(logs["loss"]))
+        except (TypeError, ValueError):
+            return
+        self._armed = self._armed or (self._loss_finite and not finite)
+        self._loss_finite = finite
+
+    def new_epoch(self) -> None:
+        """At ``on_epoch_begin``: Keras starts the running mean of the loss afresh."""
+        self._loss_finite = True
 
     def end(self, model: Any) -> None:
         """At ``on_train_end``: the ordinary train function back, and the device's own schedule."""
-        if self._wiring is not None:
+        if self.active and self._ordinary is not None:
             model.train_function = self._ordinary
+        if self._wiring is not None:
             self._wiring.host_schedule = False
-        self._wiring = None
-
+        if self._trace is not None:
+            self._trace.host_schedule = False
+        self._wiring = self._trace = None
 
 
 # ----------------------------------------
@@ -374,15 +429,16 @@ class LossScaleCallback(keras.callbacks.Callback):
         # interval is the restored state, not zero.
         self.loop.resume_at(-1, None if self._primed else self._read_state)
         self._primed = True
+        self._fit_sampling.new_epoch()
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # ``self._model``, not ``self.model``: on JAX the property syncs every variable of the model back
         # from fit's state (and fit then re-reads them all), which cost 10 % of a small model's step on the
         # CPU and 25 % on an H100 when it ran at every batch.
-        if self._fit_sampling.active:
-            self._fit_sampling.before_batch(self._model)
+        self._fit_sampling.before_batch(self._model)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._fit_sampling.after_batch(logs)
         # With steps_per_execution=k Keras reports only every k-th index: the loop's rule logs when
         # the execution just run passed a multiple of log_every (landing on one is not needed).
         if self.loop.due(batch):

@@ -10,6 +10,13 @@ for the step's vector, made in a ``cond`` on whether the step is due (every ``ev
 after one that was skipped untraced, so a forward overflow at an unsampled step is still named), and
 the optimizer's apply folds it into the tally (:func:`~._forward_device.fold`), again in a ``cond``.
 
+While :class:`~lossscale_callbacks.keras.LossScaleCallback` drives ``fit`` on TensorFlow or JAX the host
+decides instead (``host_schedule``): ``fit`` runs one of several train functions, chosen batch by batch
+(``_callback.FitSampling``), and only the one traced with ``recording`` on holds the trace; the ordinary
+step has no wrapper's event, no due check and no ``cond`` in it (they cost 7 % of a small model's step).
+The step after a batch whose loss turned non-finite is traced too (``kind`` 2.0), decided from the loss
+in ``fit``'s logs, which Keras has already read back for every batch-end callback.
+
 How the vector reaches the apply: TensorFlow and torch keep it here, by graph; JAX's ``scale_loss``
 runs inside ``value_and_grad``, so the vector leaves through the backward pass of a ``custom_vjp``
 identity on the loss (as the loss flag of the forensics does), and the tally is one of the optimizer's
@@ -108,8 +115,13 @@ class ForwardTrace:
         self._forward: _Forward | None = None
         self._finished: _Forward | None = None
         self._vectors: dict[Any, Any] = {}  # TensorFlow and torch: the step's vector, by graph
-        self._host_steps = 0  # torch: the schedule on the host
+        self._host_steps = 0  # torch, and fit under host_schedule: the schedule on the host
         self._host_armed = False
+        # fit on TensorFlow and JAX (set by LossScaleCallback): the host picks the traced steps; a train
+        # function holds the trace when ``recording`` held while it was traced, with this ``kind``.
+        self.host_schedule = False
+        self.recording = False
+        self.kind = 1.0
         self._jax_vector: Any = None
         self._probe: Any = None
 
@@ -161,9 +173,27 @@ class ForwardTrace:
         layer.call = call
         self._patched.append(layer)
 
+    def _records(self) -> bool:
+        """Whether the forward pass starting now is recorded: not on a step that will not be traced."""
+        if self.host_schedule:
+            return self.recording
+        if keras.backend.backend() == "torch":  # eager: the host knows before the pass whether it is due
+            return self._host_armed or self._host_steps % self.every == 0
+        return True  # a compiled step decides on the device, after the pass
+
+    def host_due(self, steps: int) -> bool:
+        """Under ``host_schedule``: whether one of the next ``steps`` steps is due for a scheduled trace (the
+        host's count of ``fit``'s steps); counts them."""
+        first, self._host_steps = self._host_steps, self._host_steps + steps
+        return (-first) % self.every < steps
+
     @contextlib.contextmanager
     def _pass(self) -> Iterator[None]:
         if self._forward is not None:
+            yield
+            return
+        if not self._records():
+            self._finished = None
             yield
             return
         self._forward = _Forward()
@@ -191,6 +221,8 @@ class ForwardTrace:
         events = forward.events if forward is not None else []
         layers = self.layout.layers
         backend = keras.backend.backend()
+        if self.host_schedule and backend != "torch":
+            return self._host_vector(events, layers, backend)
         if backend == "torch":
             due = self._host_armed or self._host_steps % self.every == 0
             self._host_steps += 1
@@ -212,10 +244,27 @@ class ForwardTrace:
         return ops.cond(due, lambda: device.step_vector(events, layers, kind),
                         lambda: ops.convert_to_tensor(device.not_traced(layers)))
 
+    def _host_vector(self, events: list[Any], layers: int, backend: str) -> Any:
+        """Under ``host_schedule``: the vector of a step traced by choice, with no ``cond``; ``None`` (no op
+        at all) in a train function traced without ``recording``."""
+        self._vectors, self._jax_vector = {}, None  # nothing of another trace is picked up by this one
+        if not self.recording:
+            return None
+        if backend == "tensorflow" and _replicas() > 1:
+            return None  # as without host_schedule: nothing traced under several replicas
+        if backend == "jax":
+            events = [(i, [ops.stop_gradient(t) for t in outs], [j if isinstance(j, int) else
+                                                                   ops.stop_gradient(j) for j in ins])
+                      for i, outs, ins in events]
+        return device.step_vector(events, layers, self.kind)
+
     def fold(self, tally: Any, vector: Any, finite: Any, steps: Any) -> Any:
-        """The new tally after a step (in a ``cond``: a step neither traced nor skipped changes nothing)."""
+        """The new tally after a step (in a ``cond``: a step neither traced nor skipped changes nothing;
+        under ``host_schedule`` a step without a vector is left out, a traced one folds unconditionally)."""
         assert self.layout is not None
         layout = self.layout
+        if self.host_schedule:
+            return tally if vector is None else device.fold(tally, vector, finite, steps, layout)
         if vector is None:
             vector = ops.convert_to_tensor(device.not_traced(layout.layers))
         changed = ops.logical_or(vector[0] > 0, ops.logical_not(finite))
@@ -227,6 +276,10 @@ class ForwardTrace:
 
         assert self.layout is not None
         layout = self.layout
+        if self.host_schedule:
+            if vector is not None:
+                self.variable.assign(device.fold(self.variable.value, vector, finite, steps, layout))
+            return
         if vector is None:
             vector = tf.constant(device.not_traced(layout.layers))
 

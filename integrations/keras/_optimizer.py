@@ -230,8 +230,9 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
             loss = self._step.note_loss(loss)  # whether it was finite, for the step's skip cause
         trace = self.forward_trace
         if trace is not None:  # the forward pass just ran: its vector, made only when the step is due
-            loss = self._step.note_trace(trace, loss, trace.vector(self._state_variables.fields.steps.value,
-                                                                   trace.variable.value))
+            vector = trace.vector(self._state_variables.fields.steps.value, trace.variable.value)
+            if vector is not None:  # None: not traced (torch's host, or fit's ordinary train function)
+                loss = self._step.note_trace(trace, loss, vector)
         dtype = keras.backend.standardize_dtype(loss.dtype)
         if dtype in ("float16", "bfloat16"):
             loss, dtype = ops.cast(loss, "float32"), "float32"

@@ -193,8 +193,49 @@ def torch_host_reads() -> dict:
     return reads
 
 
+def schedule() -> dict:
+    """What the trace puts in ``fit``'s steps at its default schedule (one traced step in 100): calls of the
+    trace's device code (made while a step is traced: once per compiled train function on TensorFlow and
+    JAX, once per traced step on torch) and the ``cond``s the trace module made; and the traced steps."""
+    import keras.ops as kops
+
+    from lossscale_callbacks.keras import _forward_device, _forward_trace
+
+    calls = {"step_vector": 0, "fold": 0, "cond": 0}
+    originals = {name: getattr(_forward_device, name) for name in ("step_vector", "fold")}
+    original_cond = kops.cond
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    def cond(*args, **kwargs):
+        if sys._getframe(1).f_code.co_filename == _forward_trace.__file__:
+            calls["cond"] += 1
+        return original_cond(*args, **kwargs)
+
+    fresh()
+    model = fits_model()
+    model.compile(keras.optimizers.SGD(1e-3), "mse")
+    callback = _Intervals(log_every=10_000, diagnose=True, trace_every=100, health=None)
+    x = np.ones((250, 8), "float32")
+    for name in originals:
+        setattr(_forward_device, name, counted(name))
+    kops.cond = cond
+    try:
+        model.fit(x, x[:, :1], batch_size=1, verbose=0, callbacks=[callback])
+    finally:
+        for name, function in originals.items():
+            setattr(_forward_device, name, function)
+        kops.cond = original_cond
+    return {**calls, "traced": sum(interval["traced"] for interval in callback.intervals)}
+
+
 def main() -> None:
-    result = {"backend": BACKEND, "cases": cases(), "dashboards": dashboards(sys.argv[1])}
+    result = {"backend": BACKEND, "cases": cases(), "dashboards": dashboards(sys.argv[1]),
+              "schedule": schedule()}
     if BACKEND == "torch":
         result["host_reads"] = torch_host_reads()
     print("RESULT " + json.dumps(result))
