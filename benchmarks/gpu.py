@@ -6,7 +6,8 @@
 
 Made for a CUDA machine with Python 3.12, torch (CUDA), Lightning, pytest, hypothesis, tensorboard,
 matplotlib and JAX, and no network, TensorFlow, Keras or W&B (``docs/gpu.md`` says what to carry).
-In order, each part in its own process with its own time budget, about 19 minutes in all:
+In order, each part in its own process with its own time budget, at most 9 minutes in all (one call of a
+GPU machine lent by the hour's quarter may run 10; the whole run took 3 on an H100):
 
 1. install the project without the network into ``.gpu-run/venv``, which sees the machine's packages
    (``benchmarks/_gpu_install.py``), and Keras when a wheel of it is carried;
@@ -16,7 +17,8 @@ In order, each part in its own process with its own time budget, about 19 minute
 4. ``torch_overhead.py`` on a small, launch-bound model (a step of at most 5 ms) and on a large one
    (at least 300M parameters), and from their figures the unscale pass against the memory bandwidth;
 5. ``alignment_gemm.py --strict``: do the checker's high-severity findings cost time;
-6. ``keras_overhead.py`` on Keras' torch and JAX backends, when Keras is there.
+6. ``keras_overhead.py`` on Keras' torch and JAX backends, and ``keras_trace_overhead.py`` (the forward
+   trace's cost) on JAX, when Keras is there.
 
 The figures go to one markdown file (``--out``, default ``gpu-figures.md``) that names the device,
 rewritten after every part: a part that fails or runs out of time is reported there and the rest
@@ -54,8 +56,8 @@ from _gpu_report import Meta, Result, render
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".gpu-run"
-BUDGET_S = 1140  # 19 minutes: the run must end within 20
-INSTALL_BUDGET_S = 90
+BUDGET_S = 540  # 9 minutes: the run must end within one 10-minute call of a lent GPU machine
+INSTALL_BUDGET_S = 60
 MIN_PART_S = 20  # a part with less time left than this is not started
 ENV = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "WANDB_MODE": "offline",
        "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # JAX would take 75 % of the GPU at import
@@ -97,22 +99,25 @@ def plan(root: Path = ROOT) -> list[Part]:
     torch_overhead = ("benchmarks/torch_overhead.py", "--device", "cuda", "--json", "{json}")
     keras = ("benchmarks/keras_overhead.py", "--rounds", "7", "--steps", "200")
     return [
-        Part("environment", "The machine", 30, ("benchmarks/_gpu_probe.py", "--json", "{json}"),
+        Part("environment", "The machine", 20, ("benchmarks/_gpu_probe.py", "--json", "{json}"),
              check="compile"),
-        Part("cuda-tests", "CUDA tests", 300,
+        Part("cuda-tests", "CUDA tests", 120,
              ("-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider", *cuda_test_files(root)),
              check="collect"),
-        Part("torch-small", "torch_overhead.py, a small model (launch-bound step)", 120,
+        Part("torch-small", "torch_overhead.py, a small model (launch-bound step)", 45,
              (*torch_overhead, "--width", "1024", "--depth", "4", "--batch", "64", "--rounds", "21",
               "--steps", "20", "--warmup", "5", "--unscale-repeats", "21")),
-        Part("torch-large", "torch_overhead.py, a large model (>= 300M parameters)", 240,
+        Part("torch-large", "torch_overhead.py, a large model (>= 300M parameters)", 60,
              (*torch_overhead, "--width", "8192", "--depth", "5", "--batch", "16", "--rounds", "9",
               "--steps", "5", "--warmup", "3", "--unscale-repeats", "11")),
-        Part("alignment", "alignment_gemm.py --strict", 90,
+        Part("alignment", "alignment_gemm.py --strict", 40,
              ("benchmarks/alignment_gemm.py", "--strict", "--json", "{json}")),
-        Part("keras-torch", "keras_overhead.py, Keras on torch", 120, keras,
+        Part("keras-torch", "keras_overhead.py, Keras on torch", 75, keras,
              env=(("KERAS_BACKEND", "torch"),), needs_keras=True),
-        Part("keras-jax", "keras_overhead.py, Keras on JAX", 120, keras,
+        Part("keras-jax", "keras_overhead.py, Keras on JAX", 45, keras,
+             env=(("KERAS_BACKEND", "jax"),), needs_keras=True),
+        Part("keras-trace-jax", "keras_trace_overhead.py, the forward trace in fit on JAX", 60,
+             ("benchmarks/keras_trace_overhead.py", "--here", "--rounds", "11", "--steps", "200"),
              env=(("KERAS_BACKEND", "jax"),), needs_keras=True),
     ]
 
