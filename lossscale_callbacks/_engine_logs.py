@@ -90,13 +90,27 @@ class _Lines:
 
 
 def _series(trajectory: Trajectory) -> dict[str, list[tuple[int, float]]]:
+    """The series of ``trajectory``, whose points it takes (they are gone after): popped from the end, so
+    a million points and their series are never held at once."""
     points = trajectory.points
-    series = {m.SCALE: [(step, scale) for step, scale, _ in points],
-              m.SKIPPED_STEPS: [(step, float(skipped)) for step, _, skipped in points]}
+    first = points[0][0]
+    scales: list[tuple[int, float]] = []
+    skips: list[tuple[int, float]] = []
+    count, as_float = -1, 0.0
+    pop = points.pop
+    while points:
+        step, scale, skipped = pop()
+        if skipped != count:  # the running count's float shared while it repeats
+            count, as_float = skipped, float(skipped)
+        scales.append((step, scale))
+        skips.append((step, as_float))
+    scales.reverse()
+    skips.reverse()
+    series = {m.SCALE: scales, m.SKIPPED_STEPS: skips}
     if trajectory.growth_interval:
-        series[GROWTH_INTERVAL] = [(points[0][0], float(trajectory.growth_interval))]
+        series[GROWTH_INTERVAL] = [(first, float(trajectory.growth_interval))]
     if trajectory.min_scale:
-        series[MIN_SCALE] = [(points[0][0], float(trajectory.min_scale))]
+        series[MIN_SCALE] = [(first, float(trajectory.min_scale))]
     return series
 
 

@@ -87,6 +87,10 @@ class _Parser:
         raise NotImplementedError
 
 
+_ITERATION, _LOSS_SCALE = f.MEGATRON_ITERATION.search, f.MEGATRON_LOSS_SCALE.search
+_SKIPPED, _NAN = f.MEGATRON_SKIPPED.search, f.MEGATRON_NAN.search
+
+
 class MegatronParser(_Parser):
     """Megatron-LM's (and Megatron-DeepSpeed's) ``training_log`` iteration lines and argument dump."""
 
@@ -97,6 +101,7 @@ class MegatronParser(_Parser):
         super().__init__()
         self.points: list[Point] = []
         self.skipped = 0
+        self._scale_text, self._scale = "", 0.0
         self.disagree: list[str] = []
         self.settings: dict[str, float] = {}
 
@@ -106,19 +111,30 @@ class MegatronParser(_Parser):
             if match:
                 self.settings[match["arg"]] = float(match["value"])
             return match is not None
-        found = [f.MEGATRON_ITERATION.search(line), f.MEGATRON_LOSS_SCALE.search(line),
-                 f.MEGATRON_SKIPPED.search(line)]
-        if not all(found):
+        # At --log-interval 1 every line of a million is a log point: one search each, no list, and the
+        # scale and the running count shared between points while they repeat (they mostly do).
+        iteration = _ITERATION(line)
+        if iteration is None:
+            return False
+        scale = _LOSS_SCALE(line)
+        if scale is None:
+            return False
+        skipped_match = _SKIPPED(line)
+        if skipped_match is None:
             return False
         self.lines += 1
-        nan_match = f.MEGATRON_NAN.search(line)  # printed since 2020; older logs lack it
-        iteration, scale = int(found[0]["iteration"]), float(found[1]["scale"])
-        skipped = int(found[2]["skipped"])
+        nan_match = _NAN(line)  # printed since 2020; older logs lack it
+        skipped = int(skipped_match["skipped"])
+        if skipped:
+            self.skipped += skipped
         nan = int(nan_match["nan"]) if nan_match else 0
-        self.skipped += skipped
         if nan > skipped:
-            self.disagree.append(f"iteration {iteration}: {nan} NaN iteration(s) but {skipped} skipped")
-        self.points.append((iteration, scale, self.skipped))
+            self.disagree.append(f"iteration {iteration['iteration']}: {nan} NaN iteration(s) but {skipped} "
+                                 "skipped")
+        text = scale["scale"]
+        if text != self._scale_text:
+            self._scale_text, self._scale = text, float(text)
+        self.points.append((int(iteration["iteration"]), self._scale, self.skipped))
         return True
 
     def trajectory(self) -> Trajectory | None:

@@ -32,7 +32,7 @@ from lossscale_callbacks._run_readers import (
     discover_runs,
     read_series,
 )
-from lossscale_callbacks._run_report import RunReport, build_report, snapshots_from_series
+from lossscale_callbacks._run_report import RunReport, build_report
 
 __all__ = [
     "NO_LOSS_SCALE",
@@ -495,8 +495,6 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
     """
     Figure = require("matplotlib.figure", "plot", feature="the report's picture").Figure
     snapshots, used_min = report.snapshots, report.min_scale
-    if not snapshots:  # a RunReport built by hand, not by build_report
-        snapshots, used_min = snapshots_from_series(report.series, report.min_scale)
     steps = [s.step for s in snapshots]
     scales = [s.scale for s in snapshots]
     skipped = [s for s in snapshots if s.skipped_in_interval > 0]

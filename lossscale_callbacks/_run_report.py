@@ -13,9 +13,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from lossscale_callbacks._run_readers import (
     NoLossScaleError,
     RunReadError,
 )
+from lossscale_callbacks._state import LossScaleState
 
 __all__ = ["RunReport", "build_report", "snapshots_from_series"]
 
@@ -216,6 +218,12 @@ def _min_scale_of(series: Mapping[str, Points], prefix: str, min_scale: float | 
 
 def _segment_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> list[Snapshot]:
     """The snapshots one segment logged: the tracker sees what the integration saw at each interval."""
+    return list(_iter_snapshots(segment, prefix, min_scale))
+
+
+def _iter_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> Iterator[Snapshot]:
+    """:func:`_segment_snapshots` one at a time: a report judges them as they come and keeps none (a
+    million log points were half a gigabyte of snapshots)."""
     scale = segment[prefix + m.SCALE]
     steps = [int(step) for step, _ in scale]
     growth = _aligned(segment.get(prefix + m.GROWTH_COUNTER, ()), steps, 0)
@@ -223,9 +231,9 @@ def _segment_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: fl
     # Runs logged on another axis (Lightning's logging step) carry the optimizer steps as a value.
     attempted = _aligned(segment.get(prefix + m.STEPS, ()), steps, None)
     tracker = MetricsTracker(min_scale=min_scale)
-    return [tracker.observe({"steps": int(at), "scale": float(value), "growth_counter": int(counter),
-                             "hysteresis_left": 0, "skipped_steps": int(skips)})
-            for (_, value), at, counter, skips in zip(scale, attempted, growth, skipped, strict=True)]
+    observe = tracker.observe
+    for (_, value), at, counter, skips in zip(scale, attempted, growth, skipped, strict=True):
+        yield observe(LossScaleState(float(value), int(counter), 0, int(skips), int(at)))
 
 
 def snapshots_from_series(series: Mapping[str, Points],
@@ -312,7 +320,6 @@ class RunReport:
     log_points: int
     verdicts: tuple[Verdict, ...]
     series: Mapping[str, Sequence[tuple[int, float]]] = dataclasses.field(repr=False, compare=False)
-    snapshots: tuple[Snapshot, ...] = dataclasses.field(default=(), repr=False, compare=False)
     health: str = ""
     max_scale: float | None = None
     forensics: Any = None
@@ -323,6 +330,12 @@ class RunReport:
     @property
     def healthy(self) -> bool:
         return not self.verdicts
+
+    @functools.cached_property
+    def snapshots(self) -> tuple[Snapshot, ...]:
+        """The latest segment's snapshots, one per log point, rebuilt from :attr:`series` when first asked
+        (for the picture): the report itself judged them one at a time and kept none."""
+        return tuple(snapshots_from_series(self.series, self.min_scale)[0])
 
     def advice(self) -> Any:
         """The precision advice from the logged forensics (the words of the run's own summary)."""
@@ -403,9 +416,14 @@ class RunReport:
 
 @dataclasses.dataclass
 class _Judged:
-    """One segment judged: its snapshots, the health monitor that saw them, its forensics."""
+    """One segment judged: its first and last snapshot, how many, the scales' range, the health monitor
+    that saw them (it keeps a bounded window), its forensics."""
 
-    snapshots: list[Snapshot]
+    first: Snapshot
+    last: Snapshot
+    count: int
+    lowest: float
+    highest: float
     monitor: HealthMonitor
     verdicts: list[Verdict]
     forensics: Any
@@ -414,20 +432,30 @@ class _Judged:
 
 def _judge(segment: Mapping[str, Points], prefix: str, min_scale: float,
            rules: Sequence[Rule] | None) -> _Judged:
-    snapshots = _segment_snapshots(segment, prefix, min_scale)
     interval = segment.get(prefix + GROWTH_INTERVAL)
     growth_interval = int(interval[-1][1]) if interval else None
     monitor = HealthMonitor(default_rules("warn", growth_interval) if rules is None else rules)
-    for snap in snapshots:
-        monitor.observe(snap)
+    observe = monitor.observe
+    first = last = None
+    count, lowest, highest = 0, math.inf, -math.inf
+    for snap in _iter_snapshots(segment, prefix, min_scale):
+        observe(snap)
+        first, last, count = first or snap, snap, count + 1
+        scale = snap.scale
+        if scale < lowest:
+            lowest = scale
+        if scale > highest:
+            highest = scale
+    assert first is not None and last is not None  # a segment holds at least one scale
     monitor.final()
     monitor.verdicts.extend(_ranks_verdicts(segment.get(prefix + RANKS_DISAGREE, ())))  # in its assessment
     verdicts = list(monitor.verdicts)
     forensics = totals_from_series({tag[len(prefix):]: points for tag, points in segment.items()
                                     if tag.startswith(prefix)})
     if forensics is not None and forensics.causes["loss_nonfinite"]:
-        verdicts.append(Verdict("NonFiniteLoss", "warn", snapshots[-1].step, forensics.sentences()[0]))
-    return _Judged(snapshots, monitor, verdicts, forensics, bool(segment.get(prefix + m.SKIPPED_STEPS)))
+        verdicts.append(Verdict("NonFiniteLoss", "warn", last.step, forensics.sentences()[0]))
+    return _Judged(first, last, count, lowest, highest, monitor, verdicts, forensics,
+                   bool(segment.get(prefix + m.SKIPPED_STEPS)))
 
 
 def _ranks_verdicts(points: Points) -> list[Verdict]:
@@ -444,8 +472,8 @@ def _ranks_verdicts(points: Points) -> list[Verdict]:
 
 
 def _segment(index: int, judged: _Judged) -> Segment:
-    first, last = judged.snapshots[0], judged.snapshots[-1]
-    return Segment(index, first.step, last.step, len(judged.snapshots),
+    first, last = judged.first, judged.last
+    return Segment(index, first.step, last.step, judged.count,
                    last.skipped_steps if judged.skips_logged else None, last.scale, tuple(judged.verdicts))
 
 
@@ -476,16 +504,15 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
     used_min = _min_scale_of(series, prefix, min_scale)
     judged = [_judge(segment, prefix, used_min, rules) for segment in split_segments(series, prefix)]
     latest = judged[-1]
-    last = latest.snapshots[-1]
-    scales = [s.scale for s in latest.snapshots]
+    last = latest.last
     upper = series.get(prefix + MAX_SCALE)
     return RunReport(
         path=path, reader=reader, steps=last.step,
         skipped_steps=last.skipped_steps if latest.skips_logged else None,
         skip_rate=(last.skipped_steps / last.step if last.step else 0.0) if latest.skips_logged else None,
-        final_scale=last.scale, min_scale_seen=min(scales), max_scale_seen=max(scales), min_scale=used_min,
-        steps_at_min_scale=last.total_steps_at_min_scale, log_points=len(latest.snapshots),
-        verdicts=tuple(latest.verdicts), series=series, snapshots=tuple(latest.snapshots),
+        final_scale=last.scale, min_scale_seen=latest.lowest, max_scale_seen=latest.highest,
+        min_scale=used_min, steps_at_min_scale=last.total_steps_at_min_scale, log_points=latest.count,
+        verdicts=tuple(latest.verdicts), series=series,
         health=latest.monitor.assessment(), max_scale=float(upper[-1][1]) if upper else None,
         forensics=latest.forensics, damage=tuple(damage), notes=tuple(notes),
         segments=tuple(_segment(i, j) for i, j in enumerate(judged)),

@@ -1,6 +1,8 @@
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lossscale_callbacks import (
     METRIC_NAMES,
@@ -12,7 +14,7 @@ from lossscale_callbacks import (
 )
 from lossscale_callbacks._forensics_words import summarize
 from lossscale_callbacks._health import ConsecutiveSkips, HealthMonitor, SkipRate, StuckAtMinScale, evaluate
-from lossscale_callbacks._metrics import MetricsTracker
+from lossscale_callbacks._metrics import MetricsTracker, Snapshot
 
 
 def run(policy, flags, tracker, every):
@@ -190,3 +192,24 @@ def test_summarize_describes_a_broken_scale_instead_of_crashing(scale):
     text = summarize(snap, 1.0)
     assert "not a usable loss scale" in text and "10 skipped (100.00%)" in text
     assert snap.metrics()["loss_scale/log2_scale"] != snap.metrics()["loss_scale/log2_scale"]  # NaN
+
+
+_SCALES = [1.0, 2.0, 1024.0, 65536.0, 0.5, float("nan"), float("inf"), 0.0]
+_reads = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 5000),
+                            st.sampled_from(_SCALES)), min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(reads=_reads, min_scale=st.sampled_from([None, 1.0, 2.0]))
+def test_every_snapshot_the_tracker_makes_passes_snapshots_own_checks(reads, min_scale):
+    """The tracker builds its snapshots without Snapshot's checks (a report replays a million): whatever
+    the reads (counts going back, more skips than steps since the last read, a broken scale), each one
+    must pass them, and equal the snapshot the checked constructor makes."""
+    tracker = MetricsTracker(min_scale)
+    for steps, skipped, growth, scale in reads:
+        skipped = min(skipped, steps)
+        snap = tracker.observe({"steps": steps, "skipped_steps": skipped, "scale": scale,
+                                "growth_counter": growth, "hysteresis_left": 0})
+        checked = Snapshot(**vars(snap))
+        assert vars(checked).keys() == vars(snap).keys()
+        assert repr(checked) == repr(snap)
