@@ -8,7 +8,7 @@ at import): the mixed_float16 MLP of ``keras_overhead.py`` (float32 on torch, wh
 are emulated), three arms in one process, alternating round by round (the order reversed every other
 round), wall time per step; the table gives the median of the per-round ratios against ``untraced``.
 Arms: ``untraced`` (the gradient forensics only), ``traced`` (the default: one traced step in 100, and
-the step after an untraced skip), ``every`` (``trace_every=1``: what a traced step costs). Target:
+the step after a loss turned non-finite), ``every`` (``trace_every=1``: what a traced step costs). Target:
 ``traced`` / ``untraced`` <= 1.02.
 """
 

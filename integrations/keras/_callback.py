@@ -248,8 +248,10 @@ class LossScaleCallback(keras.callbacks.Callback):
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
         trace_every: with ``diagnose``, optimizer steps between traced forward passes (per layer the
             largest ``|output|`` and the layer that produced the first non-finite activation, on the
-            device; the step after a skipped untraced one is traced too); ``diagnose="every_step"``
-            traces every step; ``None``: no forward trace.
+            device; the step after the one whose loss turned non-finite is traced too). In ``fit``
+            on TensorFlow and JAX the traced steps run a train function of their own, chosen on
+            the host: the other steps carry nothing of the trace. ``diagnose="every_step"`` traces
+            every step; ``None``: no forward trace.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend; on
             JAX and torch it warns and training goes on).
