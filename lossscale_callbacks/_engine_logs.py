@@ -93,6 +93,8 @@ def _series(trajectory: Trajectory) -> dict[str, list[tuple[int, float]]]:
     """The series of ``trajectory``, whose points it takes (they are gone after): popped from the end, so
     a million points and their series are never held at once."""
     points = trajectory.points
+    if not points:  # settings without a log point (a DeepSpeed config dump alone): the report says so
+        return {m.SCALE: [], m.SKIPPED_STEPS: []}
     first = points[0][0]
     scales: list[tuple[int, float]] = []
     skips: list[tuple[int, float]] = []

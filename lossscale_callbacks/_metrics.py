@@ -308,7 +308,7 @@ class MetricsTracker:
             at_min_run = (prev.steps_at_min_scale if prev else 0) + interval if stayed_at_min else 0
         # Made without Snapshot's checks: these values hold its invariants by construction (the state was
         # checked above, a restart resets the counts), and a report replays a million of them.
-        # tests/test_metrics_tracker.py checks every snapshot the tracker makes against them.
+        # tests/test_core_metrics_health.py checks the snapshots the tracker makes against them.
         snapshot = _new_snapshot(Snapshot)
         snapshot.__dict__.update(
             step=step,

@@ -132,6 +132,6 @@ def test_on_jax_the_callback_syncs_the_model_state_only_where_it_reads_it(tmp_pa
 
     result = run_backend_script("state_syncs.py", "jax", str(tmp_path))
     reads = result["steps"] // result["log_every"]  # the interval's state reads, plus a few per fit
-    for diagnose in (False, True):
-        ours = result[f"ours_diagnose_{diagnose}"]
-        assert ours - result["null"] <= reads + 8, result
+    assert result["ours_diagnose_False"] - result["null"] <= reads + 8, result
+    # with diagnose, one more per train function made for the traced and sampled steps (at most 4 kinds)
+    assert result["ours_diagnose_True"] - result["null"] <= reads + 8 + 4, result

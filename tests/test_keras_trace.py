@@ -143,3 +143,21 @@ def test_the_words_in_the_summary_tensorboard_wandb_and_report(results, backend)
     assert sum(v for _, v in reader.read_run(run)["loss_scale/activation_producer/wo"]) >= 1
     tables = [row for tag, _, _, rows in reader.read_tables(run) for row in rows if "advice" in tag]
     assert any("Keep these layers in float32: `wo`" in str(row) for row in tables), reader.read_tables(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "torch"])
+def test_the_hosts_schedule_stays_inside_fit(backend, tmp_path):
+    """The host picks the traced steps only while one of the callback's train functions runs: with
+    ``steps_per_execution=4`` the device schedules them (the host would trace whole executions), a custom
+    loop traces on the device's schedule, a ``fit`` cut short leaves nothing switched on, and on JAX a traced
+    train function made mid-epoch under ``DataParallel`` finds its variables (it failed before)."""
+    from keras_backend_runs import run_backend_script
+
+    result = run_backend_script("fit_schedule_edges.py", backend, str(tmp_path))
+    assert result["steps_per_execution"] == [0, 10, 20, 30]
+    assert result["interrupted"] == {"trace": False, "wiring": False}
+    if backend == "tensorflow":
+        assert result["custom_loop"] == [1, 1, 1]
+    else:
+        assert result["data_parallel"] >= 1

@@ -1,10 +1,12 @@
 """``LossScaleCallback``: loss scaling on the core for ``model.fit``, with its metrics in ``logs``; how it
-puts our optimizer in the model's place, and JAX's headroom sampling in ``fit``."""
+puts our optimizer in the model's place, and the parts of ``fit``'s step chosen on the host (JAX's headroom
+sample, the forward trace on TensorFlow and JAX)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import math
 import warnings
@@ -40,26 +42,28 @@ if TYPE_CHECKING:
 # the ordinary one, whose trace has neither in it, and others, each traced with the sample or the forward
 # trace (scheduled, or armed by a loss that turned non-finite) in it, made when first needed. No host read
 # either way: the loss that arms the trace is the one Keras has read back for the batch-end callbacks.
+# The host's schedule holds only while one of these functions runs (so while it traces): a custom loop, a
+# ``train_on_batch`` or a ``fit`` cut short by an exception keep the device's own schedule.
 
 
 def _with_flags(function: Callable[..., Any], wiring: Any, trace: Any,
                 key: tuple[bool, float]) -> Callable[..., Any]:
-    """``function`` with the forensics' ``sampling`` and the trace's ``recording``/``kind`` set as ``key``
-    says while it runs (so while it traces)."""
+    """``function`` run under the host's schedule, with the forensics' ``sampling`` and the trace's
+    ``recording``/``kind`` set as ``key`` says (so while it traces); everything restored after."""
     sample, kind = key
 
     def flagged(*args: Any, **kwargs: Any) -> Any:
         if wiring is not None:
-            wiring.sampling = sample
+            wiring.host_schedule, wiring.sampling = True, sample
         if trace is not None:
-            trace.recording, trace.kind = kind > 0, kind or 1.0
+            trace.host_schedule, trace.recording, trace.kind = True, kind > 0, kind or 1.0
         try:
             return function(*args, **kwargs)
         finally:
             if wiring is not None:
-                wiring.sampling = False
+                wiring.host_schedule = wiring.sampling = False
             if trace is not None:
-                trace.recording = False
+                trace.host_schedule = trace.recording = False
 
     return flagged
 
@@ -68,20 +72,25 @@ def _second_train_function(model: Any) -> Any:
     """Another train function of ``model``, with a trace cache of its own: ``jax.jit`` keys its traces on
     the function it compiles, so it compiles a function of its own here, not the bound ``train_step``."""
     ordinary = model.train_function
+    own = model.__dict__.get("train_step")  # a user's instance-level train_step, kept and used
+    step = own if own is not None else functools.partial(type(model).train_step, model)
 
     if keras.backend.backend() == "jax":
         def train_step(state: Any, data: Any) -> Any:
-            return type(model).train_step(model, state, data)
+            return step(state, data)
     else:  # TensorFlow's tf.function is a new one at each make_train_function: this keeps the signature
         def train_step(data: Any) -> Any:
-            return type(model).train_step(model, data)
+            return step(data)
 
     model.train_step = train_step  # what make_train_function compiles, for this one call
     try:
         model.make_train_function(force=True)
         return model.train_function
     finally:
-        del model.train_step
+        if own is not None:
+            model.train_step = own
+        else:
+            del model.train_step
         model.train_function = ordinary
 
 
@@ -101,16 +110,17 @@ class FitSampling:
         """Whether a ``fit`` is being driven (JAX with forensics, or the forward trace on TF or JAX)."""
         return self._wiring is not None or self._trace is not None
 
-    def begin(self, optimizer: Any) -> None:
-        """At ``on_train_begin``: drive the samples from the host where a compiled step would carry them."""
+    def begin(self, optimizer: Any, model: Any) -> None:
+        """At ``on_train_begin`` of a ``fit``: drive the samples from the host where a compiled step would
+        carry them. Not with ``steps_per_execution > 1`` for the trace (one execution runs several steps,
+        which the device schedules), nor under several TensorFlow replicas (nothing is traced there)."""
         backend = keras.backend.backend()
-        wiring = optimizer.forensics
-        self._wiring = wiring if backend == "jax" else None
-        self._trace = optimizer.forward_trace if backend in ("tensorflow", "jax") else None
-        if self._wiring is not None:
-            self._wiring.host_schedule = True
-        if self._trace is not None:
-            self._trace.host_schedule = True
+        self._wiring = optimizer.forensics if backend == "jax" else None
+        trace = optimizer.forward_trace if backend in ("tensorflow", "jax") else None
+        several_steps = int(getattr(model, "steps_per_execution", 1) or 1) > 1
+        strategy = getattr(model, "distribute_strategy", None) if backend == "tensorflow" else None
+        replicas = int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+        self._trace = None if several_steps or replicas > 1 else trace
         self._armed, self._loss_finite = False, True
 
     def before_batch(self, model: Any) -> None:
@@ -128,17 +138,24 @@ class FitSampling:
             due = self._trace.host_due(steps)
             kind, self._armed = (2.0 if self._armed else 1.0 if due else 0.0), False
         key = (sample, kind)
-        if key == (False, 0.0):
-            model.train_function = self._ordinary
-            return
         if key not in self._variants:
-            model.train_function = self._ordinary
-            self._variants[key] = _with_flags(_second_train_function(model), self._wiring, self._trace, key)
+            if key == (False, 0.0):
+                made = self._ordinary
+            else:
+                # On JAX, fit keeps the variables in its own state during an epoch; making a train function
+                # reads them (a distribution's sharding), so they are synced back first (once per function).
+                sync = getattr(model, "jax_state_sync", None)
+                if keras.backend.backend() == "jax" and callable(sync):
+                    sync()
+                model.train_function = self._ordinary
+                made = _second_train_function(model)
+            self._variants[key] = _with_flags(made, self._wiring, self._trace, key)
         model.train_function = self._variants[key]
 
     def after_batch(self, logs: dict[str, Any] | None) -> None:
-        """At ``on_train_batch_end``: a loss that turned non-finite arms a trace of the next step (Keras'
-        ``loss`` is the epoch's running mean: it turns once, and stays, until the epoch ends)."""
+        """At ``on_train_batch_end``: a loss that turned non-finite arms a trace of the next step. Keras'
+        ``loss`` is the epoch's running mean: it turns once and stays until the epoch ends, so this arms once
+        per epoch (the scheduled traces name an overflow that persists)."""
         if self._trace is None or not logs or "loss" not in logs:
             return
         try:
@@ -153,13 +170,9 @@ class FitSampling:
         self._loss_finite = True
 
     def end(self, model: Any) -> None:
-        """At ``on_train_end``: the ordinary train function back, and the device's own schedule."""
+        """At ``on_train_end``: the ordinary train function back (Keras' own, outside the host's schedule)."""
         if self.active and self._ordinary is not None:
             model.train_function = self._ordinary
-        if self._wiring is not None:
-            self._wiring.host_schedule = False
-        if self._trace is not None:
-            self._trace.host_schedule = False
         self._wiring = self._trace = None
 
 
@@ -248,10 +261,12 @@ class LossScaleCallback(keras.callbacks.Callback):
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
         trace_every: with ``diagnose``, optimizer steps between traced forward passes (per layer the
             largest ``|output|`` and the layer that produced the first non-finite activation, on the
-            device; the step after the one whose loss turned non-finite is traced too). In ``fit``
-            on TensorFlow and JAX the traced steps run a train function of their own, chosen on
-            the host: the other steps carry nothing of the trace. ``diagnose="every_step"`` traces
-            every step; ``None``: no forward trace.
+            device). In ``fit`` on TensorFlow and JAX the traced steps run a train function of
+            their own, chosen on the host, so the other steps carry nothing of the trace, and the
+            step after the epoch's loss turned non-finite is traced too (once per epoch: Keras'
+            loss is a running mean); with ``steps_per_execution > 1``, several replicas, or a
+            custom loop, the device schedules the traces in the step (and traces the step after
+            any untraced skip). ``diagnose="every_step"`` traces every step; ``None``: none.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend; on
             JAX and torch it warns and training goes on).
@@ -284,7 +299,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         check_policy("policy", policy)
         check_bool("check_alignment", check_alignment)
         self.diagnose = check_diagnose(diagnose)
-        self._fit_sampling = FitSampling()  # JAX: the headroom samples decided on the host
+        self._fit_sampling = FitSampling()  # the headroom samples (JAX) and traced steps (TF, JAX) of fit
         self.headroom_every = check_int("headroom_every", headroom_every)
         self.trace_every = None if trace_every is None else check_int("trace_every", trace_every)
         self.forward_trace: dict[str, Any] | None = None  # the last interval's forward trace (NumPy fields)
@@ -405,7 +420,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         # Each fit() is a run of the loop: its own W&B run and event file, the optimizer's policy.
         self.loop.start(policy=self.optimizer.policy, writer=_is_chief(self.model))
         self._primed = False
-        self._fit_sampling.begin(self.optimizer)
+        self._fit_sampling.begin(self.optimizer, self._model)
         if self.check_alignment and self.alignment_report is None:
             self._run_alignment_check()
 

@@ -215,7 +215,9 @@ class ForwardTrace:
 
     def vector(self, steps: Any, tally: Any) -> Any:
         """The step's vector (see :func:`~._forward_device.step_vector`) from the forward pass just run, made
-        only when the step is due (a ``cond`` on TensorFlow and JAX; on torch the host decides)."""
+        only when the step is due (a ``cond`` on TensorFlow and JAX; on torch the host decides). Under
+        ``host_schedule``: made without a ``cond`` in a train function traced while ``recording``, ``None``
+        (no op at all) in the others."""
         assert self.layout is not None
         forward, self._finished = self._finished, None
         events = forward.events if forward is not None else []
@@ -271,7 +273,8 @@ class ForwardTrace:
         return ops.cond(changed, lambda: device.fold(tally, vector, finite, steps, layout), lambda: tally)
 
     def commit_tf(self, vector: Any, finite: Any, steps: Any) -> None:
-        """TensorFlow: assign the new tally in a ``tf.cond``, so an ordinary step assigns nothing."""
+        """TensorFlow: assign the new tally in a ``tf.cond``, so an ordinary step assigns nothing (under
+        ``host_schedule``: unconditionally when the step was traced, else nothing at all)."""
         import tensorflow as tf
 
         assert self.layout is not None
