@@ -109,6 +109,17 @@ def check_diagnose(diagnose: Any) -> bool | str:
                      f"({type(diagnose).__name__})")
 
 
+def sampled_within(first: int, steps: int, every: int) -> bool:
+    """Whether one of ``steps`` steps counted from step ``first`` (0-based) is a multiple of ``every``: a
+    sample taken every ``every`` steps, on the host's count, for an execution of one or several steps.
+
+    Example:
+        >>> sampled_within(0, 1, 100), sampled_within(99, 1, 100), sampled_within(98, 4, 100)
+        (True, False, True)
+    """
+    return (-first) % every < steps
+
+
 def layer_of(parameter_name: str, separator: str = ".") -> str:
     """The layer that owns a parameter: its name without the last component (``"0.weight"`` → ``"0"``)."""
     head, sep, _ = parameter_name.rpartition(separator)

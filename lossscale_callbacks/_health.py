@@ -429,7 +429,12 @@ def assess(rules: Iterable[Rule], history: Sequence[Snapshot], verdicts: Sequenc
 
 def evaluate(rules: Iterable[Rule], history: Sequence[Snapshot]) -> list[Verdict]:
     """Every verdict the rules give on ``history`` (oldest snapshot first)."""
-    return [v for v in (rule(history) for rule in rules) if v is not None]
+    found = []  # a plain loop: a report replays a million snapshots through here
+    for rule in rules:
+        verdict = rule(history)
+        if verdict is not None:
+            found.append(verdict)
+    return found
 
 
 HealthSpec = None | bool | str | Rule | Iterable[Rule]
@@ -525,11 +530,7 @@ class HealthMonitor:
         if history and snapshot.step < history[-1].step:
             self.restart()
         history.append(snapshot)
-        found = []  # evaluate(), inlined: a report replays a million snapshots through here
-        for rule in self.rules:
-            verdict = rule(history)
-            if verdict is not None:
-                found.append(verdict)
+        found = evaluate(self.rules, history)
         if not found:
             if self._active:
                 self._active = set()

@@ -216,14 +216,10 @@ def _min_scale_of(series: Mapping[str, Points], prefix: str, min_scale: float | 
     return float(bounds[-1][1]) if bounds else DEFAULT_MIN_SCALE
 
 
-def _segment_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> list[Snapshot]:
-    """The snapshots one segment logged: the tracker sees what the integration saw at each interval."""
-    return list(_iter_snapshots(segment, prefix, min_scale))
-
-
 def _iter_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> Iterator[Snapshot]:
-    """:func:`_segment_snapshots` one at a time: a report judges them as they come and keeps none (a
-    million log points were half a gigabyte of snapshots)."""
+    """The snapshots one segment logged, one at a time (the tracker sees what the integration saw at each
+    interval): a report judges them as they come and keeps none (a million log points were half a gigabyte
+    of snapshots)."""
     scale = segment[prefix + m.SCALE]
     steps = [int(step) for step, _ in scale]
     growth = _aligned(segment.get(prefix + m.GROWTH_COUNTER, ()), steps, 0)
@@ -248,7 +244,7 @@ def snapshots_from_series(series: Mapping[str, Points],
     prefix = _find_prefix(series)
     _checked_scale(series, prefix)
     used = _min_scale_of(series, prefix, min_scale)
-    return _segment_snapshots(split_segments(series, prefix)[-1], prefix, used), used
+    return list(_iter_snapshots(split_segments(series, prefix)[-1], prefix, used)), used
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,13 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks._forensics import CAUSES, IntervalForensics, LayerHeadroom, check_diagnose
+from lossscale_callbacks._forensics import (
+    CAUSES,
+    IntervalForensics,
+    LayerHeadroom,
+    check_diagnose,
+    sampled_within,
+)
 from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._validation import check_int
 from lossscale_callbacks.keras import _forensics_device as device
@@ -242,7 +248,7 @@ class ForensicsWiring:
         """Whether one of the next ``steps`` steps takes the headroom sample, on the host's count (torch's
         step and JAX's fit count here); counts them."""
         first, self._host_steps = self._host_steps, self._host_steps + steps
-        return (-first) % self.every < steps
+        return sampled_within(first, steps, self.every)
 
     def eager(self, grads: Sequence[Any], variables: Sequence[Any], skipped: bool,
               loss_bad: Callable[[], Any], scale: Any, unscaled: bool) -> None:

@@ -37,6 +37,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from lossscale_callbacks._forensics import sampled_within
 from lossscale_callbacks._validation import check_int
 from lossscale_callbacks.keras import _forward_device as device
 
@@ -178,14 +179,18 @@ class ForwardTrace:
         if self.host_schedule:
             return self.recording
         if keras.backend.backend() == "torch":  # eager: the host knows before the pass whether it is due
-            return self._host_armed or self._host_steps % self.every == 0
+            return self._torch_due()
         return True  # a compiled step decides on the device, after the pass
 
     def host_due(self, steps: int) -> bool:
         """Under ``host_schedule``: whether one of the next ``steps`` steps is due for a scheduled trace (the
         host's count of ``fit``'s steps); counts them."""
         first, self._host_steps = self._host_steps, self._host_steps + steps
-        return (-first) % self.every < steps
+        return sampled_within(first, steps, self.every)
+
+    def _torch_due(self) -> bool:
+        """torch's eager step: whether the step now starting is traced (armed by a skip, or scheduled)."""
+        return self._host_armed or sampled_within(self._host_steps, 1, self.every)
 
     @contextlib.contextmanager
     def _pass(self) -> Iterator[None]:
@@ -226,7 +231,7 @@ class ForwardTrace:
         if self.host_schedule and backend != "torch":
             return self._host_vector(events, layers, backend)
         if backend == "torch":
-            due = self._host_armed or self._host_steps % self.every == 0
+            due = self._torch_due()
             self._host_steps += 1
             if not due:
                 return None
