@@ -7,9 +7,12 @@ Transformers Trainer ``trainer_state.json``, into the series this library's own 
 and draws the same picture. The formats, each cited from its engine's source, are in
 :mod:`._engine_formats`; each engine's meaning of its lines in :mod:`._engine_parsers`.
 
-The file is read line by line, never whole: memory grows with the log points only. Every line that
-speaks of loss scaling in no known format is counted and quoted in the report's notes; what a format
-leaves out (a step number, the scale's growth) is said there too.
+The file is read line by line, never whole, and memory stays bounded however long the log: the
+parsers keep what they read in compact records that go to a temporary file past a bound
+(:mod:`._records`), the series returned are thinned past 32,768 log points (:mod:`._series_thinning`),
+and the report replays every log point from the records to judge them (:class:`ReplayedRun`).
+Every line that speaks of loss scaling in no known format is counted and quoted in the report's
+notes; what a format leaves out (a step number, the scale's growth) is said there too.
 
 Example:
     >>> read_run("no/such/folder/")  # doctest: +SKIP
@@ -30,10 +33,12 @@ from lossscale_callbacks._run_readers import (
     GROWTH_INTERVAL,
     MIN_SCALE,
     NoLossScaleError,
+    ReplayedRun,
     RunReadError,
     RunSeries,
     looks_like_engine_log,
 )
+from lossscale_callbacks._series_thinning import ThinnedRun
 
 __all__ = ["ENGINE_LOG", "looks_like_engine_log", "read_run"]
 
@@ -89,31 +94,23 @@ class _Lines:
                 f"(counted, not read): {'; '.join(self.quoted)}{'; ...' if self.unknown > _QUOTED else ''}")
 
 
-def _series(trajectory: Trajectory) -> dict[str, list[tuple[int, float]]]:
-    """The series of ``trajectory``, whose points it takes (they are gone after): popped from the end, so
-    a million points and their series are never held at once."""
-    points = trajectory.points
-    if not points:  # settings without a log point (a DeepSpeed config dump alone): the report says so
-        return {m.SCALE: [], m.SKIPPED_STEPS: []}
-    first = points[0][0]
-    scales: list[tuple[int, float]] = []
-    skips: list[tuple[int, float]] = []
-    count, as_float = -1, 0.0
-    pop = points.pop
-    while points:
-        step, scale, skipped = pop()
-        if skipped != count:  # the running count's float shared while it repeats
-            count, as_float = skipped, float(skipped)
-        scales.append((step, scale))
-        skips.append((step, as_float))
-    scales.reverse()
-    skips.reverse()
-    series = {m.SCALE: scales, m.SKIPPED_STEPS: skips}
-    if trajectory.growth_interval:
-        series[GROWTH_INTERVAL] = [(first, float(trajectory.growth_interval))]
-    if trajectory.min_scale:
-        series[MIN_SCALE] = [(first, float(trajectory.min_scale))]
-    return series
+def _thinned(trajectory: Trajectory) -> tuple[dict[str, list[tuple[int, float]]], str | None]:
+    """The series of ``trajectory`` to print and draw (every log point up to a bound, see
+    :mod:`._series_thinning`), with the run-wide settings, and words on what was thinned."""
+    thinned = ThinnedRun()
+    add = thinned.add
+    first = None
+    for step, scale, skipped in trajectory.replay():
+        if first is None:
+            first = step
+        add(step, scale, skipped)
+    series = thinned.series()
+    if first is not None:  # settings without a log point (a DeepSpeed config dump alone): the report says so
+        if trajectory.growth_interval:
+            series[GROWTH_INTERVAL] = [(first, float(trajectory.growth_interval))]
+        if trajectory.min_scale:
+            series[MIN_SCALE] = [(first, float(trajectory.min_scale))]
+    return series, thinned.words()
 
 
 def _chosen(lines: _Lines) -> tuple[Trajectory, list[str]]:
@@ -140,7 +137,8 @@ def _read_log(path: str) -> RunSeries:
             + "; ".join(trajectory.notes))
     said = [read, *trajectory.findings, *others]
     said += [words for words in (lines.unknown_words(), lines.truncated) if words]
-    return RunSeries(_series(trajectory), notes=said)
+    series, thinning = _thinned(trajectory)
+    return ReplayedRun(series, trajectory.replay, trajectory.count, notes=[*said, *filter(None, [thinning])])
 
 
 def _finite(value: Any) -> bool:

@@ -1,9 +1,12 @@
 """One parser per engine: its loss-scale lines (see :mod:`._engine_formats`) turned into log points.
 
 A parser is fed every line that holds one of its ``markers`` and says whether the line was one of its
-formats. At the end, :meth:`_Parser.trajectory` gives the run's log points ``(step, scale, cumulative
-skipped steps)`` and what the format left out, in words. Each engine's own semantics decide the step
-axis (optimizer steps attempted, skipped ones included):
+formats. What it reads goes into :class:`~._records.Records` (compact, and past a bound in a
+temporary file), since a log point's meaning may depend on lines read later (a setting printed late,
+the first overflow's scale). At the end, :meth:`_Parser.trajectory` gives the run's log points
+``(step, scale, cumulative skipped steps)``, replayed from those records as often as asked, and what
+the format left out, in words. Each engine's own semantics decide the step axis (optimizer steps
+attempted, skipped ones included):
 
 * Megatron-LM: the iteration printed (it counts skipped iterations); skips are per log interval.
 * DeepSpeed: ``step=N, skipped=K`` progress lines; the scale from the overflow lines (none when it grows).
@@ -24,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 from lossscale_callbacks import _engine_formats as f
+from lossscale_callbacks._records import Records
 
 __all__ = ["PARSERS", "ApexParser", "DeepSpeedParser", "FairseqParser", "MegatronParser", "Trajectory"]
 
@@ -37,12 +41,15 @@ Point = tuple[int, float, int]
 class Trajectory:
     """What one engine's lines say: log points ``(step, scale, cumulative skipped)``, settings, words.
 
-    ``notes``: what the format leaves out and what was inferred; ``findings``: where the engine's own
-    counters and its log disagree, or the run stopped (each one sentence).
+    ``replay`` gives the log points, in order, each time it is called (from the parser's records: a
+    million log points are never held at once); ``count``: how many it gives. ``notes``: what the
+    format leaves out and what was inferred; ``findings``: where the engine's own counters and its log
+    disagree, or the run stopped (each one sentence).
     """
 
     engine: str
-    points: list[Point]
+    replay: Callable[[], Iterator[Point]]
+    count: int
     lines: int
     notes: list[str] = dataclasses.field(default_factory=list)
     findings: list[str] = dataclasses.field(default_factory=list)
@@ -50,23 +57,27 @@ class Trajectory:
     min_scale: float | None = None
     steps_known: bool = True
 
+    @property
+    def points(self) -> list[Point]:
+        """Every log point at once (for a short log, and for tests)."""
+        return list(self.replay())
 
-def _lower_bound_steps(overflows: Sequence[tuple[float, float]], initial: float, window: int | None,
-                       factor: float = 2.0) -> list[int]:
-    """The least step each overflow can have been at, from the scales alone.
+
+def _lower_bound_steps(overflows: Iterable[tuple[float, float]], initial: float,
+                       window: int | None, factor: float = 2.0) -> Iterator[tuple[int, float]]:
+    """The least step each overflow can have been at, from the scales alone, with its scale after.
 
     ``overflows``: ``(attempted scale, scale after)`` per overflow line. Between two overflows the
     scale grew ``g`` times (attempted / scale before = factor**g), which takes at least ``g * window``
     good steps; each overflow is one step. Without a window only the overflows count.
     """
-    steps, at, scale = [], 0, initial
+    at, scale = 0, initial
     for attempted, after in overflows:
         ratio = attempted / scale if attempted > 0 and scale > 0 else 1.0
         grown = round(math.log(ratio, factor)) if math.isfinite(ratio) else 0
         at += 1 + max(grown, 0) * (window or 0)
-        steps.append(at)
+        yield at, after
         scale = after
-    return steps
 
 
 class _Parser:
@@ -89,6 +100,7 @@ class _Parser:
 
 _ITERATION, _LOSS_SCALE = f.MEGATRON_ITERATION.search, f.MEGATRON_LOSS_SCALE.search
 _SKIPPED, _NAN = f.MEGATRON_SKIPPED.search, f.MEGATRON_NAN.search
+_QUOTED = 3  # disagreements quoted in words
 
 
 class MegatronParser(_Parser):
@@ -99,10 +111,11 @@ class MegatronParser(_Parser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.points: list[Point] = []
+        self.records = Records(3)  # (iteration, scale, cumulative skipped)
         self.skipped = 0
         self._scale_text, self._scale = "", 0.0
-        self.disagree: list[str] = []
+        self.disagreements = 0
+        self.disagree: list[str] = []  # the first few, in words
         self.settings: dict[str, float] = {}
 
     def feed(self, line: str) -> bool:
@@ -111,8 +124,8 @@ class MegatronParser(_Parser):
             if match:
                 self.settings[match["arg"]] = float(match["value"])
             return match is not None
-        # At --log-interval 1 every line of a million is a log point: one search each, no list, and the
-        # scale and the running count shared between points while they repeat (they mostly do).
+        # At --log-interval 1 every line of a million is a log point: one search per field, and the
+        # scale parsed once while it repeats (it mostly does).
         iteration = _ITERATION(line)
         if iteration is None:
             return False
@@ -129,35 +142,48 @@ class MegatronParser(_Parser):
             self.skipped += skipped
         nan = int(nan_match["nan"]) if nan_match else 0
         if nan > skipped:
-            self.disagree.append(f"iteration {iteration['iteration']}: {nan} NaN iteration(s) but {skipped} "
-                                 "skipped")
+            self.disagreements += 1
+            if len(self.disagree) < _QUOTED:
+                self.disagree.append(f"iteration {iteration['iteration']}: {nan} NaN iteration(s) but "
+                                     f"{skipped} skipped")
         text = scale["scale"]
         if text != self._scale_text:
             self._scale_text, self._scale = text, float(text)
-        self.points.append((int(iteration["iteration"]), self._scale, self.skipped))
+        self.records.add(int(iteration["iteration"]), self._scale, self.skipped)
         return True
 
+    def _replay(self) -> Iterator[Point]:
+        for step, scale, skipped in self.records:
+            yield int(step), scale, int(skipped)
+
     def trajectory(self) -> Trajectory | None:
-        if not self.points:
+        if not self.records:
             return None
         notes = ["Megatron prints the skipped iterations of each log interval: the cumulative count is their "
                  "sum over this log (skips before its first line, in a resumed run, are not known), and "
                  "which iterations of an interval were skipped is not known"]
         findings = []
-        if self.disagree:
+        if self.disagreements:
             findings.append(
-                f"Megatron's own counters disagree in {len(self.disagree)} log interval(s) "
-                f"({'; '.join(self.disagree[:3])}{'; ...' if len(self.disagree) > 3 else ''}): an iteration "
-                "with a NaN loss that was not counted as skipped may have applied NaN gradients (as in "
-                "Megatron-LLM#33 and Megatron-DeepSpeed PR#434)")
+                f"Megatron's own counters disagree in {self.disagreements} log interval(s) "
+                f"({'; '.join(self.disagree)}{'; ...' if self.disagreements > _QUOTED else ''}): an "
+                "iteration with a NaN loss that was not counted as skipped may have applied NaN gradients "
+                "(as in Megatron-LLM#33 and Megatron-DeepSpeed PR#434)")
         window = self.settings.get("loss_scale_window")
-        return Trajectory(self.engine, self.points, self.lines, notes, findings,
+        return Trajectory(self.engine, self._replay, len(self.records), self.lines, notes, findings,
                           growth_interval=int(window) if window else None,
                           min_scale=self.settings.get("min_loss_scale"))
 
 
+_NONE = math.nan  # a number the records hold where the log gave none (paired with a flag: NaN is also read)
+
+
 class _OverflowParser(_Parser):
-    """An engine whose overflow lines carry the scale, and whose progress lines (if any) the step."""
+    """An engine whose overflow lines carry the scale, and whose progress lines (if any) the step.
+
+    What the points need from lines read later (the first overflow's scale, the last setting) is
+    kept as it comes; the lines themselves go to two :class:`~._records.Records`.
+    """
 
     initial: float | None = None
     window: int | None = None
@@ -165,48 +191,64 @@ class _OverflowParser(_Parser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.overflows: list[tuple[float, float]] = []  # (attempted, after) per overflow line
-        self.progress: list[tuple[int, int, int]] = []  # (step, skipped, overflow lines before it)
-        self.scales_at_progress: list[float | None] = []
+        self.overflows = Records(2)  # (attempted, after) per overflow line
+        # (step, skipped, overflow lines before it, the last one's scale after, scale printed?, the scale)
+        self.progress = Records(6)
         self.scale: float | None = None
         self.stopped: str | None = None
         self.unscaled = 0  # overflow lines without a scale (DeepSpeed with a dtype other than fp16)
+        self._first_attempted: float | None = None  # the first overflow's attempted scale
+        self._last_after: float | None = None
+        self._grown_after_first = 0  # overflows after the first that attempted more than the last after
+        self._first_progress_scale: float | None = None
+        self._last_progress: tuple[int, int, int] | None = None  # (step, skipped, overflow lines before)
+
+    def _record_overflow(self, attempted: float, after: float) -> None:
+        if self._first_attempted is None:
+            self._first_attempted = attempted
+        elif self._last_after is not None and attempted > self._last_after:
+            self._grown_after_first += 1
+        self._last_after = after
+        self.overflows.add(attempted, after)
 
     def _overflow(self, attempted: float | None, after: float) -> None:
         self.lines += 1
         before = self.scale if self.scale is not None else self.initial
-        self.overflows.append((attempted if attempted is not None else (before or after), after))
+        self._record_overflow(attempted if attempted is not None else (before or after), after)
         self.scale = after
 
     def _progress(self, step: int, skipped: int, scale: float | None = None) -> None:
         self.lines += 1
         if scale is not None:
             self.scale = scale
-        self.progress.append((step, skipped, len(self.overflows)))
-        self.scales_at_progress.append(self.scale)
+        at = self.scale
+        if at is not None and self._first_progress_scale is None:
+            self._first_progress_scale = at
+        before = len(self.overflows)
+        last_after = self._last_after if self._last_after is not None else _NONE
+        self.progress.add(step, skipped, before, last_after, at is not None, _NONE if at is None else at)
+        self._last_progress = (step, skipped, before)
 
     def _grown_unseen(self) -> int:
         """Overflow lines whose attempted scale shows a growth the log printed no line for."""
-        scales = ([self.initial] + [after for _, after in self.overflows])[:len(self.overflows)]
-        return sum(1 for (attempted, _), before in zip(self.overflows, scales, strict=True)
-                   if before is not None and attempted > before)
+        first = (self._first_attempted is not None and self.initial is not None
+                 and self._first_attempted > self.initial)
+        return self._grown_after_first + first
 
     def _first_scale(self) -> float | None:
         if self.initial is not None:
             return self.initial
-        return self.overflows[0][0] if self.overflows else next(
-            (s for s in self.scales_at_progress if s is not None), None)
+        return self._first_attempted if self._first_attempted is not None else self._first_progress_scale
 
-    def _progress_points(self) -> list[Point]:
+    def _progress_points(self) -> Iterator[Point]:
         first = self._first_scale()
-        return [(step, scale if scale is not None else first, skipped)
-                for (step, skipped, _), scale in zip(self.progress, self.scales_at_progress, strict=True)]
+        for step, skipped, _, _, printed, scale in self.progress:
+            yield int(step), scale if printed else first, int(skipped)
 
-    def _overflow_points(self) -> list[Point]:
+    def _overflow_points(self) -> Iterator[Point]:
         initial = self._first_scale() or 1.0
-        steps = _lower_bound_steps(self.overflows, initial, self.window)
-        return [(step, after, i + 1) for i, (step, (_, after)) in enumerate(zip(steps, self.overflows,
-                                                                                   strict=True))]
+        for i, (step, after) in enumerate(_lower_bound_steps(self.overflows, initial, self.window)):
+            yield step, after, i + 1
 
     def _unknown_steps_note(self) -> str:
         window = (f"{self.window} good steps (the growth interval) for each doubling of the scale between "
@@ -226,12 +268,13 @@ class _OverflowParser(_Parser):
         if not self.overflows and self._first_scale() is None:
             return None  # progress lines alone, with no scale printed nor configured
         if self.progress:
-            points, steps_known = self._progress_points(), True
+            replay, count, steps_known = self._progress_points, len(self.progress), True
             notes = self._progress_notes()
         else:
-            points, steps_known = self._overflow_points(), False
+            replay, count, steps_known = self._overflow_points, len(self.overflows), False
             notes = [self._unknown_steps_note()]
-        return Trajectory(self.engine, points, self.lines, notes, self._common_findings() + self._findings(),
+        return Trajectory(self.engine, replay, count, self.lines, notes,
+                          self._common_findings() + self._findings(),
                           growth_interval=self.window if self.progress else None, min_scale=self.min_scale,
                           steps_known=steps_known)
 
@@ -312,7 +355,8 @@ class DeepSpeedParser(_OverflowParser):
         if match["attempted"] is None:
             self.lines += 1
             self.unscaled += 1
-            self.overflows.append((self.scale or self.initial or 1.0, self.scale or self.initial or 1.0))
+            known = self.scale or self.initial or 1.0
+            self._record_overflow(known, known)
         elif match["hysteresis"] is not None:  # skipped, the scale kept: hysteresis spent
             self.hysteresis_lines += 1
             attempted = _number(match["attempted"])
@@ -320,22 +364,24 @@ class DeepSpeedParser(_OverflowParser):
         else:
             self._overflow(_number(match["attempted"]), _number(match["scale"]))
 
-    def _progress_points(self) -> list[Point]:
+    def _progress_points(self) -> Iterator[Point]:
         """With the config's scale_window, the growths DeepSpeed prints no line for are inferred: every
         ``scale_window`` steps without an overflow (update_scale grows when ``(cur_iter -
         last_overflow_iter) % scale_window == 0``), counting from the end of the log interval that
         held the last overflow (its step is not printed): a lower bound on the scale."""
         if self.window is None:
-            return super()._progress_points()
-        scale, since, seen, points = self._first_scale(), 0, 0, []
-        for step, skipped, lines_before in self.progress:
+            yield from super()._progress_points()
+            return
+        scale, since, seen = self._first_scale(), 0, 0
+        # Before the first overflow the growths are counted only from a known initial scale (the
+        # first overflow's attempted scale, used otherwise, already holds them).
+        counted = self.initial is not None
+        for at, skipped, lines_before, last_after, _, _ in self.progress:
+            step = int(at)
             if lines_before > seen:
-                scale, since, seen = self.overflows[lines_before - 1][1], step, lines_before
-            # Before the first overflow the growths are counted only from a known initial scale (the
-            # first overflow's attempted scale, used otherwise, already holds them).
-            grown = (step - since) // self.window if seen or self.initial is not None else 0
-            points.append((step, (scale or 1.0) * 2.0**grown, skipped))
-        return points
+                scale, since, seen = last_after, step, lines_before
+            grown = (step - since) // self.window if seen or counted else 0
+            yield step, (scale or 1.0) * 2.0**grown, int(skipped)
 
     def _progress_notes(self) -> list[str]:
         grown = self._grown_unseen()
@@ -352,8 +398,8 @@ class DeepSpeedParser(_OverflowParser):
         return [words]
 
     def _findings(self) -> list[str]:
-        last_step, counted, lines_before = self.progress[-1] if self.progress else (0, 0, 0)
-        if self.progress and counted != lines_before:
+        last_step, counted, lines_before = self._last_progress or (0, 0, 0)
+        if self._last_progress and counted != lines_before:
             return [f"DeepSpeed's own skipped counter says {counted} at step {last_step}, but the log holds "
                     f"{lines_before} overflow line(s) before that line (lines of another rank, or a log that "
                     "starts mid-run)"]

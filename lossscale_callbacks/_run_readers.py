@@ -34,6 +34,7 @@ __all__ = [
     "FoundRun",
     "NoLossScaleError",
     "Reader",
+    "ReplayedRun",
     "RunReadError",
     "RunSeries",
     "Series",
@@ -265,6 +266,31 @@ class RunSeries(dict[str, list[tuple[int, float]]]):
         super().__init__(series or {})
         self.damage = list(damage)
         self.notes = list(notes)
+
+
+class ReplayedRun(RunSeries):
+    """A run too long to hold point by point: its series thinned for printing and drawing, and its every
+    log point replayed for judging.
+
+    The mapping holds the series as :class:`~._series_thinning.ThinnedRun` keeps them (every point of
+    a run up to 32,768 log points) and the run-wide ones (``loss_scale/min_scale``,
+    ``loss_scale/growth_interval``); ``replay()`` gives every log point ``(step, scale, cumulative
+    skipped)`` in the order logged, each time it is called, for the report to judge them one at a
+    time. The scales are not checked against policy bounds (no engine log carries a maximum scale).
+
+    Example:
+        >>> run = ReplayedRun({"loss_scale/scale": [(1, 8.0)], "loss_scale/skipped_steps": [(1, 0.0)]},
+        ...                   replay=lambda: iter([(1, 8.0, 0)]), log_points=1)
+        >>> list(run.replay()), run.log_points
+        ([(1, 8.0, 0)], 1)
+    """
+
+    def __init__(self, series: Mapping[str, list[tuple[int, float]]],
+                 replay: Callable[[], Iterable[tuple[int, float, int]]], log_points: int,
+                 damage: Iterable[str] = (), notes: Iterable[str] = ()) -> None:
+        super().__init__(series, damage=damage, notes=notes)
+        self.replay = replay
+        self.log_points = log_points
 
 
 def ended_inside_record(path: str, offset: int, records_before: int) -> str:

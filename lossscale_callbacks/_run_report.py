@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from lossscale_callbacks._run_readers import (
     MAX_SCALE,
     MIN_SCALE,
     NoLossScaleError,
+    ReplayedRun,
     RunReadError,
 )
 from lossscale_callbacks._state import LossScaleState
@@ -216,20 +218,23 @@ def _min_scale_of(series: Mapping[str, Points], prefix: str, min_scale: float | 
     return float(bounds[-1][1]) if bounds else DEFAULT_MIN_SCALE
 
 
-def _iter_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> Iterator[Snapshot]:
-    """The snapshots one segment logged, one at a time (the tracker sees what the integration saw at each
-    interval): a report judges them as they come and keeps none (a million log points were half a gigabyte
-    of snapshots)."""
+def _states(segment: Mapping[str, Points], prefix: str) -> Iterator[LossScaleState]:
+    """The scaler states one segment logged, one per log interval: what the integration saw there."""
     scale = segment[prefix + m.SCALE]
     steps = [int(step) for step, _ in scale]
     growth = _aligned(segment.get(prefix + m.GROWTH_COUNTER, ()), steps, 0)
     skipped = _aligned(segment.get(prefix + m.SKIPPED_STEPS, ()), steps, 0)
     # Runs logged on another axis (Lightning's logging step) carry the optimizer steps as a value.
     attempted = _aligned(segment.get(prefix + m.STEPS, ()), steps, None)
-    tracker = MetricsTracker(min_scale=min_scale)
-    observe = tracker.observe
     for (_, value), at, counter, skips in zip(scale, attempted, growth, skipped, strict=True):
-        yield observe(LossScaleState(float(value), int(counter), 0, int(skips), int(at)))
+        yield LossScaleState(float(value), int(counter), 0, int(skips), int(at))
+
+
+def _iter_snapshots(segment: Mapping[str, Points], prefix: str, min_scale: float) -> Iterator[Snapshot]:
+    """The snapshots one segment logged, one at a time (the tracker sees what the integration saw at each
+    interval): a report judges them as they come and keeps none (a million log points were half a gigabyte
+    of snapshots)."""
+    return map(MetricsTracker(min_scale=min_scale).observe, _states(segment, prefix))
 
 
 def snapshots_from_series(series: Mapping[str, Points],
@@ -426,15 +431,15 @@ class _Judged:
     skips_logged: bool
 
 
-def _judge(segment: Mapping[str, Points], prefix: str, min_scale: float,
-           rules: Sequence[Rule] | None) -> _Judged:
-    interval = segment.get(prefix + GROWTH_INTERVAL)
-    growth_interval = int(interval[-1][1]) if interval else None
+def _judge_snapshots(snapshots: Iterable[Snapshot], growth_interval: int | None, rules: Sequence[Rule] | None,
+                     ranks: Points = (), forensics: Any = None, skips_logged: bool = True) -> _Judged:
+    """Judge one segment's snapshots as they come (the health monitor keeps a bounded window of them);
+    ``ranks``: its rank-agreement series, ``forensics``: its logged forensics totals."""
     monitor = HealthMonitor(default_rules("warn", growth_interval) if rules is None else rules)
     observe = monitor.observe
     first = last = None
     count, lowest, highest = 0, math.inf, -math.inf
-    for snap in _iter_snapshots(segment, prefix, min_scale):
+    for snap in snapshots:
         observe(snap)
         first, last, count = first or snap, snap, count + 1
         scale = snap.scale
@@ -444,14 +449,59 @@ def _judge(segment: Mapping[str, Points], prefix: str, min_scale: float,
             highest = scale
     assert first is not None and last is not None  # a segment holds at least one scale
     monitor.final()
-    monitor.verdicts.extend(_ranks_verdicts(segment.get(prefix + RANKS_DISAGREE, ())))  # in its assessment
+    monitor.verdicts.extend(_ranks_verdicts(ranks))  # in its assessment
     verdicts = list(monitor.verdicts)
-    forensics = totals_from_series({tag[len(prefix):]: points for tag, points in segment.items()
-                                    if tag.startswith(prefix)})
     if forensics is not None and forensics.causes["loss_nonfinite"]:
         verdicts.append(Verdict("NonFiniteLoss", "warn", last.step, forensics.sentences()[0]))
-    return _Judged(first, last, count, lowest, highest, monitor, verdicts, forensics,
-                   bool(segment.get(prefix + m.SKIPPED_STEPS)))
+    return _Judged(first, last, count, lowest, highest, monitor, verdicts, forensics, skips_logged)
+
+
+def _growth_interval_of(series: Mapping[str, Points], prefix: str) -> int | None:
+    interval = series.get(prefix + GROWTH_INTERVAL)
+    return int(interval[-1][1]) if interval else None
+
+
+def _judge(segment: Mapping[str, Points], prefix: str, min_scale: float,
+           rules: Sequence[Rule] | None) -> _Judged:
+    forensics = totals_from_series({tag[len(prefix):]: points for tag, points in segment.items()
+                                    if tag.startswith(prefix)})
+    return _judge_snapshots(_iter_snapshots(segment, prefix, min_scale), _growth_interval_of(segment, prefix),
+                            rules, segment.get(prefix + RANKS_DISAGREE, ()), forensics,
+                            bool(segment.get(prefix + m.SKIPPED_STEPS)))
+
+
+class _Restarts:
+    """A key for :func:`itertools.groupby`: how often the step has gone back so far. A point whose step is
+    not above the last one starts a new segment, where :func:`split_segments` cuts a scale series."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self.number = 0
+
+    def __call__(self, point: tuple[int, float, int]) -> int:
+        step = point[0]
+        if self.last is not None and step <= self.last:
+            self.number += 1
+        self.last = step
+        return self.number
+
+
+def _replayed_states(points: Iterable[tuple[int, float, int]]) -> Iterator[LossScaleState]:
+    """The states of replayed log points ``(step, scale, cumulative skipped)``, each scale checked as
+    :func:`_checked_scale` checks a whole series."""
+    for step, scale, skipped in points:
+        if not 0.0 < scale < math.inf:
+            raise RunReadError(f"the {m.SCALE} series holds {scale!r} at step {step}: "
+                               "not a loss scale (a finite number > 0)")
+        yield LossScaleState(scale, 0, 0, skipped, step)
+
+
+def _judge_replayed(run: ReplayedRun, min_scale: float, growth_interval: int | None,
+                    rules: Sequence[Rule] | None) -> list[_Judged]:
+    """Every log point of a replayed run judged at full resolution, segment by segment, none kept."""
+    return [_judge_snapshots(map(MetricsTracker(min_scale=min_scale).observe, _replayed_states(points)),
+                             growth_interval, rules)
+            for _, points in itertools.groupby(run.replay(), key=_Restarts())]
 
 
 def _ranks_verdicts(points: Points) -> list[Verdict]:
@@ -492,13 +542,19 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
         (200, 3, 2048.0, True)
     """
     prefix = _find_prefix(series)
-    _checked_scale(series, prefix)
+    replayed = series if isinstance(series, ReplayedRun) else None
+    if replayed is None:
+        _checked_scale(series, prefix)
     series, damage = dict(series), list(damage)
-    _drop_out_of_bounds(series, prefix, damage)
+    if replayed is None:
+        _drop_out_of_bounds(series, prefix, damage)
     if not series[prefix + m.SCALE]:
         raise NoLossScaleError(f"{path}: the {prefix}{m.SCALE} series holds no loss scale")
     used_min = _min_scale_of(series, prefix, min_scale)
-    judged = [_judge(segment, prefix, used_min, rules) for segment in split_segments(series, prefix)]
+    if replayed is None:
+        judged = [_judge(segment, prefix, used_min, rules) for segment in split_segments(series, prefix)]
+    else:  # a long run's series are thinned: its every log point is replayed to be judged
+        judged = _judge_replayed(replayed, used_min, _growth_interval_of(series, prefix), rules)
     latest = judged[-1]
     last = latest.last
     upper = series.get(prefix + MAX_SCALE)
