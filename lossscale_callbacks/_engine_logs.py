@@ -56,10 +56,12 @@ class _Lines:
 
     def feed(self, number: int, line: str, last: bool) -> None:
         self.total += 1
-        low = line.lower()
-        related = any(map(low.__contains__, f.LOSS_SCALE_WORDS))
-        if (related or "initial_dynamic_scale" in line) and self._parsed(line):
-            return
+        # Megatron's iteration line, a million of them at --log-interval 1, is related without a lower-case copy
+        related = "loss scale:" in line or any(map(line.lower().__contains__, f.LOSS_SCALE_WORDS))
+        if related or "initial_dynamic_scale" in line:
+            for parser in self.parsers:  # a plain loop: a million lines come through here
+                if any(map(line.__contains__, parser.markers)) and parser.feed(line):
+                    return
         if last:  # the file ends inside this line: a log still being written
             self.truncated = (f"the file ends inside line {number} (a log still being written?): "
                               "it was not read")
@@ -70,22 +72,12 @@ class _Lines:
         if len(self.quoted) < _QUOTED:
             self.quoted.append(f"line {number}: {line.strip()[:120]!r}")
 
-    def _parsed(self, line: str) -> bool:
-        for parser in self.parsers:
-            if any(map(line.__contains__, parser.markers)) and parser.feed(line):
-                return True
-        return False
-
     def read(self, path: str) -> None:
+        feed = self.feed
         with open(path, encoding="utf-8", errors="replace") as file:
-            previous: str | None = None
-            number = 0
-            for line in file:
-                if previous is not None:
-                    self.feed(number, previous, last=False)
-                previous, number = line, number + 1
-            if previous is not None:
-                self.feed(number, previous, last=not previous.endswith(("\n", "\r")))
+            # Universal newlines end every line but the file's last with "\n": only that one can be cut.
+            for number, line in enumerate(file, start=1):
+                feed(number, line, not line.endswith(("\n", "\r")))
 
     def unknown_words(self) -> str | None:
         if not self.unknown:
