@@ -56,7 +56,7 @@ class _Lines:
 
     def feed(self, number: int, line: str, last: bool) -> None:
         self.total += 1
-        # Megatron's iteration line, a million of them at --log-interval 1, is related without a lower-case copy
+        # Megatron's iteration line (a million at --log-interval 1) is related without a lower-case copy
         related = "loss scale:" in line or any(map(line.lower().__contains__, f.LOSS_SCALE_WORDS))
         if related or "initial_dynamic_scale" in line:
             for parser in self.parsers:  # a plain loop: a million lines come through here

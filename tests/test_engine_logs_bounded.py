@@ -243,3 +243,20 @@ def test_memory_does_not_grow_with_the_log_points(tmp_path, monkeypatch):
     _peak(small)  # warm: imports and caches
     low, high = _peak(small), _peak(large)
     assert high < low * 1.3 + 256 * 1024, (low, high)
+
+
+def test_the_skip_rate_panel_draws_at_most_a_thousand_exact_steps():
+    from lossscale_callbacks._metrics import MetricsTracker
+    from lossscale_callbacks._report_cli import _skip_rates
+    from lossscale_callbacks._state import LossScaleState
+
+    tracker = MetricsTracker(min_scale=1.0)
+    snaps = [tracker.observe(LossScaleState(8.0, 0, 0, step // 7, step)) for step in range(3, 30_000, 3)]
+    rates, edges, size = _skip_rates(snaps)
+    assert len(rates) <= 1000 and len(edges) == len(rates) + 1 and size == 10
+    assert edges == sorted(edges) and edges[0] == 0 and edges[-1] == snaps[-1].step
+    # each step's rate is its skipped steps over its steps attempted: together, the run's
+    assert sum(r * (b - a) for r, a, b in zip(rates, edges, edges[1:], strict=False)) == pytest.approx(
+        snaps[-1].skipped_steps)
+    few = snaps[:50]
+    assert _skip_rates(few) == ([s.skip_rate for s in few], [0, *(s.step for s in few)], 1)
