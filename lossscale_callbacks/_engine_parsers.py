@@ -117,6 +117,8 @@ class MegatronParser(_Parser):
         self.disagreements = 0
         self.disagree: list[str] = []  # the first few, in words
         self.settings: dict[str, float] = {}
+        self._last_key: tuple[str, ...] | None = None
+        self.repeated = 0
 
     def feed(self, line: str) -> bool:
         if "loss scale:" not in line:
@@ -137,10 +139,18 @@ class MegatronParser(_Parser):
             return False
         self.lines += 1
         nan_match = _NAN(line)  # printed since 2020; older logs lack it
+        # The same iteration line again (two log handlers, several ranks printing): read once, or its
+        # skipped iterations would count twice and every copy would look like a restart.
+        nan_text = nan_match["nan"] if nan_match else None
+        key = (iteration["iteration"], scale["scale"], skipped_match["skipped"], nan_text)
+        if key == self._last_key:
+            self.repeated += 1
+            return True
+        self._last_key = key
         skipped = int(skipped_match["skipped"])
         if skipped:
             self.skipped += skipped
-        nan = int(nan_match["nan"]) if nan_match else 0
+        nan = int(nan_text) if nan_text is not None else 0
         if nan > skipped:
             self.disagreements += 1
             if len(self.disagree) < _QUOTED:
@@ -162,6 +172,10 @@ class MegatronParser(_Parser):
         notes = ["Megatron prints the skipped iterations of each log interval: the cumulative count is their "
                  "sum over this log (skips before its first line, in a resumed run, are not known), and "
                  "which iterations of an interval were skipped is not known"]
+        if self.repeated:
+            notes.append(f"{self.repeated} iteration line(s) repeated the one before them (the same "
+                         "iteration, scale and counts: two log handlers, or several ranks printing): "
+                         "read once")
         findings = []
         if self.disagreements:
             findings.append(

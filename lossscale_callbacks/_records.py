@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-import os
+import math
 import tempfile
 from array import array
 from collections.abc import Iterator
@@ -48,8 +48,10 @@ class Records:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.width = width
         self._buffer = array("d")
-        self._limit = in_memory * width  # numbers in the buffer before it is written out
+        self._limit: float = in_memory * width  # numbers in the buffer before it is written out
+        self._chunk = in_memory * width * 8  # bytes read back at a time: whole records
         self._file: BinaryIO | None = None
+        self._written = 0  # bytes of whole records in the file
         self._count = 0
 
     def add(self, *values: float) -> None:
@@ -67,29 +69,32 @@ class Records:
         if len(self._buffer) % self.width:
             raise ValueError(f"a record of {self.width} numbers was added with another number of them")
         if self._file is None:
-            try:
-                self._file = tempfile.TemporaryFile(prefix="lossscale-records-")
+            try:  # unbuffered: a write that fails fails here, not at a later flush
+                self._file = tempfile.TemporaryFile(prefix="lossscale-records-", buffering=0)
             except OSError:  # no writable temporary folder: the records stay in memory
-                self._limit *= 2
+                self._limit = math.inf
                 return
-        self._file.seek(0, os.SEEK_END)
-        self._buffer.tofile(self._file)
+        try:
+            self._file.seek(self._written)
+            self._buffer.tofile(self._file)
+        except OSError:  # the temporary folder is full: what was written stays, the rest in memory
+            self._limit = math.inf
+            return
+        self._written += len(self._buffer) * 8
         del self._buffer[:]
 
     def __iter__(self) -> Iterator[tuple[float, ...]]:
-        """The records in the order added, each a tuple of ``width`` floats."""
+        """The records in the order added, each a tuple of ``width`` floats. Each iteration reads the file
+        from its own position, so two may run at once."""
         width = self.width
-        if self._file is not None:
-            file, size = self._file, self._limit * 8
-            file.flush()
-            file.seek(0)
-            try:
-                while chunk := file.read(size):
-                    values = array("d")
-                    values.frombytes(chunk)
-                    yield from zip(*[iter(values)] * width, strict=True)
-            finally:
-                file.seek(0, os.SEEK_END)
+        offset = 0
+        while self._file is not None and offset < self._written:
+            self._file.seek(offset)
+            chunk = self._file.read(min(self._chunk, self._written - offset))
+            offset += len(chunk)
+            values = array("d")
+            values.frombytes(chunk)
+            yield from zip(*[iter(values)] * width, strict=True)
         yield from zip(*[iter(self._buffer)] * width, strict=True)
 
     def close(self) -> None:
@@ -97,5 +102,6 @@ class Records:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._written = 0
         self._buffer = array("d")
         self._count = 0

@@ -296,6 +296,9 @@ def _listed(sentences: Sequence[str], limit: int = 3) -> str:
     return "; ".join(sentences[:limit]) + ("; ..." if len(sentences) > limit else "")
 
 
+_NAMED = 5  # earlier segments named in the text (all of them in the JSON)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunReport:
     """What ``lossscale-callbacks report`` says about one run.
@@ -374,10 +377,14 @@ class RunReport:
         if len(self.segments) < 2:
             return []
         latest, earlier = self.segments[-1], self.segments[:-1]
+        # The first few and the last, however many (a log with each line printed twice restarts at each).
+        named = [segment.words() for segment in (earlier if len(earlier) <= _NAMED else
+                                                 (*earlier[:_NAMED - 1], earlier[-1]))]
+        if len(earlier) > _NAMED:
+            named.insert(_NAMED - 1, f"... {len(earlier) - _NAMED} more ...")
         return [f"Restarts: the step count went back {len(earlier)} time(s) (an old checkpoint loaded, or "
                 f"a new scaler); reported here is the latest segment ({latest.index}, steps "
-                f"{latest.first_step} to {latest.last_step}). Earlier: "
-                + "; ".join(segment.words() for segment in earlier) + "."]
+                f"{latest.first_step} to {latest.last_step}). Earlier: " + "; ".join(named) + "."]
 
     def _health_line(self) -> str:
         if self.healthy and self.skipped_steps is None:
@@ -425,7 +432,7 @@ class _Judged:
     count: int
     lowest: float
     highest: float
-    monitor: HealthMonitor
+    monitor: HealthMonitor | None  # let go once a later segment is judged
     verdicts: list[Verdict]
     forensics: Any
     skips_logged: bool
@@ -499,9 +506,19 @@ def _replayed_states(points: Iterable[tuple[int, float, int]]) -> Iterator[LossS
 def _judge_replayed(run: ReplayedRun, min_scale: float, growth_interval: int | None,
                     rules: Sequence[Rule] | None) -> list[_Judged]:
     """Every log point of a replayed run judged at full resolution, segment by segment, none kept."""
-    return [_judge_snapshots(map(MetricsTracker(min_scale=min_scale).observe, _replayed_states(points)),
-                             growth_interval, rules)
-            for _, points in itertools.groupby(run.replay(), key=_Restarts())]
+    judged: list[_Judged] = []
+    for _, points in itertools.groupby(run.replay(), key=_Restarts()):
+        _done(judged)
+        judged.append(_judge_snapshots(map(MetricsTracker(min_scale=min_scale).observe,
+                                           _replayed_states(points)), growth_interval, rules))
+    return judged
+
+
+def _done(judged: list[_Judged]) -> None:
+    """Let the last segment's health monitor go (its window of snapshots) when another segment follows:
+    only the latest segment's assessment is read, so a run of many restarts keeps one window."""
+    if judged:
+        judged[-1].monitor = None
 
 
 def _ranks_verdicts(points: Points) -> list[Verdict]:
@@ -552,10 +569,14 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
         raise NoLossScaleError(f"{path}: the {prefix}{m.SCALE} series holds no loss scale")
     used_min = _min_scale_of(series, prefix, min_scale)
     if replayed is None:
-        judged = [_judge(segment, prefix, used_min, rules) for segment in split_segments(series, prefix)]
+        judged = []
+        for segment in split_segments(series, prefix):
+            _done(judged)
+            judged.append(_judge(segment, prefix, used_min, rules))
     else:  # a long run's series are thinned: its every log point is replayed to be judged
         judged = _judge_replayed(replayed, used_min, _growth_interval_of(series, prefix), rules)
     latest = judged[-1]
+    assert latest.monitor is not None  # only earlier segments' monitors are let go
     last = latest.last
     upper = series.get(prefix + MAX_SCALE)
     return RunReport(

@@ -5,9 +5,10 @@ draw is this. Up to ``limit`` log points, every one is kept. Past that, consecut
 taken in stretches and each stretch keeps two: the one with the lowest scale (a back-off stays in
 the picture) and its last one (where the scale and the skipped count stood). When the stretches
 number more than ``limit``, neighbours are merged, so a stretch doubles in length each time the run
-does: at most ``2 * limit`` points are kept however long the run (and the first point of each
-segment). A stretch never spans a restart (the step going back), and each segment keeps its first
-point, so the kept series are cut into the same segments as the whole run.
+does: at most ``2 * limit`` points are kept however long the run, and up to three a segment more.
+A stretch never spans a restart (the step going back), and each segment keeps its first point, so
+the kept series are cut into the same segments as the whole run; what grows is therefore one stretch
+per restart.
 
 The cumulative skipped count is exact at every kept point; the skip rate between two kept points is
 the rate over the log points between them.
@@ -36,7 +37,7 @@ _SEGMENT, _SIZE, _LOW, _LAST, _FIRST = range(5)
 
 
 class ThinnedRun:
-    """Log points ``(step, scale, cumulative skipped)`` in, at most ``2 * limit`` of them kept.
+    """Log points ``(step, scale, cumulative skipped)`` in; at most ``2 * limit`` kept, and three a segment.
 
     Args:
         limit: stretches kept before neighbours merge, an integer >= 2 (default :data:`LIMIT`).
@@ -75,11 +76,15 @@ class ThinnedRun:
                 return
         starts = not stretches or restarted  # the segment's first point: kept, so the restart shows
         stretches.append([self._segment, 1, point, point, point if starts else None])
-        if len(stretches) > self.limit:
+        # Each segment has a stretch of its own whatever the limit (merges never cross a restart): only
+        # the stretches beyond one a segment count, so a log of many restarts (each line printed twice)
+        # keeps a stretch per segment instead of merging in vain at every point.
+        if len(stretches) - self._segment - 1 > self.limit:
             self._merge()
 
     def _merge(self) -> None:
-        """Neighbours of one segment merged in pairs: the stretches halve, each twice as long."""
+        """Neighbours of one segment merged in pairs: the stretches beyond one a segment halve, each twice as
+        long (called when they number more than ``limit``, so at least one pair merges)."""
         merged: list[list] = []
         stretches = self._stretches
         i = 0

@@ -109,6 +109,17 @@ def test_megatron_arguments_and_a_line_from_before_nan_iterations():
     assert (trajectory.growth_interval, trajectory.min_scale) == (1000, 1.0)
 
 
+def test_a_megatron_line_printed_twice_is_read_once():
+    """Two log handlers (or several ranks) print each iteration line twice: read once, the skips counted
+    once and no restart at each copy; the same iteration with other counts is no copy."""
+    line = (" [2026-08-22 15:22:22] iteration      {}/    1000 | loss scale: 4096.0 | number of skipped "
+            "iterations: {:3d} | number of nan iterations:   0 |")
+    lines = [line.format(*at) for at in ((10, 2), (10, 2), (20, 1), (20, 1), (20, 1), (20, 3))]
+    trajectory = _points(MegatronParser(), lines)
+    assert trajectory.points == [(10, 4096.0, 2), (20, 4096.0, 3), (20, 4096.0, 6)] and trajectory.lines == 6
+    assert "3 iteration line(s) repeated the one before them" in " ".join(trajectory.notes)
+
+
 @pytest.mark.parametrize("line", [
     "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1024, lowering to 512",
     " iteration      100/    1000 | loss scale: 131072.0 | skipped: 3 |",

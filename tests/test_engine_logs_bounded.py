@@ -52,6 +52,53 @@ def test_records_stay_in_memory_where_no_temporary_file_can_be_made(monkeypatch)
     assert list(records) == [(float(i), float(i * 2)) for i in range(9)] and records._file is None
 
 
+def test_two_readings_of_spilled_records_at_once_each_see_them_all():
+    records = Records(1, in_memory=2)
+    for i in range(7):
+        records.add(i)
+    first = iter(records)
+    assert [next(first), next(first)] == [(0.0,), (1.0,)]
+    assert [r for (r,) in records] == list(range(7))  # a whole reading between
+    assert [r for (r,) in first] == [2, 3, 4, 5, 6]
+    assert [(a, b) for (a,), (b,) in zip(records, records, strict=True)] == [(i, i) for i in range(7)]
+
+
+class _FillsUp:
+    """A temporary file that takes ``room`` bytes, then fails as a full disk does."""
+
+    def __init__(self, room):
+        self.data, self.room, self.at = bytearray(), room, 0
+
+    def seek(self, offset, whence=0):
+        self.at = offset
+        return offset
+
+    def write(self, data):
+        data = bytes(data)
+        if self.at + len(data) > self.room:
+            self.data[self.at:] = data[: self.room - self.at]  # a partial write, then the error
+            raise OSError(28, "No space left on device")
+        self.data[self.at:self.at + len(data)] = data
+        self.at += len(data)
+        return len(data)
+
+    def read(self, size):
+        out = bytes(self.data[self.at:self.at + size])
+        self.at += len(out)
+        return out
+
+    def close(self):
+        pass
+
+
+def test_records_keep_what_a_full_temporary_folder_refuses_in_memory(monkeypatch):
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda **kwargs: _FillsUp(room=5 * 16 + 3))
+    records = Records(2, in_memory=2)
+    for i in range(11):
+        records.add(i, -i)
+    assert list(records) == [(float(i), float(-i)) for i in range(11)]  # none lost, none garbled
+
+
 @pytest.mark.parametrize(("name", "value"),
                          [("width", 0), ("width", 1.5), ("in_memory", 0), ("in_memory", True)])
 def test_records_refuse_a_width_or_bound_that_is_no_count(name, value):
@@ -113,6 +160,29 @@ def test_thinning_keeps_each_segments_lowest_and_last_points_and_at_most_twice_i
     for whole, part in zip(_cut(points), _cut(kept), strict=True):
         assert all(p in whole for p in part) and part[-1] == whole[-1]
         assert min(scale for _, scale, _ in part) == min(scale for _, scale, _ in whole)
+
+
+def test_thinning_a_log_that_restarts_at_every_other_line_stays_linear():
+    """Each line printed twice (two log handlers): a restart at each repeat, more segments than the limit. The
+    stretches beyond one a segment decide the merges, so none is tried in vain (it was quadratic)."""
+    thinned = ThinnedRun(limit=4)
+    for i in range(40_000):
+        thinned.add(i // 2, 8.0, 0)
+    for step in range(100_000, 100_100):  # a long segment after them is still thinned as one
+        thinned.add(step, 4.0, 0)
+    kept = thinned.series()[m.SCALE]
+    assert thinned._width <= 64 and len(kept) < 40_100
+    assert "of 40100 log points kept" in thinned.words()
+    assert len(_cut([(s, v, 0) for s, v in kept])) == 20_001
+
+
+def test_a_run_of_many_restarts_names_a_few_of_them_in_its_text():
+    points = [(step, 8.0, 0) for _ in range(300) for step in (1, 2)]  # 300 segments
+    report = build_report("run", _replayed(points, 8))
+    assert len(report.segments) == 300
+    line = next(line for line in report.text().splitlines() if line.startswith("Restarts"))
+    assert "went back 299 time(s)" in line and "... 294 more ..." in line and len(line) < 1200
+    assert _said(report) == _said(build_report("run", _whole(points)))
 
 
 def test_thinning_is_said_and_refuses_a_limit_below_two():
