@@ -117,7 +117,8 @@ class MegatronParser(_Parser):
         self.disagreements = 0
         self.disagree: list[str] = []  # the first few, in words
         self.settings: dict[str, float] = {}
-        self._last_key: tuple[str, ...] | None = None
+        self._last_key: tuple[str | None, ...] | None = None
+        self._last_step = -1
         self.repeated = 0
 
     def feed(self, line: str) -> bool:
@@ -147,6 +148,10 @@ class MegatronParser(_Parser):
             self.repeated += 1
             return True
         self._last_key = key
+        step = int(iteration["iteration"])
+        if step <= self._last_step:  # the iteration went back: a new run in the same log counts its own skips
+            self.skipped = 0
+        self._last_step = step
         skipped = int(skipped_match["skipped"])
         if skipped:
             self.skipped += skipped
@@ -159,7 +164,7 @@ class MegatronParser(_Parser):
         text = scale["scale"]
         if text != self._scale_text:
             self._scale_text, self._scale = text, float(text)
-        self.records.add(int(iteration["iteration"]), self._scale, self.skipped)
+        self.records.add(step, self._scale, self.skipped)
         return True
 
     def _replay(self) -> Iterator[Point]:
@@ -170,8 +175,8 @@ class MegatronParser(_Parser):
         if not self.records:
             return None
         notes = ["Megatron prints the skipped iterations of each log interval: the cumulative count is their "
-                 "sum over this log (skips before its first line, in a resumed run, are not known), and "
-                 "which iterations of an interval were skipped is not known"]
+                 "sum over this log, from where the iteration last went back (skips before that, in a "
+                 "resumed run, are not known), and which iterations of an interval were skipped is not known"]
         if self.repeated:
             notes.append(f"{self.repeated} iteration line(s) repeated the one before them (the same "
                          "iteration, scale and counts: two log handlers, or several ranks printing): "

@@ -116,8 +116,22 @@ def test_a_megatron_line_printed_twice_is_read_once():
             "iterations: {:3d} | number of nan iterations:   0 |")
     lines = [line.format(*at) for at in ((10, 2), (10, 2), (20, 1), (20, 1), (20, 1), (20, 3))]
     trajectory = _points(MegatronParser(), lines)
-    assert trajectory.points == [(10, 4096.0, 2), (20, 4096.0, 3), (20, 4096.0, 6)] and trajectory.lines == 6
+    assert trajectory.points == [(10, 4096.0, 2), (20, 4096.0, 3), (20, 4096.0, 3)] and trajectory.lines == 6
     assert "3 iteration line(s) repeated the one before them" in " ".join(trajectory.notes)
+
+
+def test_two_megatron_logs_joined_count_each_runs_skips_from_its_start(tmp_path):
+    """``cat run1.log run2.log``: the iteration goes back to 10, where the second run's count starts (it
+    failed before: 6 skipped steps at step 10 of a run of 10 steps)."""
+    from lossscale_callbacks._run_report import build_report
+
+    line = " iteration {:8d}/     100 | loss scale: 1024.0 | number of skipped iterations: {:3d} |"
+    lines = [line.format(step, 3) for step in (10, 20)] + [line.format(step, 1) for step in (10, 20, 30)]
+    assert _points(MegatronParser(), lines).points == [(10, 1024.0, 3), (20, 1024.0, 6), (10, 1024.0, 1),
+                                                       (20, 1024.0, 2), (30, 1024.0, 3)]
+    (tmp_path / "joined.log").write_text("\n".join(lines) + "\n")
+    report = build_report("joined.log", read_run(str(tmp_path / "joined.log")))
+    assert (report.steps, report.skipped_steps, len(report.segments)) == (30, 3, 2)
 
 
 @pytest.mark.parametrize("line", [
