@@ -14,7 +14,7 @@ The cumulative skipped count is exact at every kept point; the skip rate between
 the rate over the log points between them.
 
 Example:
-    >>> thinned = ThinnedRun(limit=4)
+    >>> thinned = ThinnedRun(limit=2)
     >>> for step, scale in enumerate([8.0, 4.0, 8.0, 8.0, 2.0, 4.0, 4.0, 4.0, 4.0, 4.0], start=1):
     ...     thinned.add(step, scale, 10 - step)
     >>> thinned.series()["loss_scale/scale"]
