@@ -130,7 +130,7 @@ def _read_log(path: str) -> RunSeries:
     said = [read, *trajectory.findings, *others]
     said += [words for words in (lines.unknown_words(), lines.truncated) if words]
     series, thinning = _thinned(trajectory)
-    return ReplayedRun(series, trajectory.replay, trajectory.count, notes=[*said, *filter(None, [thinning])])
+    return ReplayedRun(series, trajectory.replay, notes=[*said, *filter(None, [thinning])])
 
 
 def _finite(value: Any) -> bool:

@@ -42,14 +42,13 @@ class Trajectory:
     """What one engine's lines say: log points ``(step, scale, cumulative skipped)``, settings, words.
 
     ``replay`` gives the log points, in order, each time it is called (from the parser's records: a
-    million log points are never held at once); ``count``: how many it gives. ``notes``: what the
-    format leaves out and what was inferred; ``findings``: where the engine's own counters and its log
-    disagree, or the run stopped (each one sentence).
+    million log points are never held at once). ``notes``: what the format leaves out and what was
+    inferred; ``findings``: where the engine's own counters and its log disagree, or the run stopped
+    (each one sentence).
     """
 
     engine: str
     replay: Callable[[], Iterator[Point]]
-    count: int
     lines: int
     notes: list[str] = dataclasses.field(default_factory=list)
     findings: list[str] = dataclasses.field(default_factory=list)
@@ -189,7 +188,7 @@ class MegatronParser(_Parser):
                 "iteration with a NaN loss that was not counted as skipped may have applied NaN gradients "
                 "(as in Megatron-LLM#33 and Megatron-DeepSpeed PR#434)")
         window = self.settings.get("loss_scale_window")
-        return Trajectory(self.engine, self._replay, len(self.records), self.lines, notes, findings,
+        return Trajectory(self.engine, self._replay, self.lines, notes, findings,
                           growth_interval=int(window) if window else None,
                           min_scale=self.settings.get("min_loss_scale"))
 
@@ -287,12 +286,12 @@ class _OverflowParser(_Parser):
         if not self.overflows and self._first_scale() is None:
             return None  # progress lines alone, with no scale printed nor configured
         if self.progress:
-            replay, count, steps_known = self._progress_points, len(self.progress), True
+            replay, steps_known = self._progress_points, True
             notes = self._progress_notes()
         else:
-            replay, count, steps_known = self._overflow_points, len(self.overflows), False
+            replay, steps_known = self._overflow_points, False
             notes = [self._unknown_steps_note()]
-        return Trajectory(self.engine, replay, count, self.lines, notes,
+        return Trajectory(self.engine, replay, self.lines, notes,
                           self._common_findings() + self._findings(),
                           growth_interval=self.window if self.progress else None, min_scale=self.min_scale,
                           steps_known=steps_known)

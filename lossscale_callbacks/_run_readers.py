@@ -280,17 +280,16 @@ class ReplayedRun(RunSeries):
 
     Example:
         >>> run = ReplayedRun({"loss_scale/scale": [(1, 8.0)], "loss_scale/skipped_steps": [(1, 0.0)]},
-        ...                   replay=lambda: iter([(1, 8.0, 0)]), log_points=1)
-        >>> list(run.replay()), run.log_points
-        ([(1, 8.0, 0)], 1)
+        ...                   replay=lambda: iter([(1, 8.0, 0)]))
+        >>> list(run.replay())
+        [(1, 8.0, 0)]
     """
 
     def __init__(self, series: Mapping[str, list[tuple[int, float]]],
-                 replay: Callable[[], Iterable[tuple[int, float, int]]], log_points: int,
+                 replay: Callable[[], Iterable[tuple[int, float, int]]],
                  damage: Iterable[str] = (), notes: Iterable[str] = ()) -> None:
         super().__init__(series, damage=damage, notes=notes)
         self.replay = replay
-        self.log_points = log_points
 
 
 def ended_inside_record(path: str, offset: int, records_before: int) -> str:

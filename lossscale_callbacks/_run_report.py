@@ -504,21 +504,22 @@ def _replayed_states(points: Iterable[tuple[int, float, int]]) -> Iterator[LossS
 
 
 def _judge_replayed(run: ReplayedRun, min_scale: float, growth_interval: int | None,
-                    rules: Sequence[Rule] | None) -> list[_Judged]:
+                    rules: Sequence[Rule] | None) -> Iterator[_Judged]:
     """Every log point of a replayed run judged at full resolution, segment by segment, none kept."""
-    judged: list[_Judged] = []
     for _, points in itertools.groupby(run.replay(), key=_Restarts()):
-        _done(judged)
-        judged.append(_judge_snapshots(map(MetricsTracker(min_scale=min_scale).observe,
-                                           _replayed_states(points)), growth_interval, rules))
+        yield _judge_snapshots(map(MetricsTracker(min_scale=min_scale).observe, _replayed_states(points)),
+                               growth_interval, rules)
+
+
+def _in_turn(segments: Iterable[_Judged]) -> list[_Judged]:
+    """The segments judged one after another, each earlier one's health monitor (its window of snapshots)
+    let go: only the latest segment's assessment is read, so a run of many restarts keeps two windows."""
+    judged: list[_Judged] = []
+    for segment in segments:
+        if judged:
+            judged[-1].monitor = None
+        judged.append(segment)
     return judged
-
-
-def _done(judged: list[_Judged]) -> None:
-    """Let the last segment's health monitor go (its window of snapshots) when another segment follows:
-    only the latest segment's assessment is read, so a run of many restarts keeps one window."""
-    if judged:
-        judged[-1].monitor = None
 
 
 def _ranks_verdicts(points: Points) -> list[Verdict]:
@@ -560,21 +561,17 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
     """
     prefix = _find_prefix(series)
     replayed = series if isinstance(series, ReplayedRun) else None
-    if replayed is None:
-        _checked_scale(series, prefix)
     series, damage = dict(series), list(damage)
-    if replayed is None:
+    if replayed is None:  # a replayed run's scales are checked as they are replayed; it has no bounds
+        _checked_scale(series, prefix)
         _drop_out_of_bounds(series, prefix, damage)
     if not series[prefix + m.SCALE]:
         raise NoLossScaleError(f"{path}: the {prefix}{m.SCALE} series holds no loss scale")
     used_min = _min_scale_of(series, prefix, min_scale)
-    if replayed is None:
-        judged = []
-        for segment in split_segments(series, prefix):
-            _done(judged)
-            judged.append(_judge(segment, prefix, used_min, rules))
-    else:  # a long run's series are thinned: its every log point is replayed to be judged
-        judged = _judge_replayed(replayed, used_min, _growth_interval_of(series, prefix), rules)
+    judged = _in_turn(
+        (_judge(segment, prefix, used_min, rules) for segment in split_segments(series, prefix))
+        if replayed is None else  # a long run's series are thinned: its every log point is replayed
+        _judge_replayed(replayed, used_min, _growth_interval_of(series, prefix), rules))
     latest = judged[-1]
     assert latest.monitor is not None  # only earlier segments' monitors are let go
     last = latest.last

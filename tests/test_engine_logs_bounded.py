@@ -206,7 +206,7 @@ def _replayed(points, limit, growth_interval=None, min_scale=None):
         series[GROWTH_INTERVAL] = [(points[0][0], float(growth_interval))]
     if min_scale:
         series[MIN_SCALE] = [(points[0][0], float(min_scale))]
-    return ReplayedRun(series, lambda: iter(points), len(points))
+    return ReplayedRun(series, lambda: iter(points))
 
 
 def _whole(points, growth_interval=None, min_scale=None):
