@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -165,10 +166,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     empty.mkdir()
     corrupt_tb = tmp_path / "corrupt_tb"
     corrupt_tb.mkdir()
-    (corrupt_tb / "events.out.tfevents.1.host").write_bytes(os.urandom(300))
+    (corrupt_tb / "events.out.tfevents.1.host").write_bytes(random.Random(3).randbytes(300))
     corrupt_wandb = tmp_path / "offline-run-20250101_000000-abc"
     corrupt_wandb.mkdir()
-    (corrupt_wandb / "run-abc.wandb").write_bytes(b":W&B\xe1\xbe\x00" + os.urandom(300))
+    # A chunk header of a kind no writer uses (9): corrupt, not a copy cut short (random bytes would be
+    # the latter now and then, see test_wandb_sink.test_reader_errors).
+    (corrupt_wandb / "run-abc.wandb").write_bytes(b":W&B\xe1\xbe\x00" + struct.pack("<IHB", 0, 10, 9)
+                                                   + random.Random(3).randbytes(293))
     not_a_run = tmp_path / "notes.txt"
     not_a_run.write_text("hello")
     no_scale = tmp_path / "no_scale"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import warnings
@@ -262,7 +263,7 @@ def test_reader_errors(tmp_path):
     with pytest.raises(RunReadError, match="no TensorBoard run"):
         read_run(str(tmp_path))
     bad = tmp_path / "events.out.tfevents.1.host"
-    bad.write_bytes(os.urandom(200))
+    bad.write_bytes(random.Random(5).randbytes(200))
     with pytest.raises(RunReadError, match="corrupt"):
         read_run(str(tmp_path))
 

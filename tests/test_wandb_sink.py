@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -290,10 +292,25 @@ def test_reader_errors(tmp_path):
     with pytest.raises(RunReadError, match="no W&B run"):
         read_run(str(tmp_path))
     bad = tmp_path / "run-x.wandb"
-    for _ in range(20):  # random bytes after a valid header
-        bad.write_bytes(b":W&B\xe1\xbe\x00" + os.urandom(100))
-        with pytest.raises(RunReadError, match="corrupt"):
+    header = b":W&B\xe1\xbe\x00"
+    rng = random.Random(7)
+    for _ in range(200):  # random bytes after a valid header (seeded: the same bytes every run)
+        tail = rng.randbytes(100)
+        bad.write_bytes(header + tail)
+        # A random chunk header with a known kind (1 to 4) and a length that fits the 32 KiB block but
+        # runs past the end of the file is what a copy cut short looks like, and is named so; anything
+        # else is corrupt.
+        _, length, kind = struct.unpack_from("<IHB", tail)
+        cut_short = kind in (1, 2, 3, 4) and len(tail) - 7 < length <= 32 * 1024 - 7 - 7
+        with pytest.raises(RunReadError, match="not one whole record" if cut_short else "corrupt"):
             read_run(str(bad))
+    # Both kinds on purpose: a FULL chunk claiming 500 bytes of 93, and a kind no writer uses.
+    bad.write_bytes(header + struct.pack("<IHB", 0, 500, 1) + bytes(93))
+    with pytest.raises(RunReadError, match="not one whole record"):
+        read_run(str(bad))
+    bad.write_bytes(header + struct.pack("<IHB", 0, 10, 9) + bytes(93))
+    with pytest.raises(RunReadError, match="corrupt W&B run file \\(bad chunk header"):
+        read_run(str(bad))
     good = _one_run(tmp_path / "good")
     data = bytearray(good.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle
