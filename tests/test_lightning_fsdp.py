@@ -1,8 +1,8 @@
 """FSDP with 2 CPU processes (gloo), with the Trainer and with Fabric: one skip decision for all shards.
 
-Each run is ``tests/lightning_scripts/fsdp_runs.py`` in its own process (Lightning launches rank 1 by
-re-running the script). Rank 1 gets an Inf in its own shard of a gradient at global steps 1 and 3,
-after FSDP's reduce-scatter, where rank 0 cannot see it.
+Every run is ``tests/lightning_scripts/fsdp_runs.py``, all modes in one launch of two processes
+(Lightning launches rank 1 by re-running the script). Rank 1 gets an Inf in its own shard of a gradient
+at global steps 1 and 3, after FSDP's reduce-scatter, where rank 0 cannot see it.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("MASTER_PORT", None)
+    # One launch for every mode, in order (the resumed modes read the checkpoints of the modes before).
+    proc = subprocess.run([sys.executable, SCRIPT, str(out), *MODES], env=env, capture_output=True,
+                          text=True, timeout=480)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = {}
-    for mode in MODES:  # in order: the resumed runs read the checkpoints of the runs before them
-        proc = subprocess.run([sys.executable, SCRIPT, str(out), mode], env=env, capture_output=True,
-                              text=True, timeout=240)
-        assert proc.returncode == 0, f"{mode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    for mode in MODES:
         for rank in (0, 1):
             with open(out / f"{mode}_rank{rank}.json") as f:
                 results[mode, rank] = json.load(f)

@@ -1,14 +1,16 @@
 """FSDP on 2 CPU processes (gloo), with the Trainer and with Fabric, an Inf injected on rank 1 only.
 
-Run by ``tests/test_lightning_fsdp.py`` as a subprocess (Lightning launches rank 1 by re-running this
-script). The Inf goes into rank 1's shard of a gradient after FSDP's reduce-scatter, where rank 0 cannot
-see it: only an all-reduced overflow flag makes both ranks skip.
+Run by ``tests/test_lightning_fsdp.py`` as one subprocess for every mode (Lightning launches rank 1 by
+re-running this script at the first mode; the later Trainers and Fabrics find the process group there
+and launch nothing, so the two interpreters start once, not once a mode). The Inf goes into rank 1's
+shard of a gradient after FSDP's reduce-scatter, where rank 0 cannot see it: only an all-reduced
+overflow flag makes both ranks skip.
 
 Lightning refuses ``strategy="fsdp"`` without a GPU, and torch's FSDP needs ``device_id=cpu`` to run on
 the CPU, so the strategies here are FSDP strategy subclasses that wrap the model with that one argument
 added; everything else is Lightning's.
 
-Modes (each writes ``<out>/<mode>_rank<r>.json``):
+Modes (run in the order given; each writes ``<out>/<mode>_rank<r>.json``):
 
 * ``trainer``: ``Trainer(strategy=FSDP, plugins=[LossScaleFSDPPlugin()])`` with ``LossScaleMonitor`` and a
   ``TensorBoardLogger``; ``ModelCheckpoint`` writes ``<out>/epoch=0.ckpt`` at the end of the first
@@ -23,7 +25,7 @@ Modes (each writes ``<out>/<mode>_rank<r>.json``):
 * ``fabric_resumed``: the same run resumed from ``fabric_ckpt``.
 * ``fabric_stock``: Fabric's own ``FSDPPrecision`` with a CPU ``ShardedGradScaler``, read by the monitor.
 
-Usage: python fsdp_runs.py OUT_DIR MODE [--steps 5] [--inject-steps 1,3] [--checkpoint-step 3]
+Usage: python fsdp_runs.py OUT_DIR MODE [MODE ...] [--steps 5] [--inject-steps 1,3] [--checkpoint-step 3]
 """
 
 from __future__ import annotations
@@ -204,18 +206,24 @@ def run_fabric(mode: str, out: str, steps: int, inject_steps: list[int], checkpo
         json.dump(result, f)
 
 
+MODES = ("trainer", "trainer_resumed", "trainer_unsynced", "trainer_stock", "fabric", "fabric_resumed",
+         "fabric_stock")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("mode", choices=["trainer", "trainer_resumed", "trainer_unsynced", "trainer_stock",
-                                         "fabric", "fabric_resumed", "fabric_stock"])
+    parser.add_argument("modes", nargs="+", choices=MODES,
+                        help="run in this order: a resumed mode reads what its mode before wrote")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--inject-steps", default="1,3", help="comma-separated global steps")
     parser.add_argument("--checkpoint-step", type=int, default=3)
     args = parser.parse_args()
     inject_steps = [int(s) for s in args.inject_steps.split(",")]
-    run = run_fabric if args.mode.startswith("fabric") else run_trainer
-    run(args.mode, args.out, args.steps, inject_steps, args.checkpoint_step)
+    for mode in args.modes:
+        print(f"[fsdp_runs] {mode}", flush=True)  # which mode a failure belongs to
+        run = run_fabric if mode.startswith("fabric") else run_trainer
+        run(mode, args.out, args.steps, inject_steps, args.checkpoint_step)
     tiny.exit_cleanly()
 
 
