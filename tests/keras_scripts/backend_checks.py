@@ -4,15 +4,16 @@ Run by ``tests/test_keras_backends.py`` once per backend, each in its own proces
 backend at import): ``KERAS_BACKEND=jax python backend_checks.py OUT_DIR``.
 
 Checks: the core rule in ``keras.ops`` against the NumPy reference (all conformance cases; jitted on
-JAX), the tf.keras documentation's ``minimize`` (0.5) and tape-style (0.25) examples, ``fit`` with
-``LossScaleCallback`` and a batch holding an Inf (the step skipped, weights and optimizer slots
-bit-identical, the metrics in ``logs`` and TensorBoard), ``model.save``/``load_model`` resuming the
-state, ``read_state()`` as one conversion of the stacked state, and the alignment check's answer on this
-backend.
+JAX, traced on TensorFlow with each case's start also eagerly, eager on torch), the tf.keras
+documentation's ``minimize`` (0.5) and tape-style (0.25) examples, ``fit`` with ``LossScaleCallback`` and
+a batch holding an Inf (the step skipped, weights and optimizer slots bit-identical, the metrics in
+``logs`` and TensorBoard), ``model.save``/``load_model`` resuming the state, ``read_state()`` as one
+conversion of the stacked state, and the alignment check's answer on this backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -26,9 +27,28 @@ from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._update import initial_state, next_state
 from lossscale_callbacks.keras import LossScaleCallback, LossScaleOptimizer
 from lossscale_callbacks.keras._keras_ops import KERAS_OPS
-from lossscale_callbacks.testing import assert_conforms, conformance_cases
+from lossscale_callbacks.testing import ConformanceCase, assert_conforms, conformance_cases
 
 BACKEND = keras.backend.backend()
+
+
+# TensorFlow runs each eager keras op at about 50 us: all 28,000 steps eagerly took 29 s of this script. There
+# the whole cases run traced (tf.function and tf.scan: the way fit runs the rule) and each case's first
+# EAGER_STEPS steps eagerly (a custom training loop's way); torch has no cheap trace and runs them all.
+EAGER_STEPS = 150
+
+
+def _prefix(case: ConformanceCase, steps: int) -> ConformanceCase:
+    expected = LossScaleState(*(np.asarray(f)[:steps] for f in case.expected))
+    return dataclasses.replace(case, finite=case.finite[:steps], expected=expected)
+
+
+def _eager(case: ConformanceCase) -> LossScaleState:
+    state, rows = initial_state(case.policy, KERAS_OPS), []
+    for flag in case.finite:
+        state = next_state(case.policy, state, bool(flag), KERAS_OPS)
+        rows.append([np.asarray(ops.convert_to_numpy(x)) for x in state])
+    return LossScaleState(*(np.stack(col) for col in zip(*rows, strict=True)))
 
 
 def conformance() -> int:
@@ -49,12 +69,21 @@ def conformance() -> int:
 
             states = run(np.asarray(case.finite))
             actual = LossScaleState(*(np.asarray(x) for x in states))
+        elif BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            policy = case.policy
+
+            @tf.function
+            def run(finite, policy=policy):
+                return tf.scan(lambda state, flag: next_state(policy, state, flag, KERAS_OPS), finite,
+                               initializer=initial_state(policy, KERAS_OPS))
+
+            actual = LossScaleState(*(np.asarray(x) for x in run(tf.constant(case.finite, dtype=tf.bool))))
+            prefix = _prefix(case, EAGER_STEPS)
+            assert_conforms(prefix, _eager(prefix))
         else:
-            state, rows = initial_state(case.policy, KERAS_OPS), []
-            for flag in case.finite:
-                state = next_state(case.policy, state, bool(flag), KERAS_OPS)
-                rows.append([np.asarray(ops.convert_to_numpy(x)) for x in state])
-            actual = LossScaleState(*(np.stack(col) for col in zip(*rows, strict=True)))
+            actual = _eager(case)
         assert_conforms(case, actual)
     return len(cases)
 
