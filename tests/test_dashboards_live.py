@@ -104,31 +104,44 @@ def _free_port() -> int:
 
 
 def _get(url: str):
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read().decode())
+
+
+def _start(logdir) -> tuple[subprocess.Popen, str]:
+    """A stock TensorBoard with its default flags on a free port; its base URL once it lists every run.
+
+    The port is free when chosen and bound seconds later: where something took it meanwhile (the server
+    exits), a new one is chosen, three times at most. A reply slower than ``_get``'s timeout on a busy
+    machine is a reason to ask again, not a failure.
+    """
+    for _ in range(3):
+        port = _free_port()
+        command = [str(Path(sys.executable).with_name("tensorboard")), "--logdir", str(logdir),
+                   "--host", "127.0.0.1", "--port", str(port)]
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if set(RUNS.values()) <= set(_get(f"{base}/data/runs")):
+                    return server, base
+            except (OSError, json.JSONDecodeError):  # not up yet, or slow: URLError and timeouts too
+                pass
+            time.sleep(0.5)
+        server.kill()
+        server.wait(timeout=30)
+        if time.monotonic() >= deadline:
+            pytest.fail("tensorboard never listed the three runs")
+    pytest.fail("tensorboard exited three times (each port taken before it bound it?)")
 
 
 @pytest.fixture(scope="module")
 def tensorboard(logdir):
     """A stock TensorBoard with its default flags; killed by its pid however the tests end."""
-    port = _free_port()
-    command = [str(Path(sys.executable).with_name("tensorboard")), "--logdir", str(logdir),
-               "--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    base = f"http://127.0.0.1:{port}"
+    server, base = _start(logdir)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert server.poll() is None, "tensorboard exited"
-            try:
-                if set(RUNS.values()) <= set(_get(f"{base}/data/runs")):
-                    break
-            except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("tensorboard never listed the three runs")
         yield base
     finally:
         server.kill()
@@ -142,7 +155,7 @@ def _scalars(base: str, run: str, tag: str, expected_points: int | None = None, 
     while time.monotonic() < deadline:
         try:
             points = _get(f"{base}/data/plugin/scalars/scalars?{query}")
-        except urllib.error.HTTPError:
+        except OSError:  # HTTPError (not loaded yet) and a reply slower than the timeout: ask again
             points = []
         if points and (expected_points is None or len(points) >= expected_points):
             break

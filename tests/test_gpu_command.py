@@ -71,18 +71,18 @@ def test_the_dry_run_names_a_part_that_would_not_run(gpu, capsys):
 def test_a_part_that_overruns_is_killed_with_what_it_started(gpu, tmp_path):
     (tmp_path / "logs").mkdir()
     marker = tmp_path / "grandchild-survived"
-    # The part starts a grandchild that would write the marker after 3 s: killing the part's process
-    # group must end it too.
-    grandchild = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    # The part starts a grandchild that would write the marker after 8 s: killing the part's process group
+    # (at 4 s: time enough to start Python and print on a busy machine) must end it too.
+    grandchild = f"import time; time.sleep(8); open({str(marker)!r}, 'w')"
     code = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
             "print('started', flush=True)\ntime.sleep(60)")
-    part = _python_part(gpu, "slow", code, budget_s=1)
+    part = _python_part(gpu, "slow", code, budget_s=4)
     start = time.monotonic()
     result = gpu.run_part(part, Path(sys.executable), time.monotonic() + 100, tmp_path)
     assert time.monotonic() - start < 30
-    assert (result.status, result.ok) == ("timed out after 1 s", False)
+    assert (result.status, result.ok) == ("timed out after 4 s", False)
     assert "started" in result.output
-    time.sleep(4)
+    time.sleep(max(0.0, start + 9.5 - time.monotonic()))  # past the grandchild's 8 s
     assert not marker.exists()
 
 

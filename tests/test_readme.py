@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,13 +132,23 @@ def test_transformers_block(tmp_path, monkeypatch, capsys):
     assert [step for step, _ in scales] == [10, 20, 30, 40] and all(scale > 0 for _, scale in scales)
 
 
-def test_dashboards_block(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    exec(block_after("Dashboards and reports"), {})
+def test_dashboards_block(tmp_path):
+    """In a process of its own, as a user runs it: W&B fixes its folder at its first run in a process,
+    so in this one (where other tests ran W&B first) its run would land in another test's folder."""
+    (tmp_path / "block.py").write_text(block_after("Dashboards and reports"))
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.pop("WANDB_DIR", None)
+    done = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     from lossscale_callbacks.tensorboard._reader import read_run
+    from lossscale_callbacks.wandb._reader import read_run as read_wandb
+    from lossscale_callbacks.wandb._reader import wait_until_finished
 
     assert read_run(str(tmp_path / "runs" / "exp1"))["loss_scale/scale"] == [(1, 1024.0)]
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")  # in the folder the user ran it from
+    wait_until_finished(str(run))
+    assert read_wandb(str(run))["loss_scale/scale"] == [(1, 1024.0)]
 
 
 def test_alignment_block():

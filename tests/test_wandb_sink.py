@@ -140,7 +140,7 @@ def test_an_unreachable_server_means_offline_at_once(tmp_path, no_credentials, m
     with pytest.warns(WandbOfflineWarning, match="cannot be reached") as caught:
         sink.write(1, {m.SCALE: 2.0})
         sink.write(2, {m.SCALE: 4.0})
-    assert time.monotonic() - start < 30 and len(caught) == 1
+    assert time.monotonic() - start < 60 and len(caught) == 1  # not the 90 s of wandb.init's wait
     assert sink.run.settings.mode == "offline"
     sink.close()
     assert read_finished(tmp_path)[m.SCALE] == [(1, 2.0), (2, 4.0)]

@@ -404,7 +404,7 @@ def read_tables(path: str) -> list[tuple[str, int, list[str], list[list[Any]]]]:
     return tables
 
 
-def wait_until_finished(path: str, timeout: float = 15.0) -> RunInfo:
+def wait_until_finished(path: str, timeout: float = 60.0) -> RunInfo:
     """Wait until the run file at ``path`` holds its exit record, and return its :class:`RunInfo`.
 
     ``run.finish()`` returns when W&B's service has the run's last records, which can be a
