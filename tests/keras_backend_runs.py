@@ -1,5 +1,6 @@
-"""Runs a script of ``tests/keras_scripts`` under one Keras backend in its own process (Keras picks its
-backend at import) and returns the JSON line it prints after ``RESULT``; shared by the multi-backend tests.
+"""Runs the scripts of ``tests/keras_scripts`` under one Keras backend in a process of their own (Keras
+picks its backend at import) and returns the JSON line each prints after ``RESULT``; shared by the
+multi-backend tests. The check scripts of a session share one process a backend (``results_per_backend``).
 
 JAX gets two host CPU devices (``XLA_FLAGS``) for ``keras.distribution.DataParallel``.
 """
@@ -31,13 +32,45 @@ def run_backend_script(script: str, backend: str, out: str) -> dict:
     return {**json.loads(line[len("RESULT "):]), "out": str(out)}
 
 
-def results_per_backend(script: str, tmp_path_factory) -> object:
-    """A function ``backend -> results`` that runs ``script`` once per backend and keeps what it said."""
-    cache: dict[str, dict] = {}
+# (backend, script) -> its results, for the whole session: every module's fixture shares the processes.
+_RESULTS: dict[tuple[str, str], dict] = {}
+
+
+def _scripts_asked_for(session: pytest.Session) -> list[str]:
+    """The check scripts of the tests this session runs (each module names its own as ``KERAS_CHECKS``)."""
+    return sorted({item.module.KERAS_CHECKS for item in session.items
+                   if getattr(getattr(item, "module", None), "KERAS_CHECKS", None)})
+
+
+def results_per_backend(request: pytest.FixtureRequest, tmp_path_factory) -> object:
+    """A function ``backend -> results`` of the requesting module's ``KERAS_CHECKS`` script.
+
+    The first time a backend is asked for, one process (``keras_scripts/run_checks.py``) runs every check
+    script that the session's tests ask for under it: Keras and the backend are imported once a backend,
+    not once a script (about 25 s of the suite). Selecting one module's tests runs only its script.
+    """
+    script = request.module.KERAS_CHECKS
 
     def get(backend: str) -> dict:
-        if backend not in cache:
-            cache[backend] = run_backend_script(script, backend, str(tmp_path_factory.mktemp(backend)))
-        return cache[backend]
+        if (backend, script) not in _RESULTS:
+            scripts = [s for s in _scripts_asked_for(request.session) if (backend, s) not in _RESULTS]
+            out = tmp_path_factory.mktemp(backend)
+            for name, result in _run_checks(scripts or [script], backend, str(out)).items():
+                _RESULTS[backend, name] = result
+        return _RESULTS[backend, script]
 
     return get
+
+
+def _run_checks(scripts: list[str], backend: str, out: str) -> dict[str, dict]:
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "run_checks.py"), out, *scripts], env=env,
+                          capture_output=True, text=True, timeout=300 * len(scripts))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, name, payload = line.split(" ", 2)
+            results[name] = {**json.loads(payload), "out": os.path.join(out, os.path.splitext(name)[0])}
+    return results

@@ -25,9 +25,12 @@ from keras_backend_runs import BACKENDS, results_per_backend
 ORDER = ["poisonable", "dense", "poisonable_1", "dense_1"]  # the model's forward order
 
 
+KERAS_CHECKS = "forensics_checks.py"  # run with the other modules' scripts, one process a backend
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return results_per_backend("forensics_checks.py", tmp_path_factory)
+def results(request, tmp_path_factory):
+    return results_per_backend(request, tmp_path_factory)
 
 
 def _tensorboard(run: str) -> tuple[dict[str, list[float]], list[str]]:

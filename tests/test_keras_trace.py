@@ -16,10 +16,12 @@ pytest.importorskip("keras")
 
 from keras_backend_runs import BACKENDS, results_per_backend
 
+KERAS_CHECKS = "trace_checks.py"  # run with the other modules' scripts, one process a backend
+
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return results_per_backend("trace_checks.py", tmp_path_factory)
+def results(request, tmp_path_factory):
+    return results_per_backend(request, tmp_path_factory)
 
 
 @pytest.mark.slow
