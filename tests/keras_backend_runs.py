@@ -21,10 +21,14 @@ BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(importlib.util.find_spec(b)
             for b in ("tensorflow", "jax", "torch")]
 
 
+def _env(backend: str) -> dict[str, str]:
+    return dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+                XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+
 def run_backend_script(script: str, backend: str, out: str) -> dict:
     """``KERAS_BACKEND=<backend> python keras_scripts/<script> <out>``: its results, ``out`` added."""
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = _env(backend)
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), str(out)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -47,7 +51,8 @@ def results_per_backend(request: pytest.FixtureRequest, tmp_path_factory) -> obj
 
     The first time a backend is asked for, one process (``keras_scripts/run_checks.py``) runs every check
     script that the session's tests ask for under it: Keras and the backend are imported once a backend,
-    not once a script (about 25 s of the suite). Selecting one module's tests runs only its script.
+    not once a script (the four scripts on three backends: 205 -> 158 s here). Selecting one module's tests
+    runs only its script.
     """
     script = request.module.KERAS_CHECKS
 
@@ -63,8 +68,7 @@ def results_per_backend(request: pytest.FixtureRequest, tmp_path_factory) -> obj
 
 
 def _run_checks(scripts: list[str], backend: str, out: str) -> dict[str, dict]:
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = _env(backend)
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "run_checks.py"), out, *scripts], env=env,
                           capture_output=True, text=True, timeout=300 * len(scripts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
