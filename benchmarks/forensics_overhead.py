@@ -1,6 +1,7 @@
 """What overflow forensics cost per step: ``diagnose=True`` and ``"every_step"`` against ``diagnose=False``.
 
-    python benchmarks/forensics_overhead.py [--rounds 11] [--steps 20] [--json out.json] [--quick]
+    python benchmarks/forensics_overhead.py [--rounds 11] [--steps 20] [--backends jax,torch]
+                                            [--json out.json] [--quick]
 
 Two frameworks, each with three arms of the same model in one process, the arms alternating round by
 round (the order reversed every other round):
@@ -12,9 +13,10 @@ round (the order reversed every other round):
   dtype, and a faster step makes the ratio larger, not smaller. And a *launch-bound* step: 64 layers
   of 32 x 32 (128 parameter tensors, 68K parameters), batch 8, one thread, where the step's time is
   the ops' dispatch, as a small model's step is on a GPU: what forensics cost when every op counts.
-* Keras, on each backend installed (TensorFlow, JAX, torch; each in its own process, since Keras picks
-  its backend at import): ``fit`` with ``LossScaleCallback`` on the MLP of ``keras_overhead.py``
-  (mixed_float16; float32 on torch, whose CPU float16 matmuls are emulated); wall time per step.
+* Keras, on each backend installed or those ``--backends`` names (TensorFlow, JAX, torch; each in its own
+  process, since Keras picks its backend at import): ``fit`` with ``LossScaleCallback`` on the MLP of
+  ``keras_overhead.py`` (mixed_float16; float32 on torch, whose CPU float16 matmuls are emulated); wall
+  time per step.
 
 Arms: ``off`` (``diagnose=False``), ``on`` (``diagnose=True``, the headroom sampled every 1000 steps:
 never inside a timed round, as in a real run where it is one step in a thousand) and ``every`` (the
@@ -146,12 +148,36 @@ def keras_rounds(rounds: int, steps: int,
 KERAS_ROWS = {"tensorflow": "keras_fit", "jax": "keras_fit_jax", "torch": "keras_fit_torch"}
 
 
-def keras_backend_results(rounds: int, steps: int, quick: bool) -> dict[str, dict[str, float]]:
-    """The Keras rows, one process per installed backend (``--only keras-here`` under ``KERAS_BACKEND``)."""
+def add_backends_option(parser: argparse.ArgumentParser) -> None:
+    """``--backends``: the Keras backends to time, comma-separated (default: every one installed)."""
+    parser.add_argument("--backends", default=None, metavar="NAMES",
+                        help=f"Keras backends to time, comma-separated, of {', '.join(KERAS_ROWS)} "
+                             "(default: every one installed)")
+
+
+def keras_backends(parser: argparse.ArgumentParser, value: str | None) -> list[str]:
+    """The backends ``--backends`` names, each installed; every installed one where it names none.
+
+    A name that is not a Keras backend, or one that is not installed, is the parser's usage error.
+    """
+    if value is None:
+        return [b for b in KERAS_ROWS if importlib.util.find_spec(b) is not None]
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in KERAS_ROWS]
+    if unknown or not names:
+        parser.error(f"--backends must name some of {', '.join(KERAS_ROWS)}, got {value!r}")
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.error(f"--backends names {', '.join(missing)}, which is not installed here")
+    return list(dict.fromkeys(names))
+
+
+def keras_backend_results(rounds: int, steps: int, quick: bool,
+                          backends: list[str]) -> dict[str, dict[str, float]]:
+    """The Keras rows, one process per backend (``--only keras-here`` under ``KERAS_BACKEND``)."""
     results = {}
-    for backend, row in KERAS_ROWS.items():
-        if importlib.util.find_spec(backend) is None:
-            continue
+    for backend in backends:
+        row = KERAS_ROWS[backend]
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "keras.json")
             command = [sys.executable, os.path.abspath(__file__), "--only", "keras-here",
@@ -195,10 +221,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", choices=("torch", "keras", "keras-here"), default=None,
                         help="keras: every installed Keras backend, each in a subprocess; keras-here: "
                              "this process's backend only (KERAS_BACKEND)")
+    add_backends_option(parser)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parse_args(parser, argv, rounds=2, steps=2, keras_steps=5, width=64, batch=16)
     if args.rounds < 3 and not args.quick:
         parser.error("--rounds must be >= 3")
+    backends = keras_backends(parser, args.backends)
     results = {}
     if args.only in (None, "torch"):
         for name, fused in (("torch_adamw_foreach", False), ("torch_adamw_fused", True)):
@@ -206,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = summarize(times)
         results.update(launch_bound_results(args.rounds, args.steps * 10))
     if args.only in (None, "keras"):
-        results.update(keras_backend_results(args.rounds, args.keras_steps, args.quick))
+        results.update(keras_backend_results(args.rounds, args.keras_steps, args.quick, backends))
     if args.only == "keras-here":
         results["keras_here"] = summarize(keras_rounds(args.rounds, args.keras_steps))
     print(f"{os.cpu_count()} CPU cores, {args.rounds} alternating rounds\n")

@@ -1,21 +1,21 @@
 """What the forward trace costs a Keras ``fit`` step: ``LossScaleCallback(diagnose=True)`` with the trace at
 its default (``trace_every=100``) and on every step, against the same callback with ``trace_every=None``.
 
-    python benchmarks/keras_trace_overhead.py [--rounds 5] [--steps 200] [--json out.json] [--quick]
+    python benchmarks/keras_trace_overhead.py [--rounds 5] [--steps 200] [--backends jax,torch]
+                                              [--json out.json] [--quick]
 
-Each Keras backend installed (TensorFlow, JAX, torch) runs in its own process (Keras picks its backend
-at import): the mixed_float16 MLP of ``keras_overhead.py`` (float32 on torch, whose CPU float16 matmuls
-are emulated), three arms in one process, alternating round by round (the order reversed every other
-round), wall time per step; the table gives the median of the per-round ratios against ``untraced``.
-Arms: ``untraced`` (the gradient forensics only), ``traced`` (the default: one traced step in 100, and
-the step after a loss turned non-finite), ``every`` (``trace_every=1``: what a traced step costs). Target:
-``traced`` / ``untraced`` <= 1.02.
+Each Keras backend installed (TensorFlow, JAX, torch; or those ``--backends`` names) runs in its own
+process (Keras picks its backend at import): the mixed_float16 MLP of ``keras_overhead.py`` (float32 on
+torch, whose CPU float16 matmuls are emulated), three arms in one process, alternating round by round (the
+order reversed every other round), wall time per step; the table gives the median of the per-round ratios
+against ``untraced``. Arms: ``untraced`` (the gradient forensics only), ``traced`` (the default: one
+traced step in 100, and the step after a loss turned non-finite), ``every`` (``trace_every=1``: what a
+traced step costs). Target: ``traced`` / ``untraced`` <= 1.02.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -24,12 +24,11 @@ import sys
 import tempfile
 
 from _quick import parse_args
-from forensics_overhead import keras_rounds
+from forensics_overhead import KERAS_ROWS, add_backends_option, keras_backends, keras_rounds
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 ARMS = {"untraced": None, "traced": 100, "every": 1}
-ROWS = {"tensorflow": "keras_fit", "jax": "keras_fit_jax", "torch": "keras_fit_torch"}
 
 
 def rounds_here(rounds: int, steps: int) -> dict[str, list[float]]:
@@ -52,15 +51,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200, help="steps per arm and round")
     parser.add_argument("--here", action="store_true", help="this process's backend only (KERAS_BACKEND)")
+    add_backends_option(parser)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parse_args(parser, argv, rounds=2, steps=5)
+    backends = keras_backends(parser, args.backends)
     if args.here:
         results = {"here": summarize(rounds_here(args.rounds, args.steps))}
     else:
         results = {}
-        for backend, row in ROWS.items():
-            if importlib.util.find_spec(backend) is None:
-                continue
+        for backend in backends:
+            row = KERAS_ROWS[backend]
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "here.json")
                 command = [sys.executable, os.path.abspath(__file__), "--here", "--rounds", str(args.rounds),

@@ -39,14 +39,15 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         rf"^  a quarter of the lines: {NUM} s wall, peak \d+ MiB$",
         rf"^  ours / reading the lines: {NUM} \(CPU time\)$",
     ]),
-    "forensics_overhead.py": ([], [
+    # The two Keras timing scripts time one backend each here (a process a backend, 8 to 12 s each; the
+    # same code under each): JAX in one, torch in the other; keras_overhead.py runs on TensorFlow.
+    "forensics_overhead.py": (["--backends", "jax"], [
         rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for name in ("torch_adamw_foreach", "torch_adamw_fused", "torch_launch_bound_foreach",
-                     "torch_launch_bound_fused", "keras_fit", "keras_fit_jax", "keras_fit_torch")
+                     "torch_launch_bound_fused", "keras_fit_jax")
     ]),
-    "keras_trace_overhead.py": ([], [
-        rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
-        for name in ("keras_fit", "keras_fit_jax", "keras_fit_torch")
+    "keras_trace_overhead.py": (["--backends", "torch"], [
+        rf"^keras_fit_torch\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
     ]),
     "keras_overhead.py": ([], [
         *(rf"^{arm}\s+{NUM}\s+{NUM}\s+{NUM}$" for arm in ("keras", "ours", r"ours\+cb", r"ours\+null")),
@@ -94,6 +95,25 @@ def test_benchmark_quick_run_prints_its_figures(script, tmp_path):
     assert done.stdout.startswith("quick mode:") or "\nquick mode:" in done.stdout
     missing = [p for p in patterns if not re.search(p, done.stdout, re.MULTILINE)]
     assert not missing, f"figures missing from the output of {script}: {missing}\n{done.stdout}"
+
+
+@pytest.mark.parametrize("script", ["forensics_overhead.py", "keras_trace_overhead.py"])
+@pytest.mark.parametrize(("value", "message"), [
+    ("tf", "--backends must name some of tensorflow, jax, torch, got 'tf'"),
+    (",", "--backends must name some of tensorflow, jax, torch, got ','"),
+])
+def test_the_keras_timings_refuse_a_backend_keras_has_not(script, value, message):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--backends", value, "--quick"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_the_keras_timings_take_the_backends_named_in_order_once():
+    module = load_script("benchmarks/forensics_overhead.py")
+    parser = argparse.ArgumentParser()
+    assert module.keras_backends(parser, "torch, jax,torch") == ["torch", "jax"]
+    installed = module.keras_backends(parser, None)
+    assert installed and set(installed) <= set(module.KERAS_ROWS)
 
 
 @pytest.fixture
