@@ -29,8 +29,8 @@ def _as_fresh(filters: list) -> None:
     keras.backend.clear_session()
     keras.mixed_precision.set_global_policy("float32")
     keras.utils.set_random_seed(0)
+    warnings.resetwarnings()  # "once" and "default" warnings show again, as in a new process
     warnings.filters[:] = filters
-    warnings._filters_mutated()  # "once" and "default" warnings show again, as in a new process
 
 
 def main(out: str, scripts: list[str]) -> None:
