@@ -21,19 +21,10 @@ BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(importlib.util.find_spec(b)
             for b in ("tensorflow", "jax", "torch")]
 
 
-def _env(backend: str) -> dict[str, str]:
-    return dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-                XLA_FLAGS="--xla_force_host_platform_device_count=2")
-
-
 def run_backend_script(script: str, backend: str, out: str) -> dict:
-    """``KERAS_BACKEND=<backend> python keras_scripts/<script> <out>``: its results, ``out`` added."""
-    env = _env(backend)
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return {**json.loads(line[len("RESULT "):]), "out": str(out)}
+    """``keras_scripts/<script>`` under ``KERAS_BACKEND=<backend>`` in a process of its own: its results,
+    ``out`` (where its files went, a folder under ``out``) added."""
+    return run_backend_scripts([script], backend, out)[script]
 
 
 # (backend, script) -> its results, for the whole session: every module's fixture shares the processes.
@@ -60,15 +51,18 @@ def results_per_backend(request: pytest.FixtureRequest, tmp_path_factory) -> obj
         if (backend, script) not in _RESULTS:
             scripts = [s for s in _scripts_asked_for(request.session) if (backend, s) not in _RESULTS]
             out = tmp_path_factory.mktemp(backend)
-            for name, result in _run_checks(scripts or [script], backend, str(out)).items():
+            for name, result in run_backend_scripts(scripts or [script], backend, str(out)).items():
                 _RESULTS[backend, name] = result
         return _RESULTS[backend, script]
 
     return get
 
 
-def _run_checks(scripts: list[str], backend: str, out: str) -> dict[str, dict]:
-    env = _env(backend)
+def run_backend_scripts(scripts: list[str], backend: str, out: str) -> dict[str, dict]:
+    """``scripts`` in one process under ``KERAS_BACKEND=<backend>`` (``keras_scripts/run_checks.py``), each
+    one's files in ``out/<its name>``: script -> its results, ``out`` (that folder) added."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "run_checks.py"), out, *scripts], env=env,
                           capture_output=True, text=True, timeout=300 * len(scripts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
