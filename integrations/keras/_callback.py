@@ -26,15 +26,15 @@ from lossscale_callbacks.integration import (
     Policy,
     Snapshot,
     check_bool,
-    check_diagnose,
     check_int,
     check_known,
-    check_log_every,
     check_policy,
+    interval_args,
     logging_args,
 )
 from lossscale_callbacks.keras._arguments import release_inner_optimizer
 from lossscale_callbacks.keras._config import record_in_compile_config
+from lossscale_callbacks.keras._forensics_wiring import check_diagnose_settings
 from lossscale_callbacks.keras._forward_trace import activation_arguments
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
 
@@ -62,19 +62,12 @@ def _with_flags(function: Callable[..., Any], wiring: Any, trace: Any,
     """``function`` run under the host's schedule, with the forensics' ``sampling`` and the trace's
     ``recording``/``kind`` set as ``key`` says (so while it traces); everything restored after."""
     sample, kind = key
+    nothing = contextlib.nullcontext()
 
     def flagged(*args: Any, **kwargs: Any) -> Any:
-        if wiring is not None:
-            wiring.host_schedule, wiring.sampling = True, sample
-        if trace is not None:
-            trace.host_schedule, trace.recording, trace.kind = True, kind > 0, kind or 1.0
-        try:
+        with (wiring.host_scheduled(sample) if wiring is not None else nothing), \
+                (trace.host_scheduled(kind) if trace is not None else nothing):
             return function(*args, **kwargs)
-        finally:
-            if wiring is not None:
-                wiring.host_schedule = wiring.sampling = False
-            if trace is not None:
-                trace.host_schedule = trace.recording = False
 
     return flagged
 
@@ -246,16 +239,19 @@ class LossScaleCallback(keras.callbacks.Callback):
     adds under ``mixed_float16`` (carrying over its scale and counter), and rebuilds the train
     function; a model compiled with our optimizer is left as it is. In a custom loop driven through
     ``keras.callbacks.CallbackList`` nothing is installed: ``model.optimizer`` must be our optimizer.
-    Every ``log_every``-th batch of an epoch and at each epoch's end it reads the state once (the only
-    host read it adds) and hands it to its :class:`~lossscale_callbacks.LoggingLoop`. **Put it before**
-    the callbacks that read ``logs`` (``TensorBoard``, ``CSVLogger``, ``EarlyStopping``, W&B's): Keras
-    passes one ``logs`` dict down the list. Saving, CSV columns and the cost are on the documentation's
+    Every ``log_every`` optimizer steps (or at each epoch's end, with ``every="epoch"``) it reads the
+    state once (the only host read it adds) and hands it to its
+    :class:`~lossscale_callbacks.LoggingLoop`. **Put it before** the callbacks that read ``logs``
+    (``TensorBoard``, ``CSVLogger``, ``EarlyStopping``, W&B's): Keras passes one ``logs`` dict down the
+    list. Saving, CSV columns and the cost are on the documentation's
     "Keras" page.
 
     Args:
-        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop`, counted here in batches:
-            the batches whose index in the epoch is a multiple of this (>= 1; with
-            ``steps_per_execution > 1``, after each execution that ran such a batch).
+        log_every: every this many optimizer steps (the optimizer's iterations, skipped steps included,
+            counted on the host across epochs and ``fit`` calls), as for
+            :class:`~lossscale_callbacks.LoggingLoop`; with ``steps_per_execution > 1``, after each
+            execution that passed a multiple. Default 100; not with ``every``.
+        every: ``"epoch"``: at the end of each epoch instead (no read in the epoch).
         policy: the core policy of the installed optimizer. Default: Keras' own scale settings when
             replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
@@ -296,9 +292,10 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def __init__(
         self,
-        log_every: int = 100,
+        log_every: int | None = None,
         policy: Policy | None = None,
         *,
+        every: str | None = None,
         log_metrics: bool | Iterable[str] | None = None,
         check_alignment: bool = False,
         diagnose: bool | str = False,
@@ -307,27 +304,35 @@ class LossScaleCallback(keras.callbacks.Callback):
         **logging: Unpack[LoggingArgs],
     ) -> None:
         super().__init__()
+        log_every, self.every = interval_args("LossScaleCallback", log_every, every, allowed=("epoch",),
+                                              default=(100, None))
         check_policy("policy", policy)
         check_bool("check_alignment", check_alignment)
-        self.diagnose = check_diagnose(diagnose)
+        self._diagnose = check_diagnose_settings(diagnose, headroom_every)  # the one check of both
+        self.diagnose, self.headroom_every = self._diagnose
         self._fit_sampling = FitSampling()  # the headroom samples (JAX) and traced steps (TF, JAX) of fit
-        self.headroom_every = check_int("headroom_every", headroom_every)
         self.trace_every = None if trace_every is None else check_int("trace_every", trace_every)
         self.forward_trace: dict[str, Any] | None = None  # the last interval's forward trace (NumPy fields)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
         # Every argument of the sinks and the interval is checked here, the extras required here.
-        self.loop = LoggingLoop(policy, log_every=check_log_every(log_every, optional=False), stop=self._stop,
+        self.loop = LoggingLoop(policy, log_every=log_every, stop=self._stop,
                                 **logging_args("LossScaleCallback", logging))
         if check_alignment and keras.backend.backend() == "tensorflow":
             importlib.import_module("lossscale_callbacks.keras._alignment")  # fails now, not in fit()
-        self.log_every = log_every
         self.policy = policy
         self.check_alignment = check_alignment
         self.optimizer: LossScaleOptimizer | None = None
         self.alignment_report: Any = None
         self._primed = False
+        self._steps = 0  # the optimizer steps attempted, counted on the host (a read at each fit's start)
+        self._epoch_start = 0  # ... when the epoch began
+
+    @property
+    def log_every(self) -> int | None:
+        """The optimizer steps per interval (``None`` with ``every="epoch"``); the loop holds it."""
+        return self.loop.log_every
 
     @property
     def summary(self) -> str | None:
@@ -345,7 +350,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         if isinstance(current, LossScaleOptimizer):
             if self.diagnose and current.forensics is None:
                 with _strategy_scope(model):
-                    current.set_diagnose(self.diagnose, self.headroom_every)
+                    current._configure_forensics(self._diagnose)
                     current.watch(model)
                     self._trace(current, model)
                 model.make_train_function(force=True)  # the step now carries the forensics
@@ -365,7 +370,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         with _strategy_scope(model):
             ours = wrap(current, self.policy)
             if self.diagnose:
-                ours.set_diagnose(self.diagnose, self.headroom_every)
+                ours._configure_forensics(self._diagnose)
                 ours.watch(model)
                 self._trace(ours, model)
             if model.built and model.trainable_variables:
@@ -451,12 +456,15 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.loop.report_alignment(self.alignment_report.to_markdown())
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        # The count is Keras' batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
-        # counts it, so both log on the same batches: it starts before batch 0, which logs.
-        # After every on_train_begin (BackupAndRestore restores there): the baseline of the first
-        # interval is the restored state, not zero.
-        self.loop.resume_at(-1, None if self._primed else self._read_state)
-        self._primed = True
+        # The count is the optimizer's steps, on the host: one read at the first epoch of each fit (after
+        # every on_train_begin: BackupAndRestore restores there) gives where it starts and the baseline of
+        # the first interval; then each batch is one step.
+        if not self._primed:
+            state = self._read_state()
+            self._steps = int(state.steps)
+            self.loop.resume_at(self._steps, lambda: state)
+            self._primed = True
+        self._epoch_start = self._steps
         self._fit_sampling.new_epoch()
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -467,13 +475,16 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._fit_sampling.after_batch(logs)
-        # With steps_per_execution=k Keras reports only every k-th index: the loop's rule logs when
-        # the execution just run passed a multiple of log_every (landing on one is not needed).
-        if self.loop.due(batch):
+        # ``batch`` is the index in the epoch of the last batch run: with steps_per_execution=k Keras
+        # reports every k-th, and the loop's rule logs when the execution passed a multiple of log_every.
+        self._steps = self._epoch_start + batch + 1
+        if self.every is None and self.loop.due(self._steps):
             self._observe(logs, self.log_metrics)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._observe(logs, self._epoch_metrics)
+        # Read at the epoch's end when that is the interval, or when the epoch logs are to carry metrics.
+        if self.every == "epoch" or self._epoch_metrics:
+            self._observe(logs, self._epoch_metrics)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         assert self.optimizer is not None

@@ -117,13 +117,24 @@ class ForwardTrace:
         self._vectors: dict[Any, Any] = {}  # TensorFlow and torch: the step's vector, by graph
         self._host_steps = 0  # torch, and fit under host_schedule: the schedule on the host
         self._host_armed = False
-        # fit on TensorFlow and JAX (set by LossScaleCallback): the host picks the traced steps; a train
-        # function holds the trace when ``recording`` held while it was traced, with this ``kind``.
+        # fit on TensorFlow and JAX (host_scheduled, by LossScaleCallback): the host picks the traced steps;
+        # a train function holds the trace when ``recording`` held while it was traced, with this ``kind``.
         self.host_schedule = False
         self.recording = False
         self.kind = 1.0
         self._jax_vector: Any = None
         self._probe: Any = None
+
+    @contextlib.contextmanager
+    def host_scheduled(self, kind: float) -> Iterator[None]:
+        """While ``fit`` runs (and so traces) a train function the host chose: the host's schedule, the
+        step traced when ``kind`` is ``1.0`` (scheduled) or ``2.0`` (armed by a non-finite loss), not
+        when ``0.0``. The device's own schedule again after it."""
+        self.host_schedule, self.recording, self.kind = True, kind > 0, kind or 1.0
+        try:
+            yield
+        finally:
+            self.host_schedule = self.recording = False
 
     @property
     def active(self) -> bool:

@@ -32,7 +32,11 @@ from lossscale_callbacks.keras._arguments import (
     resolve_policy,
 )
 from lossscale_callbacks.keras._backend_steps import backend_step
-from lossscale_callbacks.keras._forensics_wiring import ForensicsWiring
+from lossscale_callbacks.keras._forensics_wiring import (
+    DiagnoseSettings,
+    ForensicsWiring,
+    check_diagnose_settings,
+)
 from lossscale_callbacks.keras._forward_trace import ForwardTrace
 from lossscale_callbacks.keras._seed_api import PendingUnscales, SeedAPI, delegated_hyperparameters
 from lossscale_callbacks.keras._state_variables import LossScaleVariables
@@ -113,7 +117,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         headroom_every: int = 1000,
         **kwargs: Any,
     ) -> None:
-        forensics = ForensicsWiring(diagnose, headroom_every)
+        forensics = ForensicsWiring(check_diagnose_settings(diagnose, headroom_every))
         step = backend_step()
         check_base_optimizer_kwargs(kwargs)
         resolved = resolve_policy(dynamic, initial_scale, dynamic_growth_steps, policy)
@@ -310,7 +314,11 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
     def set_diagnose(self, diagnose: bool | str, headroom_every: int = 1000) -> None:
         """Switch the overflow forensics on or off (see ``diagnose``); retrace the train function after it
         (on JAX the tally is part of ``variables``: ``fit``'s step must be made again)."""
-        self._forensics_wiring.configure(diagnose, headroom_every, self if self.built else None)
+        self._configure_forensics(check_diagnose_settings(diagnose, headroom_every))
+
+    def _configure_forensics(self, settings: DiagnoseSettings) -> None:
+        """:meth:`set_diagnose` with the settings checked already (``LossScaleCallback`` checked them)."""
+        self._forensics_wiring.configure(settings, self if self.built else None)
 
     def watch(self, model: Any) -> LossScaleOptimizer:
         """Name the report's layers by the model's layer objects, in the model's order (paths in nested
