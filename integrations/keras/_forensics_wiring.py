@@ -12,7 +12,7 @@ variable, layers in forward order) and the tally's variables, and runs the devic
   returns it with the other optimizer variables (the variables are among ``optimizer.variables``, so
   ``fit``'s jitted step threads them, under ``keras.distribution`` too). In JAX's ``fit`` with
   ``LossScaleCallback`` the host decides the samples instead (``host_schedule``, see
-  :mod:`~lossscale_callbacks.keras._callback`): an ordinary step's trace holds no ``cond`` at all.
+  :mod:`~lossscale_callbacks.keras._fit_sampling`): an ordinary step's trace holds no ``cond`` at all.
 - torch (:meth:`ForensicsWiring.eager`): the step already reads the skip flag on the host (as Keras' own
   class does), so the forensics run only on skipped and on sampled steps, with no host read of their own.
 

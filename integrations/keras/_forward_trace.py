@@ -12,7 +12,7 @@ the optimizer's apply folds it into the tally (:func:`~._forward_device.fold`), 
 
 While :class:`~lossscale_callbacks.keras.LossScaleCallback` drives ``fit`` on TensorFlow or JAX the host
 decides instead (``host_schedule``): ``fit`` runs one of several train functions, chosen batch by batch
-(``_callback.FitSampling``), and only the one traced with ``recording`` on holds the trace; the ordinary
+(``_fit_sampling.FitSampling``), and only the one traced with ``recording`` on holds the trace; the ordinary
 step has no wrapper's event, no due check and no ``cond`` in it (they cost 7 % of a small model's step).
 The step after a batch whose loss turned non-finite is traced too (``kind`` 2.0), decided from the loss
 in ``fit``'s logs, which Keras has already read back for every batch-end callback.
