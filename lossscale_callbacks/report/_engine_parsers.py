@@ -145,12 +145,10 @@ _DATED = re.compile(r"^\s*(\d{4})-(\d\d)-(\d\d) ")
 _ROUNDED_TO_4 = (2020, 8, 20)  # fairseq 83d701ac: the scale rounded to 4 decimals, no more the mean
 
 
-def _mean_era(line: str, text: str) -> bool:
-    """An integer scale on a line fairseq's logger dated before 2020-08-20: the interval's mean rounded
-    (86793391, 2020-01-11), not yet the last value rounded to 4 decimals (a power of two it lands on is
-    still read as the level)."""
+def _dated(line: str) -> tuple[int, ...] | None:
+    """The date fairseq's logger put before a line (since fb76dac1, 2020-01-16), as (year, month, day)."""
     dated = _DATED.match(line)
-    return "." not in text and dated is not None and tuple(map(int, dated.groups())) < _ROUNDED_TO_4
+    return None if dated is None else tuple(map(int, dated.groups()))
 
 
 def _fatal(line: str, match: re.Match[str] | None, start: int | None = None) -> str:
@@ -1296,10 +1294,9 @@ class FairseqParser(_OverflowParser):
             scale = self.scale
         else:
             scale = level.value
-            mean = _mean_era(line, scale_text)
-            if scale_text and (not level.exact or decimals_of(scale_text) == 3 or mean):
-                self.wordings.add("fairseq.scale.3-decimals" if decimals_of(scale_text) == 3
-                                  else "fairseq.scale.interval-mean")
+            printed_as = self._scale_wording(line, scale_text, level)
+            if printed_as is not None:
+                self.wordings.add(printed_as)
         self.wordings.add(self._progress_wording(line))
         skipped = self.overflow_count
         step = num_updates + skipped
@@ -1309,6 +1306,22 @@ class FairseqParser(_OverflowParser):
             skipped, step = count - num_updates, count
         self.lower_bound = not since_start  # else overflows before this log are not known
         self._progress(step, skipped, scale, level, since_start=since_start)
+
+    @staticmethod
+    def _scale_wording(line: str, text: str, level: Level) -> str | None:
+        """How the scale was printed: to 3 decimals (until 2020-01-11), the interval's mean rounded to an
+        integer (to 2020-08-19), the last value rounded to 4 decimals (since). A line fairseq's logger dated
+        (since 2020-01-16) is of one of the last two by its date; an undated one by its digits (None:
+        either)."""
+        era = _dated(line)
+        if era is not None:
+            return "fairseq.scale.interval-mean" if era < _ROUNDED_TO_4 else "fairseq.scale.4-decimals"
+        decimals = decimals_of(text)
+        if decimals == 3:
+            return "fairseq.scale.3-decimals"
+        if decimals == 4:
+            return "fairseq.scale.4-decimals"
+        return None if level.exact else "fairseq.scale.interval-mean"
 
     @staticmethod
     def _progress_wording(line: str) -> str:
