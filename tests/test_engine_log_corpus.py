@@ -145,6 +145,11 @@ def test_the_corpus_is_what_the_issue_asks_for():
         assert len(wordings) >= 2, engine
     synthetic = [f for f in every if f.get("synthetic")]
     assert all(f["source_file"] and f["tag"] for f in synthetic)
+    # every wording of the table, each engine's over its releases, is in an excerpt (real or synthetic)
+    from lossscale_callbacks.report._engine_formats import WORDINGS
+
+    shown = {w for f in every for w in f["wording"]}
+    assert {w.id for w in WORDINGS if w.engine != "any"} <= shown
 
 
 def test_the_table_never_calls_a_run_in_trouble_healthy(capsys):
