@@ -48,6 +48,7 @@ from lossscale_callbacks.torch._checkpoint import (
 )
 from lossscale_callbacks.torch._forensics import GradForensics
 from lossscale_callbacks.torch._grad_scaler_compat import policy_from_grad_scaler_settings
+from lossscale_callbacks.torch._held import Holder
 from lossscale_callbacks.torch._outcome_ring import DEFAULT_CAPACITY, OutcomeRing
 from lossscale_callbacks.torch._update_paths import PathState, make_path
 
@@ -240,6 +241,9 @@ class LossScaler(torch.amp.GradScaler):
         self._outcome_capacity = outcome_capacity
         self._ring: OutcomeRing | None = None
         self._outcome_cursor = self._cursor_at(self._host_state() if enabled else None)
+        # What follows the optimizers (hold): LR schedulers and EMAs held on skipped steps.
+        self._holder = Holder()
+        self._stepped: weakref.WeakValueDictionary[int, torch.optim.Optimizer] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------------------- forensics
 
@@ -546,6 +550,7 @@ class LossScaler(torch.amp.GradScaler):
                 self._resolve_forensics(optimizer, None)
                 retval = optimizer.step(*args, **kwargs, grad_scaler=self)
                 opt_state.stage = _Stage.STEPPED
+                self._after_step(optimizer, opt_state.found_inf, None)
                 return retval
             if opt_state.stage is _Stage.READY:
                 # Only the check: the fused kernel unscales with grad_scale itself.
@@ -560,6 +565,7 @@ class LossScaler(torch.amp.GradScaler):
                 self._resolve_forensics(optimizer, opt_state.skipped_on_host)
                 if opt_state.skipped_on_host:
                     opt_state.stage = _Stage.STEPPED
+                    self._after_step(optimizer, None, True)
                     return None
             self._resolve_forensics(optimizer, None)  # the kernel decides on the device
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -570,6 +576,7 @@ class LossScaler(torch.amp.GradScaler):
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             opt_state.stage = _Stage.STEPPED
+            self._after_step(optimizer, opt_state.found_inf, opt_state.skipped_on_host)
             return retval
 
         if opt_state.stage is _Stage.READY:
@@ -583,7 +590,70 @@ class LossScaler(torch.amp.GradScaler):
         self._resolve_forensics(optimizer, skipped)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
+        self._after_step(optimizer, None, skipped)
         return retval
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor | None,
+                    host_skipped: bool | None) -> None:
+        """The step's flag for what follows the optimizer (one device op where a held object reads it)."""
+        self._stepped[id(optimizer)] = optimizer
+        self._holder.on_step(optimizer, skip=skip, host_skipped=host_skipped)
+
+    # ------------------------------------------------------------------------------------ hold
+
+    def hold(self, follower: Any, *, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Advance ``follower`` only on the steps its optimizer applied; returns it.
+
+        ``follower`` is an LR scheduler (any ``torch.optim.lr_scheduler`` one, Transformers'
+        ``get_*_schedule_with_warmup``, a ``SequentialLR`` chain) or an EMA
+        (``torch.optim.swa_utils.AveragedModel``). Keep calling ``scheduler.step()`` and
+        ``ema.update_parameters(model)`` every iteration, as the PyTorch recipe does: after a skipped
+        step they do nothing. No host read is added to the step: with an optimizer that decides on the
+        host (non-fused) the held call looks at that decision; with a fused one the learning rate and
+        the average's weight follow a device flag (see :mod:`lossscale_callbacks.torch._held`, which
+        also lists what needs one read per step: ``ReduceLROnPlateau``, ``cycle_momentum``, a custom
+        average). The scheduler object's own counters are brought up to date at each read
+        (:meth:`sync_held`; the monitors call it at the log interval).
+
+        Args:
+            follower: the scheduler or ``AveragedModel``.
+            optimizer: the optimizer an EMA follows (default: the one this scaler steps; required when
+                it steps several). A scheduler follows its own ``scheduler.optimizer``.
+
+        Raises:
+            ValueError: ``follower`` is neither, is held already, or the EMA's optimizer is ambiguous.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            >>> scaler = LossScaler(device="cpu")
+            >>> sched = scaler.hold(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+            >>> for step in range(3):
+            ...     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            ...     if step == 1:
+            ...         model.weight.grad[0, 0] = float("inf")
+            ...     _ = scaler.step(opt); scaler.update(); sched.step(); opt.zero_grad()
+            >>> sched.last_epoch, sched.get_last_lr()  # two applied steps of three
+            (2, [0.25])
+        """
+        if not self._enabled:
+            return follower
+        return self._holder.hold(follower, optimizer, known=list(self._stepped.values()))
+
+    def release(self, follower: Any = None) -> None:
+        """Stop holding ``follower`` (default: all): its stock methods and float learning rates back."""
+        self.sync_held()
+        self._holder.release(follower)
+
+    def sync_held(self) -> None:
+        """Bring the held schedulers' and EMAs' host side up to date: one read of their device counters.
+        Called by the monitors at the log interval; nothing to read when nothing is held on the device."""
+        self._holder.sync()
+
+    @property
+    def held(self) -> list[Any]:
+        """The held schedulers and EMAs (their follower records: ``obj``, ``mode``, ``steps_taken()``)."""
+        return list(self._holder.followers)
 
     def _resolve_forensics(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
         if self.forensics is not None:
