@@ -186,7 +186,7 @@ class LossScaleTrainerCallback(TrainerCallback):
     def _save_counts(self, state: Any, control: Any) -> None:
         """Before the Trainer writes a checkpoint: the counts into ``trainer_state.json`` (one host read)."""
         if self.reader is not None and control.should_save:
-            counts = self.reader.read()
+            counts = self.reader.read(outcomes=False)  # the interval's outcomes stay for the next log
             state.stateful_callbacks[COUNTS_KEY] = {"steps": counts.steps,
                                                     "skipped_steps": counts.skipped_steps}
 
