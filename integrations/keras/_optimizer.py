@@ -23,9 +23,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
-from lossscale_callbacks._validation import check_known, validate_state
+from lossscale_callbacks import LossScaleState
+from lossscale_callbacks.integration import STATE_FIELDS, Policy, check_known, validate_state
 from lossscale_callbacks.keras import _config as config
 from lossscale_callbacks.keras._arguments import (
     check_base_optimizer_kwargs,
@@ -80,7 +79,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         policy: any core policy (hysteresis, min/max scale, factors) instead of the three
             seed arguments.
         name: the optimizer's name.
-        diagnose: overflow forensics, on every backend (see :mod:`lossscale_callbacks._forensics`
+        diagnose: overflow forensics, on every backend (see :mod:`lossscale_callbacks.forensics._gradients`
             and :mod:`~lossscale_callbacks.keras._forensics_wiring`): ``True`` records on the device
             why each skipped step was skipped, which layers' gradients were non-finite and in which
             layer the overflow started, and samples the float16 headroom every ``headroom_every``

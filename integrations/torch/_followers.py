@@ -25,7 +25,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.optim.swa_utils import AveragedModel
 
-from lossscale_callbacks.skips._followers import EMA, SCHEDULER, FollowerCount
+from lossscale_callbacks.integration import EMA, SCHEDULER, FollowerCount
 from lossscale_callbacks.torch._held import describe, scheduler_graph
 
 _FOLLOWER_TYPES = (LRScheduler, ReduceLROnPlateau, AveragedModel)

@@ -17,11 +17,15 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._forensics import IntervalForensics
-from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import INT64_MAX, check_int
-from lossscale_callbacks.skips._outcomes import IntervalOutcomes, carry
+from lossscale_callbacks import LossScaleState
+from lossscale_callbacks.integration import (
+    INT64_MAX,
+    IntervalForensics,
+    IntervalOutcomes,
+    Policy,
+    carry,
+    check_int,
+)
 from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
 from lossscale_callbacks.torch._followers import Followers
 from lossscale_callbacks.torch._megatron_reader import MegatronScalerReader, has_megatron_scaler

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lossscale_callbacks.skips._spike import SpikeRule
+from lossscale_callbacks.integration import SpikeRule
 
 
 class SpikeWindow:
