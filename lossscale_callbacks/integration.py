@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks._extras import MissingExtraError, require
     from lossscale_callbacks._health import Verdict
     from lossscale_callbacks._metrics import (
+        APPLIED_STEPS,
         COUNT_METRICS,
         DASHBOARD_CHARTS,
         DASHBOARD_SECTION,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         SKIPPED_STEPS,
         STEP_METRIC,
         TAG_PREFIX,
+        TOTAL_APPLIED_STEPS,
         TOTAL_SKIPPED_STEPS,
         Snapshot,
         observed_state,
@@ -221,6 +223,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "STEP_METRIC": ("_metrics", "The step axis' own metric, where a dashboard needs one (W&B)."),
         "FINAL_SCALE": ("_metrics", "The run summary's final scale."),
         "TOTAL_SKIPPED_STEPS": ("_metrics", "The run summary's skipped steps."),
+        "APPLIED_STEPS": ("_metrics", "The cumulative applied steps' tag, loss_scale/applied_steps."),
+        "TOTAL_APPLIED_STEPS": ("_metrics", "The run summary's applied steps."),
         "OVERALL_SKIP_RATE": ("_metrics", "The run summary's skip rate."),
         "POLICY_TAG": ("_metrics", "The tag under which the policy is written once per run."),
         "MIN_SCALE": ("_metrics", "The policy's min_scale, written beside the scale."),
@@ -303,6 +307,7 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
 
 __all__ = [
     "APPLIED_NONFINITE_CODE",
+    "APPLIED_STEPS",
     "CAUSES",
     "CODES",
     "COUNT_METRICS",
@@ -326,6 +331,7 @@ __all__ = [
     "STATE_FIELDS",
     "STEP_METRIC",
     "TAG_PREFIX",
+    "TOTAL_APPLIED_STEPS",
     "TOTAL_SKIPPED_STEPS",
     "ActivationTrace",
     "AuditResult",

@@ -44,8 +44,9 @@ from lossscale_callbacks.loop._clock import IntervalClock
 from lossscale_callbacks.loop._rank_agreement import RankAgreement, split_health
 from lossscale_callbacks.loop._run_sinks import RunSinks
 from lossscale_callbacks.loop._segments import Segments
+from lossscale_callbacks.loop._skip_truth import SkipTruth
 from lossscale_callbacks.loop._summary import run_summary
-from lossscale_callbacks.loop._verdicts import Diagnosis, judge_by
+from lossscale_callbacks.loop._verdicts import Diagnosis, judge_by, rules_action
 
 __all__ = ["LoggingArgs", "LoggingLoop", "logging_args"]
 
@@ -229,6 +230,7 @@ class LoggingLoop:
         self._segments = Segments()
         self._ranks = RankAgreement(self._ranks_rule)
         self._diagnosis = Diagnosis()
+        self._skips = SkipTruth()
         self.summary: str | None = None
         self.should_stop = False  # a "stop" rule fired in this run
         self.tracker = MetricsTracker(1.0)
@@ -304,6 +306,7 @@ class LoggingLoop:
             ValueError: a field of ``state`` is missing or wrong, naming it.
         """
         ranks = getattr(state, "ranks", None)
+        outcomes = getattr(state, "outcomes", None)
         state = observed_state(state)
         self._interval.read()
         if self._segments.repeated(state, self.tracker.last):
@@ -313,6 +316,7 @@ class LoggingLoop:
         if self._segments.last_at is None:
             self._segments.last_at = int(state.steps)
         snapshot = self.tracker.observe(state)
+        self._skips.metrics(snapshot, outcomes, self._policy)
         # a rank resumed from another checkpoint
         self._act(self._ranks.judge(ranks, snapshot.step, self._sinks.out, self.health))
         return snapshot
@@ -340,6 +344,9 @@ class LoggingLoop:
             LossScaleHealthError: a ``"raise"`` rule fired.
         """
         ranks = getattr(state, "ranks", None)  # a RankedState: every rank's, gathered at this read
+        # What the state carries for the skip truth (torch's ScalerReader): the interval's step outcomes
+        # and what follows the optimizer (each scheduler's, EMA's, trainer's own step count).
+        outcomes, followers = getattr(state, "outcomes", None), getattr(state, "followers", ())
         state = observed_state(state)
         self._interval.read()
         out, last, segments = self._sinks.out, self.tracker.last, self._segments
@@ -350,9 +357,10 @@ class LoggingLoop:
             return last
         restarted = self._restarted(state)
         snapshot = self.tracker.observe(state)
+        outcome_metrics = self._skips.metrics(snapshot, outcomes, self._policy)
         at = segments.sink_step(snapshot.step if sink_step is None else int(sink_step))
         if self.writer:
-            metrics = {**snapshot.metrics(), **self._ranks.metrics(ranks)}
+            metrics = {**snapshot.metrics(), **outcome_metrics, **self._ranks.metrics(ranks)}
             segments.label(metrics, interval_known=not restarted)
             if forensics is not None:
                 self._diagnosis.metrics(forensics, metrics, segments.last_at, at, out)
@@ -366,6 +374,9 @@ class LoggingLoop:
         if self.health is not None:  # health=None: no rule, so no verdict of the forensics either
             verdicts = self._diagnosis.verdicts(self.health.observe(snapshot), forensics, snapshot.step,
                                                 self.health, self.tracker.min_scale, out)
+            not_held = self._skips.verdicts(followers, rules_action(self.health))
+            self.health.verdicts.extend(not_held)  # among the run's problems, in its assessment
+            verdicts += not_held
         self._act(verdicts + self._ranks.judge(ranks, snapshot.step, out, self.health))
         return snapshot
 
@@ -374,6 +385,7 @@ class LoggingLoop:
         if not self._segments.restarted(self.tracker.last, state):
             return False
         self.tracker.reset()
+        self._skips.restart()
         if self.health is not None:
             self.health.restart()
         return True
@@ -415,7 +427,7 @@ class LoggingLoop:
             self._act(self.health.final())
         out = self._sinks.out
         min_scale = self._policy.min_scale if self._policy is not None else None
-        sentences = [self._ranks.sentence(), self._segments.sentence()]
+        sentences = [self._skips.sentence(), self._ranks.sentence(), self._segments.sentence()]
         self.summary = text = run_summary(self.tracker, min_scale, sentences, self.health, self._diagnosis,
                                           out, note)
         if self.writer:

@@ -80,7 +80,7 @@ _RUN_WIDE = (MIN_SCALE, MAX_SCALE, GROWTH_INTERVAL)
 # Written together with the scale at every interval: they restart exactly where it does (the logging
 # loop's restart marker among them, written with every metrics write after a restart).
 _WITH_THE_SCALE = (m.SCALE, m.LOG2_SCALE, m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL,
-                   m.SKIP_RATE, m.STEPS, m.SEGMENT)
+                   m.SKIP_RATE, m.STEPS, m.SEGMENT, *m.OUTCOME_METRICS)
 # A float32 bound read back as float64 may differ from the policy's by the last float32 bit.
 _BOUND_SLACK = 2.0**-22
 
@@ -177,7 +177,7 @@ def _drop_out_of_bounds(series: dict[str, Points], prefix: str, damage: list[str
 
 
 # Series whose values the report counts with: a NaN or an Inf in one is no count.
-_COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT,
+_COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT, *m.OUTCOME_METRICS,
            *m.CAUSE_METRICS.values())
 _COUNT_PREFIXES = (m.LAYER_METRIC_PREFIX, m.ORIGIN_METRIC_PREFIX)
 
@@ -329,6 +329,11 @@ class RunReport:
     damage: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     segments: tuple[Segment, ...] = ()
+    # Skip truth, when the run logged it (loss_scale/applied_steps and the skips by cause): the applied
+    # steps, the skipped ones per cause, the applied non-finite ones; None when not logged.
+    applied_steps: int | None = None
+    skipped_by_cause: Mapping[str, int] | None = None
+    applied_nonfinite: int | None = None
 
     @property
     def healthy(self) -> bool:
@@ -365,6 +370,9 @@ class RunReport:
             "damage": list(self.damage),
             "notes": list(self.notes),
             "segments": [segment.to_json() for segment in self.segments],
+            "applied_steps": self.applied_steps,
+            "skipped_by_cause": None if self.skipped_by_cause is None else dict(self.skipped_by_cause),
+            "applied_nonfinite": self.applied_nonfinite,
             "forensics": None if self.forensics is None else {
                 "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips),
                 "producers": dict(self.forensics.producers), "advice": self.advice().to_dict()},
@@ -384,6 +392,17 @@ class RunReport:
         return [f"Restarts: the step count went back {len(earlier)} time(s) (an old checkpoint loaded, or "
                 f"a new scaler); reported here is the latest segment ({latest.index}, steps "
                 f"{latest.first_step} to {latest.last_step}). Earlier: " + "; ".join(named) + "."]
+
+    def _outcome_line(self) -> list[str]:
+        """Applied and skipped steps apart, by cause (a run that logged them)."""
+        if self.applied_steps is None:
+            return []
+        causes = ", ".join(f"{count} {cause}" for cause, count in (self.skipped_by_cause or {}).items()
+                           if count)
+        line = f"Applied steps: {self.applied_steps}; skipped by cause: {causes or 'none'}"
+        if self.applied_nonfinite:
+            line += f"; applied with non-finite gradients (monitoring only): {self.applied_nonfinite}"
+        return [line]
 
     def _health_line(self) -> str:
         if self.healthy and self.skipped_steps is None:
@@ -405,6 +424,7 @@ class RunReport:
             f"Skipped steps (Inf/NaN gradients): {self.skipped_steps} ({self.skip_rate:.2%})"
             if self.skipped_steps is not None and self.skip_rate is not None else
             f"Skipped steps (Inf/NaN gradients): not logged by this run (no {m.SKIPPED_STEPS} series)",
+            *self._outcome_line(),
             f"Loss scale: final {self.final_scale:g} (2^{math.log2(self.final_scale):.1f}); "
             f"ranged from {self.min_scale_seen:g} to {self.max_scale_seen:g}",
             f"Steps at the minimum scale ({self.min_scale:g}): {at_min}",
@@ -596,4 +616,18 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
         health=latest.monitor.assessment(), max_scale=float(upper[-1][1]) if upper else None,
         forensics=latest.forensics, damage=tuple(damage), notes=tuple(notes),
         segments=tuple(_segment(i, j) for i, j in enumerate(judged)),
+        **_outcomes_logged(series, prefix),
     )
+
+
+def _outcomes_logged(series: Mapping[str, Points], prefix: str) -> dict[str, Any]:
+    """The applied steps and the skips by cause as the run last logged them (each series' last point), or
+    nothing when the run did not log them (a run of an earlier release, another engine's log)."""
+    applied = series.get(prefix + m.APPLIED_STEPS)
+    if not applied:
+        return {}
+    last = {name: int(points[-1][1]) for name in (*m.SKIPPED_BY_CAUSE.values(), m.APPLIED_NONFINITE)
+            if (points := series.get(prefix + name))}
+    return {"applied_steps": int(applied[-1][1]),
+            "skipped_by_cause": {cause: last.get(name, 0) for cause, name in m.SKIPPED_BY_CAUSE.items()},
+            "applied_nonfinite": last.get(m.APPLIED_NONFINITE, 0)}
