@@ -49,10 +49,12 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks._sinks import register_sink
     from lossscale_callbacks.loop._rank_agreement import RanksDisagree
     from lossscale_callbacks.report._run_readers import Reader, RunReadError, Series
+    from lossscale_callbacks.skips._followers import NotHeld
 
 __all__ = [
     "ConsecutiveSkips",
     "MissingExtraError",
+    "NotHeld",
     "Ops",
     "Policy",
     "RanksDisagree",
@@ -76,6 +78,7 @@ __all__ = [
 __getattr__ = lazy_attributes(__name__, {
     "ConsecutiveSkips": "lossscale_callbacks._health",
     "MissingExtraError": "lossscale_callbacks._extras",
+    "NotHeld": "lossscale_callbacks.skips._followers",
     "Ops": "lossscale_callbacks._ops",
     "Policy": "lossscale_callbacks._policy",
     "RanksDisagree": "lossscale_callbacks.loop._rank_agreement",

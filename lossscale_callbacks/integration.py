@@ -122,7 +122,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         is_event_file_name,
         is_regular_file,
     )
-    from lossscale_callbacks.skips._followers import EMA, SCHEDULER, FollowerCount
+    from lossscale_callbacks.skips._followers import EMA, SCHEDULER, TRAINER_STEP, FollowerCount
     from lossscale_callbacks.skips._outcomes import (
         APPLIED_NONFINITE_CODE,
         CODES,
@@ -196,6 +196,7 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
             "A scheduler's, an EMA's or a trainer's own step count at a read, for the not-held check."),
         "SCHEDULER": ("skips._followers", "The follower kind of an LR scheduler."),
         "EMA": ("skips._followers", "The follower kind of an EMA."),
+        "TRAINER_STEP": ("skips._followers", "The follower kind of a trainer's step counter."),
     },
     "Sinks and run readers": {
         "GuardedSink": ("_sinks",
@@ -333,6 +334,7 @@ __all__ = [
     "TAG_PREFIX",
     "TOTAL_APPLIED_STEPS",
     "TOTAL_SKIPPED_STEPS",
+    "TRAINER_STEP",
     "ActivationTrace",
     "AuditResult",
     "Capture",

@@ -49,9 +49,9 @@ MAX_NAMES = 40
 # and the test oracles a backend proves itself with. Everything else behind the faces is private.
 EXTENSION: dict[str, list[str]] = {
     "lossscale_callbacks.extend": [
-        "ConsecutiveSkips", "MissingExtraError", "Ops", "Policy", "RanksDisagree", "Reader", "Rule",
-        "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale", "Verdict",
-        "default_rules", "policy_from_config", "register_sink", "require"],
+        "ConsecutiveSkips", "MissingExtraError", "NotHeld", "Ops", "Policy", "RanksDisagree", "Reader",
+        "Rule", "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale",
+        "Verdict", "default_rules", "policy_from_config", "register_sink", "require"],
     # The contract between the core and the integrations (docs/adding_an_integration.md), and what an
     # integration that builds on torch may use of the torch integration.
     "lossscale_callbacks.integration": [
@@ -60,9 +60,9 @@ EXTENSION: dict[str, list[str]] = {
         "GROWTH_INTERVAL", "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE",
         "OVERALL_SKIP_RATE", "POLICY_TAG", "SCALE", "SCHEDULER", "SKIPPED_STEPS", "SPIKE_CODE",
         "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX", "TOTAL_APPLIED_STEPS", "TOTAL_SKIPPED_STEPS",
-        "ActivationTrace", "AuditResult", "Capture", "FollowerCount", "FrameworkAdvice", "GradientRange",
-        "GuardedSink", "IntervalForensics", "IntervalOutcomes", "LayerHeadroom", "LayerInfo",
-        "LayerPrecision", "LoggingArgs", "ManagedSink", "MissingExtraError", "ModelDim",
+        "TRAINER_STEP", "ActivationTrace", "AuditResult", "Capture", "FollowerCount", "FrameworkAdvice",
+        "GradientRange", "GuardedSink", "IntervalForensics", "IntervalOutcomes", "LayerHeadroom",
+        "LayerInfo", "LayerPrecision", "LoggingArgs", "ManagedSink", "MissingExtraError", "ModelDim",
         "ModelTooDeepError", "OpPrecision", "OpRecord", "Pass", "Policy", "PrecisionInfo", "RankStates",
         "RankedState", "Role", "RunReadError", "RunSeries", "Snapshot", "SpikeRule", "Verdict", "advise",
         "carry", "check_archive", "check_batch_size", "check_bool", "check_choice", "check_diagnose",

@@ -326,6 +326,10 @@ class HeldScheduler(_Follower):
             return self.synced
         return int(getattr(self.obj, "last_epoch", 0)) - self.start_epoch
 
+    def held_back(self) -> int:
+        """``step()`` calls held back on skipped optimizer steps since the hold (as of the last sync)."""
+        return self.calls - self.synced if self.mode == "device" else self.held
+
     def state_dict(self) -> dict[str, Any]:
         """The stock ``state_dict`` (brought up to date first: one read in device mode)."""
         if self.mode == "device" and self._holder is not None:
@@ -366,15 +370,17 @@ class HeldScheduler(_Follower):
 
 
 def _ema_factory_kind(fn: Any) -> tuple[str, float | None]:
-    """``("ema", decay)`` or ``("swa", None)`` for torch's own averages, else ``("custom", None)``."""
+    """``("ema", decay)``, ``("swa", None)`` or ``("ema_avg", decay)`` for torch's own averaging functions
+    (``get_ema_multi_avg_fn``, ``get_swa_multi_avg_fn``, ``get_ema_avg_fn``), else ``("custom", None)``."""
     from torch.optim import swa_utils
 
     if fn is None:
         return "swa", None
     inner = inspect.unwrap(fn)  # torch decorates them with no_grad: the wrapper's code is everyone's
     code = getattr(inner, "__code__", None)
-    if code is inspect.unwrap(swa_utils.get_ema_multi_avg_fn()).__code__:
-        return "ema", float(inspect.getclosurevars(inner).nonlocals["decay"])
+    for kind, factory in (("ema", swa_utils.get_ema_multi_avg_fn), ("ema_avg", swa_utils.get_ema_avg_fn)):
+        if code is inspect.unwrap(factory()).__code__:
+            return kind, float(inspect.getclosurevars(inner).nonlocals["decay"])
     if code is inspect.unwrap(swa_utils.get_swa_multi_avg_fn()).__code__:
         return "swa", None
     return "custom", None
@@ -387,15 +393,18 @@ class HeldEMA(_Follower):
 
     def __init__(self, ema: Any, flag: StepFlag, mode: str) -> None:
         super().__init__(ema, flag, mode)
-        self._originals = {name: ema.__dict__.get(name) for name in ("update_parameters", "multi_avg_fn")}
+        self._originals = {name: ema.__dict__.get(name)
+                           for name in ("update_parameters", "multi_avg_fn", "avg_fn")}
         self.start = int(ema.n_averaged)  # one read, when the hold begins
-        self.average, self.decay = _ema_factory_kind(ema.multi_avg_fn if ema.avg_fn is None else ema.avg_fn)
-        if ema.avg_fn is not None and ema.multi_avg_fn is None:
+        per_tensor = ema.multi_avg_fn is None and ema.avg_fn is not None  # AveragedModel's own order
+        self.average, self.decay = _ema_factory_kind(ema.avg_fn if per_tensor else ema.multi_avg_fn)
+        if per_tensor != (self.average == "ema_avg"):
             self.average = "custom"
         if self.mode == "device" and self.average == "custom":
             self.mode = "read"
-        if self.mode == "device":
-            self._weights: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        if self.mode == "device" and self.average == "ema_avg":  # Lightning's EMAWeightAveraging
+            ema.avg_fn = self._held_tensor_average
+        elif self.mode == "device":
             ema.multi_avg_fn = self._held_average
         ema.update_parameters = self.update_parameters
 
@@ -413,10 +422,22 @@ class HeldEMA(_Follower):
             weight = self._weight(averaged[0], n_averaged)
             torch._foreach_lerp_(averaged, current, [weight] * len(averaged))
 
+    def _held_tensor_average(self, averaged: torch.Tensor, current: torch.Tensor, n_averaged: Any
+                             ) -> torch.Tensor:
+        """``get_ema_avg_fn``'s ``decay * ema + (1 - decay) * current`` with a decay of 1 after a skipped
+        step: the same float32 products (``decay`` and ``1 - decay`` rounded as the stock function's)."""
+        keep, take = self._tensor_weights
+        return keep * averaged + take * current
+
     def update_parameters(self, model: Any) -> None:
         """``AveragedModel.update_parameters``, held on skipped steps."""
         ema = self.obj
         if self.mode == "device" and self.flag.stepped:
+            if self.average == "ema_avg":
+                applied = self.flag.applied
+                assert applied is not None and self.decay is not None
+                # applied: (decay, 1 - decay); skipped: (1, 0). Each product exact in float32.
+                self._tensor_weights = (applied * self.decay + (1 - applied), applied * (1.0 - self.decay))
             type(ema).update_parameters(ema, model)
             assert self.flag.applied is not None
             ema.n_averaged.add_(self.flag.applied).sub_(1)

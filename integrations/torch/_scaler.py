@@ -164,18 +164,13 @@ class LossScaler(torch.amp.GradScaler):
             ``headroom_every`` steps; ``"every_step"`` samples every step. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
-        outcome_capacity: how many non-ordinary steps (skipped, or applied with non-finite
-            gradients) the device ring keeps between two :meth:`read_outcomes` (default 64); an
-            interval with more lists the newest ones and counts them all.
-        spike: the opt-in loss-spike rule (:class:`~lossscale_callbacks.skips._spike.SpikeRule`, or
-            ``True`` for its defaults: 6σ over 128 applied steps): a step whose loss (the one given to
-            :meth:`scale`; with ``grad_norm`` also its gradient norm) is far above its window is skipped
-            on the device, with its own cause ``"spike"``. Not an overflow: the scale treats the step as
-            a clean one and ``skipped_steps`` does not count it (``read_outcomes`` does). The window is
-            not checkpointed: after a resume it fills again.
-        skip_nonfinite: ``True`` (default) skips a step with an Inf/NaN gradient. ``False`` (monitoring
-            only, with a scale fixed at 1: bf16 or fp32) applies it and records it as
-            ``"applied_nonfinite"``; no host read at all then, on any optimizer.
+        outcome_capacity: non-ordinary steps (skipped, or applied non-finite) the device ring keeps
+            between two :meth:`read_outcomes` (default 64; more are counted, the oldest not listed).
+        spike: the opt-in loss-spike rule (a :class:`~lossscale_callbacks.skips._spike.SpikeRule`, or
+            ``True``: 6σ over 128 applied steps), decided on the device; its skips are cause
+            ``"spike"``, not overflows (see the "Skipped steps" page).
+        skip_nonfinite: ``False`` (monitoring only, with a scale fixed at 1) applies non-finite steps
+            and records them as ``"applied_nonfinite"``, with no host read in the step.
 
     Raises:
         ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.

@@ -46,7 +46,8 @@ from lossscale_callbacks.loop._run_sinks import RunSinks
 from lossscale_callbacks.loop._segments import Segments
 from lossscale_callbacks.loop._skip_truth import SkipTruth
 from lossscale_callbacks.loop._summary import run_summary
-from lossscale_callbacks.loop._verdicts import Diagnosis, judge_by, rules_action
+from lossscale_callbacks.loop._verdicts import Diagnosis, judge_by
+from lossscale_callbacks.skips._followers import split_not_held
 
 __all__ = ["LoggingArgs", "LoggingLoop", "logging_args"]
 
@@ -186,6 +187,7 @@ class LoggingLoop:
         _check_callable("echo", echo)
         # The rank-agreement rule is judged on the gathered ranks, not on one rank's snapshots.
         health, self._ranks_rule = split_health(health)
+        health, self._not_held = split_not_held(health)  # judged on the followers' counts
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
         self._sinks = RunSinks(tensorboard, wandb, sinks, writer)
         self._health_spec = health
@@ -374,9 +376,10 @@ class LoggingLoop:
         if self.health is not None:  # health=None: no rule, so no verdict of the forensics either
             verdicts = self._diagnosis.verdicts(self.health.observe(snapshot), forensics, snapshot.step,
                                                 self.health, self.tracker.min_scale, out)
-            not_held = self._skips.verdicts(followers, rules_action(self.health))
-            self.health.verdicts.extend(not_held)  # among the run's problems, in its assessment
-            verdicts += not_held
+            if self._not_held is not None:
+                not_held = self._skips.verdicts(followers, self._not_held.action)
+                self.health.verdicts.extend(not_held)  # among the run's problems, in its assessment
+                verdicts += not_held
         self._act(verdicts + self._ranks.judge(ranks, snapshot.step, out, self.health))
         return snapshot
 
