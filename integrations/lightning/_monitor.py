@@ -268,7 +268,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
         state = self._with_trainer_step(self.reader.read(), trainer)
         snapshot = self.loop.observe(state, sink_step=sink_step, forensics=self.reader.read_forensics())
-        metrics = {**snapshot.metrics(), **self.loop.rank_metrics()}
+        metrics = {**snapshot.metrics(), **self.loop.outcome_metrics(), **self.loop.rank_metrics()}
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():
             callback_metrics[name] = torch.tensor(value)

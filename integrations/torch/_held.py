@@ -135,6 +135,14 @@ def _upload(rows: list[list[float]], dtype: torch.dtype, device: torch.device) -
     return torch.tensor(rows, dtype=dtype).to(device, non_blocking=True)
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside framework wrappers (Accelerate's ``AcceleratedOptimizer``, which the
+    Transformers Trainer's scheduler holds): the one the scaler steps."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def describe(obj: Any) -> str:
     """The name a finding uses for a follower: its class (``LambdaLR``, ``AveragedModel``...)."""
     return type(obj).__name__
@@ -212,10 +220,13 @@ class HeldScheduler(_Follower):
             raise ValueError("parameters on more than one device")
         self.device = next(iter(devices))
         self.shadow = _ShadowOptimizer(groups)  # the user's scheduler catches up on this one
-        memo: dict[int, Any] = {id(optimizer): _ShadowOptimizer(groups)}
+        self._gen_shadow = _ShadowOptimizer(groups)
+        # The copy steps a shadow: every optimizer the graph points at (a wrapper's too) maps to it, and
+        # the parameters to themselves, so nothing big is copied.
+        memo: dict[int, Any] = {id(s.optimizer): self._gen_shadow for s in self.graph}
+        memo[id(optimizer)] = self._gen_shadow
         memo.update({id(p): p for g in groups for p in g["params"]})
         self._gen = copy.deepcopy(scheduler, memo)
-        self._gen_shadow = memo[id(optimizer)]
         self._rows = [[float(g["lr"]) for g in groups]]
         self._end: Exception | None = None
         self.base = 0  # scheduler steps (since the hold) that table row 0 stands for
@@ -495,6 +506,7 @@ class Holder:
         from torch.optim.swa_utils import AveragedModel
 
         if isinstance(obj, AveragedModel):
+            optimizer = unwrap_optimizer(optimizer)
             if optimizer is None:
                 known = list(known)
                 if len(known) != 1:
@@ -505,7 +517,7 @@ class Holder:
             follower: _Follower = HeldEMA(obj, self._flag(optimizer, mode), mode)
             follower.flag.on_device = follower.flag.on_device or follower.mode != "host"
         elif isinstance(obj, (LRScheduler, ReduceLROnPlateau)) or hasattr(obj, "optimizer"):
-            optimizer = getattr(obj, "optimizer", None) if optimizer is None else optimizer
+            optimizer = unwrap_optimizer(getattr(obj, "optimizer", None) if optimizer is None else optimizer)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ValueError(f"hold: {describe(obj)} has no optimizer to follow")
             mode = self._mode(optimizer, obj)
@@ -570,19 +582,34 @@ class Holder:
 
     # --------------------------------------------------------------------------- the read
 
-    def sync(self) -> None:
-        """One read of every device counter; the held objects' host side brought up to date."""
-        counters = [(f, f.device_counters()) for f in self.followers]
-        flat = [t.reshape(-1).to(torch.float64) for _, ts in counters for t in ts]
-        values = []
-        if flat:
-            home = flat[0].device
-            values = [int(v) for v in torch.cat([t.to(home) for t in flat]).cpu().tolist()]
+    def counters(self, device: torch.device) -> torch.Tensor | None:
+        """Every held object's device counters as one flat float64 tensor on ``device`` (to copy with
+        the scaler's state: one copy), or ``None`` when nothing is held on the device."""
+        flat = [t.reshape(-1).to(device=device, dtype=torch.float64)
+                for f in self.followers for t in f.device_counters()]
+        return torch.cat(flat) if flat else None
+
+    def apply(self, values: list[float], at_step: int | None = None) -> None:
+        """The held objects' host side brought up to date from :meth:`counters`' values (read at the
+        scaler's step ``at_step``: a second sync at that step reads nothing)."""
         at = 0
-        for follower, tensors in counters:
-            n = len(tensors)
-            follower.sync(values[at:at + n])
+        for follower in self.followers:
+            n = len(follower.device_counters())
+            follower.sync([int(v) for v in values[at:at + n]])
             at += n
+        self.synced_at = at_step
+
+    synced_at: int | None = None
+
+    def sync(self, at_step: int | None = None) -> None:
+        """One read of every device counter (none when already synced at ``at_step``, the scaler's step
+        count); the held objects' host side brought up to date."""
+        if at_step is not None and at_step == self.synced_at:
+            return
+        flat = [t for f in self.followers for t in f.device_counters()]
+        tensor = self.counters(flat[0].device) if flat else None
+        self.apply([] if tensor is None else tensor.cpu().tolist(), at_step)
 
 
-__all__ = ["HeldEMA", "HeldScheduler", "Holder", "StepFlag", "describe", "scheduler_graph"]
+__all__ = ["HeldEMA", "HeldScheduler", "Holder", "StepFlag", "describe", "scheduler_graph",
+           "unwrap_optimizer"]

@@ -708,9 +708,10 @@ class LossScaler(torch.amp.GradScaler):
         self._holder.release(follower)
 
     def sync_held(self) -> None:
-        """Bring the held schedulers' and EMAs' host side up to date: one read of their device counters.
-        Called by the monitors at the log interval; nothing to read when nothing is held on the device."""
-        self._holder.sync()
+        """Bring the held schedulers' and EMAs' host side up to date: one read of their device counters
+        (none when nothing is held on the device, or when :meth:`read_state_and_outcomes` read them at
+        this step already). Call it at the log interval; the monitors' read does."""
+        self._holder.sync(self._path.steps if self._path is not None else None)
 
     @property
     def held(self) -> list[Any]:
@@ -865,8 +866,11 @@ class LossScaler(torch.amp.GradScaler):
             steps = cursor.steps
             state = self.get_state() if self._enabled else self._host_state()
             return state, IntervalOutcomes(steps + 1, steps)
-        state, flat = self._path.read_with(self._ring.flat())
-        rows, written, counts, _ = self._ring.parse(flat)
+        ring = self._ring.flat()
+        held = self._holder.counters(ring.device)
+        state, flat = self._path.read_with(ring if held is None else torch.cat([ring, held]))
+        rows, written, counts, _ = self._ring.parse(flat[:ring.numel()])
+        self._holder.apply(flat[ring.numel():], at_step=state.steps)  # the held objects, in the same copy
         outcomes, missed = decode_records(rows, written, cursor.written, self._outcome_capacity,
                                           nonfinite_cause(self._policy))
         new_counts = [now - before for now, before in zip(counts, cursor.counts, strict=True)]

@@ -38,6 +38,7 @@ class ScalerStepMonitor:
             Args);
         writer: whether this process writes to the sinks and prints.
         run_sinks: the framework's loggers or trackers, written and flushed, never closed here.
+        followers: the LR schedulers and EMAs the framework knows (the reader also finds the others).
 
     Example:
         >>> import torch
@@ -59,9 +60,10 @@ class ScalerStepMonitor:
     _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated"
 
     def __init__(self, scaler: Any, *, log_every: int = 100, writer: bool = True,
-                 run_sinks: Iterable[Sink] = (), **logging: Unpack[LoggingArgs]) -> None:
+                 run_sinks: Iterable[Sink] = (), followers: Iterable[Any] = (),
+                 **logging: Unpack[LoggingArgs]) -> None:
         check_log_every(log_every, optional=False)  # a step monitor has no other interval rule
-        self.reader = ScalerReader(scaler)
+        self.reader = ScalerReader(scaler, followers=followers)
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
                                 **logging_args(type(self).__name__, logging))
         self.loop.start(sinks=run_sinks)
