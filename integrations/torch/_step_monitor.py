@@ -82,6 +82,24 @@ class ScalerStepMonitor:
         """The end-of-run summary (after :meth:`finish`)."""
         return self.loop.summary
 
+    def hold(self, follower: Any, *, optimizer: Any = None) -> Any:
+        """Hold an LR scheduler or an EMA (``AveragedModel``) on skipped steps: ``LossScaler.hold`` of the
+        scaler read (ours); returns ``follower``. Keep stepping it as before.
+
+        Raises:
+            ValueError: the scaler is a stock one (only ours holds: what advanced on skipped steps is
+                flagged instead), or what ``LossScaler.hold`` refuses.
+        """
+        hold = getattr(self.scaler, "hold", None)
+        if hold is None:
+            raise ValueError(f"{type(self).__name__}.hold needs the lossscale-callbacks scaler (LossScaler); "
+                             f"this run's is a {type(self.scaler).__name__}: a scheduler or an EMA that "
+                             "advances on skipped steps is flagged at the log interval instead")
+        hold(follower, optimizer=optimizer)
+        if self.reader.followers is not None:
+            self.reader.followers.add([follower])
+        return follower
+
     @property
     def should_stop(self) -> bool:
         """Whether a ``"stop"`` health rule fired (on every process alike): break out of the loop then."""
