@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FACES: dict[str, list[str]] = {
     "lossscale_callbacks": [
         "METRIC_NAMES", "DynamicPolicy", "FixedPolicy", "InMemorySink", "LoggingLoop", "LossScaleHealthError",
-        "LossScaleHealthWarning", "LossScaleState", "Sink", "__version__", "initial_state", "next_state"],
+        "LossScaleHealthWarning", "LossScaleState", "Sink", "SpikeRule", "__version__", "initial_state",
+        "next_state"],
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": [
@@ -49,9 +50,10 @@ MAX_NAMES = 40
 # and the test oracles a backend proves itself with. Everything else behind the faces is private.
 EXTENSION: dict[str, list[str]] = {
     "lossscale_callbacks.extend": [
-        "ConsecutiveSkips", "MissingExtraError", "NotHeld", "Ops", "Policy", "RanksDisagree", "Reader",
-        "Rule", "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale",
-        "Verdict", "default_rules", "policy_from_config", "register_sink", "require"],
+        "ConsecutiveSkips", "IntervalOutcomes", "MissingExtraError", "NotHeld", "Ops", "Policy",
+        "RanksDisagree", "Reader", "Rule", "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate",
+        "Snapshot", "StepOutcome", "StuckAtMinScale", "Verdict", "default_rules", "policy_from_config",
+        "register_sink", "require"],
     # The contract between the core and the integrations (docs/adding_an_integration.md), and what an
     # integration that builds on torch may use of the torch integration.
     "lossscale_callbacks.integration": [

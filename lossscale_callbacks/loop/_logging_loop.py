@@ -442,6 +442,12 @@ class LoggingLoop:
         self._sinks.close_owned()
         return text
 
+    def outcome_metrics(self) -> dict[str, int]:
+        """The skip truth's metrics of the last read (the applied steps, the skips by cause: see
+        :data:`~lossscale_callbacks._metrics.OUTCOME_METRICS`), ``{}`` before one: for a trainer's own
+        metrics, beside the snapshot's."""
+        return dict(self._skips.last_metrics)
+
     def rank_metrics(self) -> dict[str, int]:
         """``{"loss_scale/ranks_disagree": n}`` of the last read that gathered every rank's state, else ``{}``
         (one process): for a trainer's own metrics (Lightning's ``callback_metrics``, the Trainer's logs)."""

@@ -71,6 +71,7 @@ class SkipTruth:
         self._cause = OVERFLOW
         self._last: Snapshot | None = None
         self.last_outcomes: IntervalOutcomes | None = None  # the latest read's (for a consumer: the ledger)
+        self.last_metrics: dict[str, int] = {}
         self._check = FollowerCheck()
 
     def restart(self) -> None:
@@ -95,6 +96,7 @@ class SkipTruth:
         for cause, name in SKIPPED_BY_CAUSE.items():
             values[name] = (self._spikes if cause == SPIKE else
                             snapshot.skipped_steps if cause == self._cause else 0)
+        self.last_metrics = values
         return values
 
     @property
