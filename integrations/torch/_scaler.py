@@ -263,6 +263,7 @@ class LossScaler(torch.amp.GradScaler):
         self._pending: LossScaleState | None = state
         self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
         self._last_found_inf: torch.Tensor | None = None
+        self._last_code: torch.Tensor | None = None  # the last update's outcome code (None: the flag itself)
         self._last_skipped_on_host: bool | None = None
         self._headroom_every = headroom_every
         self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
@@ -759,7 +760,7 @@ class LossScaler(torch.amp.GradScaler):
                 found_inf = torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True))
             rule_flag, code = self._step_code(found_inf)
             path.update(rule_flag, code)
-            self._last_found_inf = self._last_skip(found_inf, code)
+            self._last_found_inf, self._last_code = found_inf, code
             self._last_skipped_on_host = on_host
             if self.forensics is not None:
                 self.forensics.on_update(found_inf)
@@ -790,13 +791,6 @@ class LossScaler(torch.amp.GradScaler):
             self._spike.commit(code == 0)
         return rule_flag, code
 
-    def _last_skip(self, found_inf: torch.Tensor, code: torch.Tensor | None) -> torch.Tensor:
-        """The last update's "skipped" flag on the device (for ``last_step_skipped(sync=True)``)."""
-        if code is None:
-            return found_inf
-        # codes 1 and 2 are skips; 3 (applied non-finite) is not
-        return torch.logical_and(code > 0, code < APPLIED_NONFINITE_CODE).to(torch.float32)
-
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
@@ -822,7 +816,10 @@ class LossScaler(torch.amp.GradScaler):
             return self._last_skipped_on_host
         if self._last_found_inf is None:
             return None
-        return bool(self._last_found_inf.item())
+        if self._last_code is None:
+            return bool(self._last_found_inf.item())
+        code = int(self._last_code.item())  # codes 1 and 2 are skips; 3 (applied non-finite) is not
+        return 0 < code < APPLIED_NONFINITE_CODE
 
     # -------------------------------------------------------------------------- step outcomes
 
