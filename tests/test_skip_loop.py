@@ -19,12 +19,12 @@ from lossscale_callbacks.skips._outcomes import IntervalOutcomes, StepOutcome  #
 from lossscale_callbacks.torch import LossScaler, ScalerReader  # noqa: E402
 
 
-def _plain_run(optimizer: str, hold: bool, tmp_path=None, log_every: int = 25):
+def _plain_run(optimizer: str, hold: bool, tmp_path=None, log_every: int = 25, wandb=None):
     """The known answer in a plain loop, monitored as the docs show: ``ScalerReader(scaler).read`` handed
     to ``LoggingLoop.maybe_observe`` (the reader made before the first step finds the followers then)."""
     scaler = LossScaler(device="cpu", init_scale=2.0**10)
     memory = InMemorySink()
-    loop = LoggingLoop(scaler.policy, log_every=log_every, sinks=[memory], echo=None,
+    loop = LoggingLoop(scaler.policy, log_every=log_every, sinks=[memory], echo=None, wandb=wandb,
                        tensorboard=None if tmp_path is None else str(tmp_path / "tb"))
     model = sr.make_model()
     opt = sr.make_optimizer(model, optimizer)
@@ -78,17 +78,25 @@ def test_held_no_finding_and_the_metrics_count_97_applied(optimizer):
     assert health == []
 
 
-def test_the_outcomes_reach_tensorboard_and_report(tmp_path, capsys):
+def test_the_outcomes_reach_tensorboard_wandb_and_report(tmp_path, capsys):
     pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
     from report_json import the_read_run
 
     from lossscale_callbacks._cli import main
     from lossscale_callbacks.tensorboard._reader import read_run
+    from lossscale_callbacks.wandb._reader import read_run as read_wandb
+    from lossscale_callbacks.wandb._reader import read_run_info, wait_until_finished
 
-    _plain_run("fused", hold=True, tmp_path=tmp_path)
+    _plain_run("fused", hold=True, tmp_path=tmp_path,
+               wandb={"project": "skip", "dir": str(tmp_path / "wb"), "mode": "offline"})
     series = read_run(str(tmp_path / "tb"))
     assert series["loss_scale/applied_steps"][-1] == (100, 97.0)
     assert series["loss_scale/skipped_overflow"][-1] == (100, 3.0)
+    wait_until_finished(str(tmp_path / "wb"))
+    logged = read_wandb(str(tmp_path / "wb"))
+    assert logged["loss_scale/applied_steps"][-1] == (100, 97.0)
+    assert read_run_info(str(tmp_path / "wb" / "wandb")).summary["loss_scale/total_applied_steps"] == 97
     capsys.readouterr()
     assert main(["report", str(tmp_path / "tb"), "--json"]) == 0
     run = the_read_run(capsys.readouterr().out)
