@@ -22,12 +22,12 @@ corner of the core (a run reader) loads only that corner.
 
 Example:
     >>> from lossscale_callbacks.integration import check_int
-    >>> check_int("log_every", 100)
+    >>> check_int("trace_every", 100)
     100
-    >>> check_int("log_every", 0)
+    >>> check_int("trace_every", 0)
     Traceback (most recent call last):
     ...
-    ValueError: log_every must be an integer in [1, 2147483647], got 0
+    ValueError: trace_every must be an integer in [1, 2147483647], got 0
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         layer_of,
         sampled_within,
     )
-    from lossscale_callbacks.loop._clock import check_log_every
+    from lossscale_callbacks.loop._clock import interval_args
     from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
     from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
     from lossscale_callbacks.report._run_readers import (
@@ -168,8 +168,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "logging_args": ("loop._logging_loop",
             "An integration's **logging checked against LoggingArgs, refused as Python refuses an unknown "
             "keyword."),
-        "check_log_every": ("loop._clock",
-            "log_every checked: an integer >= 1, or None where another interval rule applies."),
+        "interval_args": ("loop._clock",
+            "An integration's log_every and every= sorted out once (old spellings warn)."),
         "user_stacklevel": ("_stacklevel",
             "The stacklevel that points a warning at the user's line, not at the framework's."),
         "RankStates": ("loop._rank_agreement",
@@ -374,7 +374,6 @@ __all__ = [
     "check_diagnose",
     "check_int",
     "check_known",
-    "check_log_every",
     "check_number",
     "check_policy",
     "check_spike",
@@ -383,6 +382,7 @@ __all__ = [
     "ended_inside_record",
     "get_target",
     "host_number",
+    "interval_args",
     "is_event_file_name",
     "is_policy",
     "is_regular_file",
