@@ -81,7 +81,7 @@ _RUN_WIDE = (MIN_SCALE, MAX_SCALE, GROWTH_INTERVAL)
 # Written together with the scale at every interval: they restart exactly where it does (the logging
 # loop's restart marker among them, written with every metrics write after a restart).
 _WITH_THE_SCALE = (m.SCALE, m.LOG2_SCALE, m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL,
-                   m.SKIP_RATE, m.STEPS, m.SEGMENT)
+                   m.SKIP_RATE, m.STEPS, m.SEGMENT, *m.OUTCOME_METRICS)
 # A float32 bound read back as float64 may differ from the policy's by the last float32 bit.
 _BOUND_SLACK = 2.0**-22
 
@@ -178,7 +178,7 @@ def _drop_out_of_bounds(series: dict[str, Points], prefix: str, damage: list[str
 
 
 # Series whose values the report counts with: a NaN or an Inf in one is no count.
-_COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT,
+_COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT, *m.OUTCOME_METRICS,
            *m.CAUSE_METRICS.values())
 _COUNT_PREFIXES = (m.LAYER_METRIC_PREFIX, m.ORIGIN_METRIC_PREFIX)
 
@@ -343,6 +343,11 @@ class RunReport:
     steps_known: bool = True
     scale_known: bool = True
     engine: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+    # Skip truth, when the run logged it (loss_scale/applied_steps and the skips by cause): the applied
+    # steps, the skipped ones per cause, the applied non-finite ones; None when not logged.
+    applied_steps: int | None = None
+    skipped_by_cause: Mapping[str, int] | None = None
+    applied_nonfinite: int | None = None
 
     @property
     def healthy(self) -> bool:
@@ -382,6 +387,9 @@ class RunReport:
             "damage": list(self.damage),
             "notes": list(self.notes),
             "segments": [segment.to_json() for segment in self.segments],
+            "applied_steps": self.applied_steps,
+            "skipped_by_cause": None if self.skipped_by_cause is None else dict(self.skipped_by_cause),
+            "applied_nonfinite": self.applied_nonfinite,
             "forensics": None if self.forensics is None else {
                 "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips),
                 "producers": dict(self.forensics.producers), "advice": self.advice().to_dict()},
@@ -403,6 +411,17 @@ class RunReport:
         return [f"Restarts: the step count went back {len(earlier)} time(s) (an old checkpoint loaded, or "
                 f"a new scaler); reported here is the latest segment ({latest.index}, steps "
                 f"{latest.first_step} to {latest.last_step}). Earlier: " + "; ".join(named) + "."]
+
+    def _outcome_line(self) -> list[str]:
+        """Applied and skipped steps apart, by cause (a run that logged them)."""
+        if self.applied_steps is None:
+            return []
+        causes = ", ".join(f"{count} {cause}" for cause, count in (self.skipped_by_cause or {}).items()
+                           if count)
+        line = f"Applied steps: {self.applied_steps}; skipped by cause: {causes or 'none'}"
+        if self.applied_nonfinite:
+            line += f"; applied with non-finite gradients (monitoring only): {self.applied_nonfinite}"
+        return [line]
 
     def _health_line(self) -> str:
         if self.healthy and self.skipped_steps is None:
@@ -452,6 +471,7 @@ class RunReport:
             f"Run: {self.path} (read as {self.reader}, {self.log_points} log points)",
             *self._restart_line(),
             *self._steps_lines(),
+            *self._outcome_line(),
             self._scale_line(),
             *([f"Steps at the minimum scale ({self.min_scale:g}): {at_min}"] if self.scale_known else []),
             # one line per problem: each escaped on its own, the line breaks between them kept
@@ -651,6 +671,7 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
         steps_known=True if replayed is None else replayed.steps_known,
         scale_known=True if replayed is None else replayed.scale_known,
         engine=None if replayed is None else replayed.engine,
+        **_outcomes_logged(series, prefix),
     )
 
 
@@ -678,3 +699,16 @@ def _levels_range(series: Mapping[str, Points], latest: _Judged) -> tuple[float,
         if values:
             lowest, highest = min(lowest, *values), max(highest, *values)
     return lowest, highest
+
+
+def _outcomes_logged(series: Mapping[str, Points], prefix: str) -> dict[str, Any]:
+    """The applied steps and the skips by cause as the run last logged them (each series' last point), or
+    nothing when the run did not log them (a run of an earlier release, another engine's log)."""
+    applied = series.get(prefix + m.APPLIED_STEPS)
+    if not applied:
+        return {}
+    last = {name: int(points[-1][1]) for name in (*m.SKIPPED_BY_CAUSE.values(), m.APPLIED_NONFINITE)
+            if (points := series.get(prefix + name))}
+    return {"applied_steps": int(applied[-1][1]),
+            "skipped_by_cause": {cause: last.get(name, 0) for cause, name in m.SKIPPED_BY_CAUSE.items()},
+            "applied_nonfinite": last.get(m.APPLIED_NONFINITE, 0)}
