@@ -24,12 +24,16 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
+    "sphinx_copybutton",
     "lsc_docs",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "gpu.md", "Thumbs.db", ".DS_Store"]
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
+# Straight quotes and dashes everywhere: a user copies `--json`, `pip install "..."` and the error messages
+# the troubleshooting page quotes, and searches the logs for them (MyST's smartquotes extension is off too).
+smartquotes = False
 
 html_theme = "furo"
 html_title = f"lossscale-callbacks {release}"
