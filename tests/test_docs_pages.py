@@ -4,7 +4,9 @@ Each page's ``python`` blocks run in page order as one script, in a fresh proces
 (one namespace per page, as the reader would type them), with its ``bash`` blocks interleaved: a
 ``lossscale-callbacks ...`` line runs the installed command there, a ``pip install`` line is not run
 (no network here; ``tests/wheel_paths.py`` checks the install lines of the README). A page whose blocks
-import a framework that is not installed is skipped. ``text`` blocks are output shown, not code.
+import a framework that is not installed is skipped. ``text`` blocks are output shown, not code. Where a page
+shows what its code prints, ``PRINTS`` holds words that the run must print (a distributed page starts its
+processes itself: each run in its own processes, with the page's timeout).
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ FAST = {"cli.md", "differences.md", "troubleshooting.md", "extending.md", "index
         "paths/index.md", "api/index.md"}
 # A page run once per environment (Keras 3 on every backend).
 VARIANTS = {"paths/keras.md": [{"KERAS_BACKEND": b} for b in ("tensorflow", "jax", "torch")]}
+# page -> what its run must print (stdout and stderr: warnings go there), checked beside the exit status.
+PRINTS = {
+    "paths/pytorch.md": ["Keep these layers in float32: `2`.",
+                         "Layer `2` produced the first non-finite activation (Inf) at step 1"],
+    "paths/many-gpus.md": [
+        "The ranks' loss-scale states were compared at 5 read(s) and always agreed.",  # plain DDP
+        "The ranks hold different loss-scale states at step 40 (rank(s) 2 differ from rank 0)",  # the check
+        "rank 2: scale 32768, growth counter 10, 1 of 40 steps skipped",
+        "60 optimizer steps, 1 skipped (1.67%)",  # FSDP: the shard's overflow skipped on both ranks
+        "The ranks' loss-scale states were compared at 3 read(s) and always agreed.",
+    ],
+}
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
          "WANDB_DISABLE_GIT": "true", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
 
@@ -105,3 +119,6 @@ def test_page_blocks_run(page, env, tmp_path):
     result = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=400, env={**os.environ, **QUIET, **env})
     assert result.returncode == 0, f"{page} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    printed = result.stdout + result.stderr
+    missing = [words for words in PRINTS.get(page, []) if words not in printed]
+    assert not missing, f"{page} did not print {missing}:\n{printed[-5000:]}"

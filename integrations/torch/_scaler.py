@@ -45,6 +45,7 @@ from lossscale_callbacks.torch._checkpoint import (
 )
 from lossscale_callbacks.torch._forensics import GradForensics
 from lossscale_callbacks.torch._grad_scaler_compat import policy_from_grad_scaler_settings
+from lossscale_callbacks.torch._rank_gather import with_ranks
 from lossscale_callbacks.torch._update_paths import PathState, make_path
 
 
@@ -635,6 +636,24 @@ class LossScaler(torch.amp.GradScaler):
         if self._path is None:
             return self._host_state()
         return self._path.read()
+
+    def read_state(self) -> LossScaleState:
+        """The state for a :class:`~lossscale_callbacks.LoggingLoop` to read at its log interval:
+        ``loop.maybe_observe(step, scaler.read_state)`` and ``loop.finish(scaler.read_state())``.
+
+        :meth:`get_state`, and where a ``torch.distributed`` process group of two or more ranks exists
+        (DDP, FSDP) every rank's state too, gathered in one ``all_gather`` of four numbers per rank: the
+        loop then compares the ranks and names any that disagree, with its scale (the
+        ``ranks_disagree`` health rule). With one process it is :meth:`get_state`. The gather is a
+        collective: every rank must call it at the same reads, as a loop run on every rank does;
+        :meth:`get_state` never communicates.
+
+        Example:
+            >>> scaler = LossScaler(device="cpu", init_scale=1024.0)
+            >>> scaler.read_state() == scaler.get_state()  # one process: nothing to compare
+            True
+        """
+        return with_ranks(self.get_state())
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). One host sync."""
