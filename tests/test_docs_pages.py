@@ -27,15 +27,21 @@ DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.S | re.M)
 CODE = {"python", "bash"}
 NOT_CODE = {"text"}  # output shown on a page
-OPTIONAL = {"torch", "keras", "tensorflow", "jax", "lightning", "accelerate", "transformers", "wandb",
+OPTIONAL = {"torch", "keras", "tensorflow", "jax", "lightning", "accelerate", "transformers", "wandb", "ray",
             "tensorboard", "deepspeed", "matplotlib"}
 # Pages that train models take seconds each: part of the slow suite.
 FAST = {"cli.md", "differences.md", "troubleshooting.md", "extending.md", "index.md", "changelog.md",
         "paths/index.md", "api/index.md"}
+# Settings a page's run gets beside QUIET: Ray Train's controller polls every 0.2 s, not 2 s (it waits a
+# poll at each change of state: the same run, shorter waits; see tests/ray_scripts/ray_runs.py).
+PAGE_ENV = {"paths/ray.md": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}}
 # A page run once per environment (Keras 3 on every backend).
 VARIANTS = {"paths/keras.md": [{"KERAS_BACKEND": b} for b in ("tensorflow", "jax", "torch")]}
 # page -> what its run must print (stdout and stderr: warnings go there), checked beside the exit status.
 PRINTS = {
+    "paths/ray.md": ["The ranks' loss-scale states were compared at 3 read(s) and always agreed.",
+                     "32768.0 0"],
+    "paths/lightning.md": ["Keep these layers in float32: `net.2`.", "Layer `net.2` produced the first"],
     "paths/pytorch.md": ["Keep these layers in float32: `2`.",
                          "Layer `2` produced the first non-finite activation (Inf) at step 1"],
     "paths/many-gpus.md": [
@@ -117,7 +123,7 @@ def test_page_blocks_run(page, env, tmp_path):
         pytest.skip(f"{page} needs {', '.join(missing)}")
     (tmp_path / "page.py").write_text(source)
     result = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=400, env={**os.environ, **QUIET, **env})
+                            timeout=400, env={**os.environ, **QUIET, **PAGE_ENV.get(page, {}), **env})
     assert result.returncode == 0, f"{page} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     printed = result.stdout + result.stderr
     missing = [words for words in PRINTS.get(page, []) if words not in printed]

@@ -135,6 +135,14 @@ def _importable(target: str) -> bool:
     return False
 
 
+def _import_faces(app: Sphinx) -> None:
+    """Import every face once, so that :func:`_ours` sees all our modules, whichever pages were read."""
+    if not getattr(app, "_lsc_faces_imported", False):
+        for face in _faces(app):
+            importlib.import_module(face)
+        app._lsc_faces_imported = True
+
+
 def _ours(target: str) -> bool:
     """A short name (``finish``, ``LossScaler``) that one of our loaded modules or classes defines."""
     for name, module in list(sys.modules.items()):
@@ -160,6 +168,7 @@ def resolve_reference(app: Sphinx, env: Any, node: Any, contnode: nodes.Element)
         target = next((f"{face}.{target}" for face in _faces(app) if f"{face}.{target}" in domain.objects),
                       target)
         if "." not in target:
+            _import_faces(app)  # an incremental build may not have imported the module that defines it
             return contnode if _ours(target) else None
     if not target.startswith(PREFIX):
         return None
