@@ -136,10 +136,12 @@ def _importable(target: str) -> bool:
 
 
 def _import_faces(app: Sphinx) -> None:
-    """Import every face once, so that :func:`_ours` sees all our modules, whichever pages were read."""
+    """Import every face and its names once (a face may import them lazily), so that :func:`_ours` sees all
+    our modules, whichever pages this build read."""
     if not getattr(app, "_lsc_faces_imported", False):
-        for face in _faces(app):
-            importlib.import_module(face)
+        for face, names in face_names(_faces(app)).items():
+            for name in names:
+                getattr(importlib.import_module(face), name)
         app._lsc_faces_imported = True
 
 
