@@ -112,7 +112,7 @@ _BANNERS = ("DeepSpeed info: version=", "DeepSpeedEngine configuration",
 def _has_loss_scale_line(text: str) -> bool:
     # The parsers are imported here, when a file that is neither an event file nor a .wandb file is
     # looked at: a report of TensorBoard or W&B runs never loads them.
-    from lossscale_callbacks._engine_parsers import PARSERS
+    from lossscale_callbacks.report._engine_parsers import PARSERS
 
     parsers = [parser() for parser in PARSERS]
     for line in text.splitlines():
@@ -296,7 +296,7 @@ def ended_inside_record(path: str, offset: int, records_before: int) -> str:
     """The one rule every reader applies to a file that ends inside a record (TensorBoard, W&B).
 
     A file cut inside a record looks like a run still being written, or a copy cut short: what came
-    before is kept, and the returned note (for :attr:`RunSeries.notes`) says where the file ends.
+    before is kept, and the returned note (for ``RunSeries.notes``) says where the file ends.
     A file that ends before its first record is whole (an empty one too) holds nothing to read: that
     is an error. A reader of a run of several files leaves such a file out as damage.
 
@@ -365,7 +365,7 @@ def _guess_order(path: str) -> list[str]:
 def read_series(path: str, kind: str | None = None) -> tuple[str, Series]:
     """Read the run at ``path``; return ``(reader name, series)``.
 
-    ``kind`` names the reader (as :func:`~lossscale_callbacks._run_readers.discover_runs` finds
+    ``kind`` names the reader (as :func:`~lossscale_callbacks.report._run_readers.discover_runs` finds
     it); ``None`` tries every installed reader, the likeliest first. Readers are imported only when
     used (reading a TensorBoard run never imports W&B).
 
