@@ -30,13 +30,17 @@ def test_the_plain_pytorch_loop_names_the_rank_that_went_its_own_way(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     printed = [(tmp_path / f"rank{r}.txt").read_text() for r in range(4)]
     states = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    assert [s["skipped_steps"] for s in states] == [0, 0, 1, 0]  # only rank 2 skipped step 30
+    # The page's batches are random, so an early overflow may come too (on every rank alike: the gradients
+    # are all-reduced); step 30 is rank 2's alone.
+    skipped = [s["skipped_steps"] for s in states]
+    assert skipped[2] == skipped[0] + 1 and skipped[0] == skipped[1] == skipped[3]
     # At the next log interval (step 40) rank 0 warns, naming rank 2 and its scale; and says it at the end.
     warning = re.search(r"LossScaleHealthWarning: .*different loss-scale states at step 40 \(rank\(s\) 2 "
                         r"differ from rank 0\): ranks 0, 1, 3: .*; rank 2: scale (\d+), growth counter \d+, "
-                        r"1 of 40 steps skipped", printed[0])
+                        r"(\d+) of 40 steps skipped", printed[0])
     assert warning, printed[0]
     assert float(warning.group(1)) == states[2]["scale"]  # its scale at step 40 (it did not change since)
+    assert int(warning.group(2)) == skipped[2]
     assert "[ranks_disagree at step 40]" in printed[0]
     assert "disagreed 1 time(s) in 5 compared read(s), first at step 40" in printed[0]
     assert printed[1:] == ["", "", ""]  # the other ranks print nothing: rank 0 speaks for the run
