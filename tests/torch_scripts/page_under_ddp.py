@@ -63,6 +63,7 @@ def rank_main(rank: int, world: int, port: int, page: str, fault: tuple[int, int
     exec(compile(instrumented(page), str(DOCS / page), "exec"), namespace)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(namespace["scaler"].get_state()._asdict(), f)
+    namespace.clear()  # the DDP model before its process group (through DDP's reducer gloo can hang)
     dist.destroy_process_group()
 
 
