@@ -130,8 +130,13 @@ def test_one_process_gathers_nothing():
     torch = pytest.importorskip("torch")
     from lossscale_callbacks.torch import LossScaler, ScalerReader
 
+    from lossscale_callbacks.loop._rank_agreement import RankedState
+
     state = ScalerReader(LossScaler(device="cpu")).read()
-    assert type(state) is LossScaleState and not torch.distributed.is_initialized()
+    # A state (carrying the interval's outcomes), but no ranks: nothing was gathered, no group made.
+    assert isinstance(state, LossScaleState) and not isinstance(state, RankedState)
+    assert not hasattr(state, "ranks") and not torch.distributed.is_initialized()
+    assert state.outcomes.steps == 0
 
 
 def test_a_gather_waits_until_its_tensors_are_let_go(monkeypatch):
