@@ -128,9 +128,8 @@ def test_the_report_says_the_ranks_disagreed():
 
 def test_one_process_gathers_nothing():
     torch = pytest.importorskip("torch")
-    from lossscale_callbacks.torch import LossScaler, ScalerReader
-
     from lossscale_callbacks.loop._rank_agreement import RankedState
+    from lossscale_callbacks.torch import LossScaler, ScalerReader
 
     state = ScalerReader(LossScaler(device="cpu")).read()
     # A state (carrying the interval's outcomes), but no ranks: nothing was gathered, no group made.
