@@ -326,3 +326,29 @@ def test_the_skip_count_is_exact_across_many_wraps_a_new_policy_and_a_loaded_sta
     _run(scaler, "fused", steps=9, inject=(2, 9))
     assert scaler.get_state().skipped_steps == len(inject) + 3
     assert scaler.read_outcomes().skipped_steps == (102, 109)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_graph_replayed_ring_reads_what_the_cpu_ring_reads():
+    """On CUDA the update is a replayed graph and the ring writes by device-side index: the same outcomes as
+    on the CPU, across a read that grows the ring (the graph is captured again with the new rows)."""
+    reads = {}
+    for device in ("cpu", "cuda"):
+        scaler = LossScaler(device=device, init_scale=2.0**10, outcome_capacity=16)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        x, got = torch.randn(8, 4, device=device), []
+        for step in range(1, 81):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if step in (3, 17, 20, 42, 79):
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            if step in (40, 80):
+                got.append(scaler.read_outcomes())
+        reads[device] = (got, scaler.get_state(), scaler._ring.capacity)
+    assert reads["cuda"] == reads["cpu"]
+    assert reads["cpu"][0][0].missed == 3 and reads["cpu"][0][1].skipped_steps == (42, 79)
+    assert reads["cpu"][2] == 64

@@ -26,7 +26,10 @@ an overflow flag is one step, so no device op is needed), and ``skipped_steps`` 
 (what the state held when the path was built) plus the skips since then, summed on the device: in
 float32 (the flag's dtype, the cheap add) and folded into a float64 count every 2**20 steps (two more
 ops), before float32 could round; float64 is exact below 2**53 skipped steps (285 years at a step
-per microsecond).
+per microsecond). With the scaler's outcome ring attached (:attr:`_Path.recorder`), the paths that
+count with that add (``AmpPath``, ``RulePath``) drop it: the ring's exact count of code 1 is the same
+number, and the ring's row costs the op the add did (4 ops per update without hysteresis, as
+without the ring; ``TablePath`` counts in its table and pays the ring's one op: 7).
 """
 
 from __future__ import annotations
