@@ -8,6 +8,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -153,12 +155,16 @@ def test_each_read_covers_its_own_interval():
     assert sum(r.applied for r in reads) == 97
 
 
-def test_an_interval_longer_than_the_ring_lists_the_newest_and_counts_all():
-    scaler = LossScaler(device="cpu", init_scale=2.0**20, outcome_capacity=2)
-    _run(scaler, "fused", steps=30, inject=(2, 5, 9, 11, 20))
+def test_an_interval_longer_than_the_ring_lists_the_newest_counts_all_and_grows_the_ring():
+    scaler = LossScaler(device="cpu", init_scale=2.0**20, outcome_capacity=8)
+    _run(scaler, "fused", steps=30, inject=(2, 5, 9, 11, 20, 25, 28))
+    got = scaler.read_outcomes()  # the ring holds steps 23..30
+    assert got.skipped_steps == (25, 28) and got.missed == 5 and got.counts["overflow"] == 7
+    assert got.applied == 23 and scaler._ring.capacity == 32  # grown at that read: 30 steps fit now
+    _run(scaler, "fused", steps=30, inject=(1, 4, 30))
     got = scaler.read_outcomes()
-    assert got.skipped_steps == (11, 20) and got.missed == 3 and got.counts["overflow"] == 5
-    assert got.applied == 25
+    assert (got.first_step, got.last_step, got.skipped_steps, got.missed) == (31, 60, (31, 34, 60), 0)
+    assert scaler.get_state().skipped_steps == 10
 
 
 def test_bf16_runs_name_the_cause_nonfinite():
@@ -197,7 +203,7 @@ def test_the_record_adds_no_host_read_to_the_step_and_is_read_in_one_copy():
         opt.zero_grad()
     with HostReadCounter(only_under=LIBRARY) as reads:
         scaler.read_state_and_outcomes()
-    assert [name for name, _ in reads.reads] == ["cpu", "tolist"]  # the state and the ring: one copy
+    assert [name for name, _ in reads.reads] == ["cpu", "numpy"]  # the state and the ring: one copy
 
 
 def test_disabled_and_unstarted_scalers_report_an_empty_interval():
@@ -224,3 +230,125 @@ def next_state_run(policy, flags):
     for finite in flags:
         state = next_state(policy, state, finite)
     return type(state)(float(state.scale), *(int(v) for v in state[1:]))
+
+
+# ------------------------------------------------------------------------- the ring's cost and writers
+
+# What update() dispatches on the CPU with the record: the row written in one op ("stack"); without
+# hysteresis the path's own skip count ("add_") is the ring's count of code 1 instead.
+DEFAULT_UPDATE = ["stack", "_amp_update_scale_", "_amp_update_scale_", "clamp_"]
+TABLE_UPDATE = ["stack", "addcmul", "bucketize", "mv", "index_select", "mul", "clamp_"]
+
+
+def _update_ops(scaler: LossScaler, inject: bool = False) -> list[str]:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        if inject:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        with AtenOps() as ops:
+            scaler.update()
+    return ops.names
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_the_record_costs_one_op_and_the_default_update_stays_at_4(inject):
+    assert _update_ops(LossScaler(device="cpu"), inject) == DEFAULT_UPDATE
+    table = LossScaler(device="cpu", policy=DynamicPolicy(hysteresis=2))
+    assert _update_ops(table, inject) == TABLE_UPDATE
+    # The spike rule and monitoring make their code in the scaler (counted in test_skip_spike_bf16.py); the
+    # record itself is the same one op, and no count op.
+    monitoring = LossScaler(device="cpu", policy=FixedPolicy(1.0), skip_nonfinite=False)
+    assert _update_ops(monitoring, inject) == ["mul", *DEFAULT_UPDATE]
+
+
+def _ring_after(sequence, capacity, start, device_index, reads):
+    """A ring written with ``sequence`` (codes, scales) after ``start`` steps, read (and grown) at ``reads``;
+    each read checked against the steps it must list: the non-ordinary ones of its interval still held."""
+    from lossscale_callbacks.torch._outcome_ring import OutcomeRing
+
+    ring = OutcomeRing(torch.device("cpu"), capacity, steps=start, device_index=device_index)
+    got, steps, since = [], start, start
+    for code, scale in sequence:
+        ring.record(torch.tensor(float(code)), torch.tensor(scale, dtype=torch.float32))
+        steps += 1
+        ring.after_step(steps)
+        if steps in reads:
+            rows, counts, step = ring.read(since)
+            held = max(since, steps - ring.capacity)
+            assert rows == [[float(n), float(c), float(np.float32(v))]
+                            for n, (c, v) in enumerate(sequence[:steps - start], start + 1) if c and n > held]
+            done = [c for c, _ in sequence[:steps - start]]
+            assert (counts, step) == ([done.count(c) for c in CODES], steps)
+            assert float(ring.nonfinite_skips()) == done.count(1)
+            got.append((rows, counts, ring.grow(steps - since), ring.capacity))
+            since = steps
+    return ring, got
+
+
+@settings(max_examples=60, deadline=None)
+@given(codes=st.lists(st.sampled_from(CODES), min_size=1, max_size=80),
+       capacity=st.integers(1, 16), start=st.integers(0, 40), data=st.data())
+def test_the_host_and_device_index_writers_leave_identical_rings(codes, capacity, start, data):
+    """The CPU's host-chosen slot and the CUDA graph's device-side index: bit-identical rows, the same counts
+    and reads, over generated sequences (reads at random steps, the ring growing at some), every read
+    listing exactly what it must."""
+    scales = data.draw(st.lists(st.floats(2.0**-24, 2.0**24, width=32), min_size=len(codes),
+                                max_size=len(codes)))
+    reads = set(data.draw(st.lists(st.integers(start + 1, start + len(codes)), max_size=4)))
+    sequence = list(zip(codes, scales, strict=True))
+    host, host_reads = _ring_after(sequence, capacity, start, False, reads | {start + len(codes)})
+    device, device_reads = _ring_after(sequence, capacity, start, True, reads | {start + len(codes)})
+    assert host.device_index is False and device.device_index is True
+    assert torch.equal(host._rows.view(torch.int32), device._rows.view(torch.int32))
+    assert torch.equal(host._counts, device._counts) and host_reads == device_reads
+    assert int(device._device_steps) == start + len(codes)
+
+
+def test_the_skip_count_is_exact_across_many_wraps_a_new_policy_and_a_loaded_state():
+    """The path without hysteresis takes its skip count from the ring: exact over many wraps of a small ring,
+    across set_growth_factor (a new path, the same ring) and a loaded state (the ring cleared)."""
+    policy = DynamicPolicy(initial_scale=2.0**12, growth_interval=7)
+    scaler = LossScaler(device="cpu", policy=policy, outcome_capacity=4)
+    rng = np.random.default_rng(5)
+    inject = tuple(int(i) for i in np.flatnonzero(rng.random(90) < 0.3) + 1)
+    _run(scaler, "fused", steps=90, inject=inject, on_read=lambda step: scaler.read_outcomes(), every=13)
+    assert scaler.get_state().skipped_steps == len(inject)
+    scaler.set_growth_factor(4.0)
+    _run(scaler, "fused", steps=10, inject=(3,))
+    got = scaler.read_outcomes()
+    assert scaler.get_state().skipped_steps == len(inject) + 1 and got.counts["overflow"] == 1 + sum(
+        1 for s in inject if s > 78)
+    scaler.load_state_dict(scaler.state_dict())
+    _run(scaler, "fused", steps=9, inject=(2, 9))
+    assert scaler.get_state().skipped_steps == len(inject) + 3
+    assert scaler.read_outcomes().skipped_steps == (102, 109)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_graph_replayed_ring_reads_what_the_cpu_ring_reads():
+    """On CUDA the update is a replayed graph and the ring writes by device-side index: the same outcomes as
+    on the CPU, across a read that grows the ring (the graph is captured again with the new rows)."""
+    reads = {}
+    for device in ("cpu", "cuda"):
+        scaler = LossScaler(device=device, init_scale=2.0**10, outcome_capacity=16)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        x, got = torch.randn(8, 4, device=device), []
+        for step in range(1, 81):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if step in (3, 17, 20, 42, 79):
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            if step in (40, 80):
+                got.append(scaler.read_outcomes())
+        reads[device] = (got, scaler.get_state(), scaler._ring.capacity)
+    assert reads["cuda"] == reads["cpu"]
+    assert reads["cpu"][0][0].missed == 3 and reads["cpu"][0][1].skipped_steps == (42, 79)
+    assert reads["cpu"][2] == 64

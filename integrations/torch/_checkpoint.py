@@ -34,6 +34,7 @@ from lossscale_callbacks.torch._grad_scaler_compat import (
     from_grad_scaler_state_dict,
     is_grad_scaler_state_dict,
 )
+from lossscale_callbacks.torch._outcome_ring import DEFAULT_CAPACITY
 
 SYNC_CHOICES = (True, False, "auto")
 # A LossScaler state dict also carries GradScaler's keys, so that GradScaler and code written for it
@@ -43,7 +44,7 @@ STATE_DICT_KEYS = ("policy", *STATE_FIELDS, *_MIRRORS)
 PICKLE_KEYS = ("enabled", "device", "policy", "state", "sync_found_inf", "process_group", "diagnose",
                "headroom_every")
 # Keys added later: a pickle of an earlier release lacks them and gets their defaults.
-OPTIONAL_PICKLE_KEYS = {"outcome_capacity": 64, "spike": None, "skip_nonfinite": True}
+OPTIONAL_PICKLE_KEYS = {"outcome_capacity": DEFAULT_CAPACITY, "spike": None, "skip_nonfinite": True}
 
 
 def check_process_group(name: str, value: Any) -> Any:

@@ -17,8 +17,9 @@ Where the host synchronises (and nowhere else):
 * ``diagnose=True`` adds no host read to a step, and a bounded number of ops whatever the number of
   parameters (see :mod:`lossscale_callbacks.torch._forensics`).
 * ``update(new_scale=<tensor>)`` reads the tensor once to check it.
-* ``read_outcomes`` reads the device ring of step outcomes (one copy); ``update`` writes it with
-  device-side indexing (see :mod:`lossscale_callbacks.torch._outcome_ring`).
+* ``read_outcomes`` reads the device ring of step outcomes (one copy); ``update`` writes the step's
+  row in one op (a host-chosen slot; device-side indexing inside a CUDA graph) and, without
+  hysteresis, counts the skip with it: still 4 ops (see :mod:`lossscale_callbacks.torch._outcome_ring`).
 """
 
 from __future__ import annotations
@@ -69,9 +70,8 @@ from lossscale_callbacks.torch._update_paths import PathState, make_path
 
 
 class _OutcomeCursor(NamedTuple):
-    """What :meth:`LossScaler.read_outcomes` saw last: records written, counts per code, steps, skipped."""
+    """What :meth:`LossScaler.read_outcomes` saw last: the ring's counts per code, steps, skipped."""
 
-    written: int
     counts: tuple[int, ...]
     steps: int
     skipped: int
@@ -164,8 +164,9 @@ class LossScaler(torch.amp.GradScaler):
             ``headroom_every`` steps; ``"every_step"`` samples every step. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
-        outcome_capacity: non-ordinary steps (skipped, or applied non-finite) the device ring keeps
-            between two :meth:`read_outcomes` (default 64; more are counted, the oldest not listed).
+        outcome_capacity: optimizer steps the device ring of step outcomes keeps between two
+            :meth:`read_outcomes` (default 2048). A longer interval lists its newest steps, counts
+            them all (the rest are ``missed``), and the ring grows at that read to fit it.
         spike: the opt-in loss-spike rule (a :class:`~lossscale_callbacks.skips._spike.SpikeRule`, or
             ``True``: 6σ over 128 applied steps), decided on the device; its skips are cause
             ``"spike"``, not overflows (see the "Skipped steps" page).
@@ -346,8 +347,7 @@ class LossScaler(torch.amp.GradScaler):
         self._one = torch.ones((), dtype=torch.float32, device=device)
         host = self._host_state()
         self._path = make_path(self._policy, device, PathState.from_host(host))
-        self._ring = OutcomeRing(device, self._outcome_capacity, steps=host.steps,
-                                 count_codes=self.spike_rule is not None or not self.skip_nonfinite)
+        self._ring = OutcomeRing(device, self._outcome_capacity, steps=host.steps)
         self._path.recorder = self._ring
         if self.spike_rule is not None:
             self._spike = SpikeWindow(self.spike_rule, device)
@@ -378,8 +378,7 @@ class LossScaler(torch.amp.GradScaler):
         else:
             self._path = make_path(policy, self._path.device, PathState.from_host(host))
             assert self._ring is not None
-            self._ring.clear()  # the records belong to the state this one replaces
-            self._ring.set_steps(host.steps)
+            self._ring.clear(host.steps)  # the records belong to the state this one replaces
             self._path.recorder = self._ring
         self._outcome_cursor = self._cursor_at(host)
         self._per_optimizer = defaultdict(_OptimizerState)
@@ -828,8 +827,8 @@ class LossScaler(torch.amp.GradScaler):
     def _cursor_at(state: LossScaleState | None) -> _OutcomeCursor:
         """Where the next :meth:`read_outcomes` starts: after ``state``'s steps, no record read yet."""
         if state is None:
-            return _OutcomeCursor(0, (0, 0, 0, 0), 0, 0)
-        return _OutcomeCursor(0, (0, 0, 0, 0), int(state.steps), int(state.skipped_steps))
+            return _OutcomeCursor((0, 0, 0, 0), 0, 0)
+        return _OutcomeCursor((0, 0, 0, 0), int(state.steps), int(state.skipped_steps))
 
     def read_outcomes(self) -> IntervalOutcomes:
         """The optimizer steps since the previous call that were not ordinary applied steps. One host read.
@@ -838,9 +837,9 @@ class LossScaler(torch.amp.GradScaler):
         skipped, or applied with non-finite gradients, with its cause and the scale it used, oldest
         first, and the exact counts per cause (see
         :class:`~lossscale_callbacks.skips._outcomes.IntervalOutcomes`). The steps are written on the
-        device by :meth:`update` (no host read there); call this at the log interval. Beyond
-        ``outcome_capacity`` non-ordinary steps in one interval the oldest are not listed (``missed``),
-        and still counted.
+        device by :meth:`update` (no host read there); call this at the log interval. In an interval longer
+        than the ring (``outcome_capacity`` steps, grown at each read that finds a longer one) the oldest
+        steps are not listed (``missed``), and still counted.
 
         Example:
             >>> scaler = LossScaler(device="cpu", init_scale=1024.0)
@@ -867,15 +866,20 @@ class LossScaler(torch.amp.GradScaler):
         ring = self._ring.flat()
         held = self._holder.counters(ring.device)
         state, flat = self._path.read_with(ring if held is None else torch.cat([ring, held]))
-        rows, written, counts, _ = self._ring.parse(flat[:ring.numel()])
+        rows, counts, _ = self._ring.parse(flat[:ring.numel()], since=cursor.steps)
         self._holder.apply(flat[ring.numel():], at_step=state.steps)  # the held objects, in the same copy
-        outcomes, missed = decode_records(rows, written, cursor.written, self._outcome_capacity,
-                                          nonfinite_cause(self._policy))
+        # The listed rows as a ring of their own, all new: the core's decoder names the causes.
+        outcomes, _ = decode_records([*rows, [0.0, 0.0, 0.0]], len(rows), 0, len(rows),
+                                     nonfinite_cause(self._policy))
         new_counts = [now - before for now, before in zip(counts, cursor.counts, strict=True)]
         skipped = state.skipped_steps - cursor.skipped
         by_cause = {nonfinite_cause(self._policy): skipped, "spike": new_counts[2],
                     "applied_nonfinite": new_counts[3]}
-        self._outcome_cursor = _OutcomeCursor(written, tuple(counts), state.steps, state.skipped_steps)
+        missed = sum(new_counts[1:]) - len(outcomes)
+        interval = state.steps - cursor.steps
+        if interval > self._ring.capacity and self._ring.grow(interval):
+            self._path.recorder = self._ring  # a captured CUDA graph is captured again with the new rows
+        self._outcome_cursor = _OutcomeCursor(tuple(counts), state.steps, state.skipped_steps)
         return state, IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
 
     # -------------------------------------------------------------------------- host reads

@@ -15,7 +15,7 @@ The window is a ``(rows, window + 1)`` float64 buffer (row 0 the loss, row 1 the
 values of the last ``window`` applied steps and one free slot kept at 0, so plain sums over a row give
 the window's sums while it fills. An applied step writes its value into the free slot and moves on,
 zeroing the next slot (the oldest value leaves); a skipped one writes 0 there and stays. With the flag
-merged and the outcome code counted, the rule adds 34 dispatched ops to a fused step
+merged and the outcome code made, the rule adds 32 dispatched ops to a fused step
 (``tests/test_skip_spike_bf16.py`` counts them); its cost against a step without it is in
 ``benchmarks/skip_overhead.py``.
 """

@@ -26,7 +26,10 @@ an overflow flag is one step, so no device op is needed), and ``skipped_steps`` 
 (what the state held when the path was built) plus the skips since then, summed on the device: in
 float32 (the flag's dtype, the cheap add) and folded into a float64 count every 2**20 steps (two more
 ops), before float32 could round; float64 is exact below 2**53 skipped steps (285 years at a step
-per microsecond).
+per microsecond). With the scaler's outcome ring attached (:attr:`_Path.recorder`), the paths that
+count with that add (``AmpPath``, ``RulePath``) drop it: the ring's exact count of code 1 is the same
+number, and the ring's row costs the op the add did (4 ops per update without hysteresis, as
+without the ring; ``TablePath`` counts in its table and pays the ring's one op: 7).
 """
 
 from __future__ import annotations
@@ -100,27 +103,53 @@ class _Path:
         self._since_fold = 0
         self.scale: torch.Tensor  # 0-d float32, updated in place: the tensor the scaler multiplies by
         # The step outcomes' ring (lossscale_callbacks.torch._outcome_ring), written before each update.
-        self.recorder: Any = None
+        self._recorder: Any = None
+
+    @property
+    def recorder(self) -> Any:
+        """The step outcomes' ring (``None``: none). A path that counts its skips with an op of its own
+        (``_recent``) leaves the count to the ring while one is attached: the ring counts the steps with
+        code 1, which are the steps whose flag was set (see :meth:`update`)."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, recorder: Any) -> None:
+        if self._recent is not None:  # device ops when a ring is attached, none in the step
+            total = self._skipped()
+            self._skipped_new = total if recorder is None else total - recorder.nonfinite_skips()
+            self._recent.zero_()
+            self._since_fold = 0
+        self._recorder = recorder
 
     def update(self, found_inf: torch.Tensor, code: torch.Tensor | None = None) -> None:
         """Advance one optimizer step; ``found_inf`` is the step's float32 overflow flag (the rule's
         input), ``code`` the step's outcome code for the recorder (default: ``found_inf``, a non-finite
-        skip). No host sync."""
+        skip). A ``code`` is 1 exactly when ``found_inf`` is 1: the recorder's count of code 1 is the
+        path's skipped-step count. No host sync."""
         self.recorded_step(found_inf, code)
         self.after_step()
 
     def recorded_step(self, found_inf: torch.Tensor, code: torch.Tensor | None = None) -> None:
         """The step's outcome recorded (with the scale it used), then the rule's device ops."""
-        if self.recorder is not None:
-            self.recorder.record(found_inf if code is None else code, self.scale)
+        if self._recorder is not None:
+            self._recorder.record(found_inf if code is None else code, self.scale)
         self.device_step(found_inf)
 
     def after_step(self) -> None:
-        """The host's part of a step (also after a CUDA graph replay): count it, fold every 2**20 steps."""
+        """The host's part of a step (also after a CUDA graph replay): count it, fold every 2**20 steps
+        (a ring counts its codes itself)."""
         self.steps += 1
+        if self._recorder is not None:
+            self._recorder.after_step(self.steps)
+            return
         self._since_fold += 1
         if self._since_fold == _FOLD_EVERY:
             self._fold()
+
+    def _count_skip(self, found_inf: torch.Tensor) -> None:
+        """The step's skip counted: one op, none while a ring counts them (see :attr:`recorder`)."""
+        if self._recorder is None:
+            self._recent.add_(found_inf)  # type: ignore[union-attr]
 
     def _fold(self) -> None:
         if self._recent is not None:
@@ -130,7 +159,11 @@ class _Path:
 
     def _skipped(self) -> torch.Tensor:
         """Skips since the path was built, float64 on the device."""
-        return self._skipped_new if self._recent is None else self._skipped_new + self._recent
+        if self._recent is None:
+            return self._skipped_new
+        if self._recorder is not None:
+            return self._skipped_new + self._recorder.nonfinite_skips()
+        return self._skipped_new + self._recent
 
     def device_step(self, found_inf: torch.Tensor) -> None:
         """The step's device ops (what a CUDA graph captures)."""
@@ -155,11 +188,12 @@ class _Path:
         """The state as Python numbers: one device-to-host copy (float64 holds every field exactly)."""
         return self.read_with(None)[0]
 
-    def read_with(self, extra: torch.Tensor | None) -> tuple[LossScaleState, list[float]]:
-        """The state and ``extra`` (a flat float64 device tensor, e.g. the outcome ring) in one copy."""
+    def read_with(self, extra: torch.Tensor | None) -> tuple[LossScaleState, np.ndarray]:
+        """The state and ``extra`` (a flat float64 device tensor, e.g. the outcome ring) in one copy;
+        ``extra``'s values come back as a NumPy array."""
         parts = [t.to(torch.float64).reshape(1) for t in (*self.fields(), self._skipped())]
-        values = torch.cat(parts if extra is None else [*parts, extra]).cpu().tolist()
-        scale, growth, hysteresis, skipped = values[:4]
+        values = torch.cat(parts if extra is None else [*parts, extra]).cpu().numpy()
+        scale, growth, hysteresis, skipped = values[:4].tolist()
         state = LossScaleState(float(scale), int(growth), int(hysteresis), self._skipped_base + int(skipped),
                                self.steps)
         return state, values[4:]
@@ -204,7 +238,7 @@ class AmpPath(_Path):
         torch._amp_update_scale_(self._scale_slot, self._tracker, found_inf, growth, backoff, interval)
         torch._amp_update_scale_(self._mark_slot, self._mark_tracker, found_inf, 2.0, 0.5, interval)
         self._packed.clamp_(self._low, self._high)
-        self._recent.add_(found_inf)  # type: ignore[union-attr]
+        self._count_skip(found_inf)
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.scale, self._tracker, self._packed[1] - 1.0
@@ -311,7 +345,7 @@ class RulePath(_Path):
         state = LossScaleState(*self._fields, self._zero, self._zero)
         new = next_state(self.policy, state, found_inf == 0, self._ops)
         torch._foreach_copy_(self._fields, list(new[:3]))
-        self._recent.add_(found_inf)  # type: ignore[union-attr]
+        self._count_skip(found_inf)
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._fields[0], self._fields[1], self._fields[2]
@@ -404,7 +438,7 @@ class CudaGraphPath:
     def read(self) -> LossScaleState:
         return self.path.read()
 
-    def read_with(self, extra: torch.Tensor | None) -> tuple[LossScaleState, list[float]]:
+    def read_with(self, extra: torch.Tensor | None) -> tuple[LossScaleState, np.ndarray]:
         return self.path.read_with(extra)
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

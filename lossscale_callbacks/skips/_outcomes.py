@@ -25,12 +25,13 @@ monitoring-only run (non-finite steps applied, scale fixed at 1) gives the rule 
 step was not skipped. So the update rule is unchanged and bit-identical on every backend, and the
 spike and monitoring modes are proven against it by the conformance tests of the integrations.
 
-**The record.** An integration keeps, on the device, the last ``capacity`` non-ordinary steps (step
-number, code, the scale the step used) in a ring written with device-side indexing every step, and
-reads it once per log interval. :class:`IntervalOutcomes` is what one read says: every step of the
-interval that was not an ordinary applied step, oldest first, and the exact count per cause. When an
-interval has more non-ordinary steps than the ring holds, the oldest of them are not listed
-(:attr:`IntervalOutcomes.missed` says how many); the counts stay exact.
+**The record.** An integration keeps, on the device, a ring of step outcomes written every step with
+no host read (the torch scaler: the code and the scale of each of the last ``capacity`` steps; a ring
+of non-ordinary steps only, ``[step, code, scale]``, is what :func:`decode_records` reads), and reads
+it once per log interval. :class:`IntervalOutcomes` is what one read says: every step of the interval
+that was not an ordinary applied step, oldest first, and the exact count per cause. When the ring no
+longer holds some of them, those are not listed (:attr:`IntervalOutcomes.missed` says how many); the
+counts stay exact.
 """
 
 from __future__ import annotations
