@@ -57,7 +57,8 @@ EXTENSION: dict[str, list[str]] = {
         "reference_histogram", "reference_run", "stack_states"],
 }
 # The core's rooms: private sub-packages that hold a family of modules and export nothing.
-ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.loop", "lossscale_callbacks.report")
+ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.fp8", "lossscale_callbacks.loop",
+         "lossscale_callbacks.report")
 FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
               "accelerate", "transformers", "ray")
 
