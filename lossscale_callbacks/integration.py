@@ -110,6 +110,9 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         layer_of,
         sampled_within,
     )
+    from lossscale_callbacks.fp8._delayed import DelayedHistory
+    from lossscale_callbacks.fp8._formats import E4M3, E5M2, Fp8Format
+    from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead
     from lossscale_callbacks.loop._logging_loop import LoggingArgs, check_log_every, logging_args
     from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
     from lossscale_callbacks.report._run_readers import (
@@ -228,6 +231,17 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "smallest_keep_set": ("forensics._advice",
             "The layers to keep in float32, found by running until a run is finite."),
     },
+    "FP8 scales": {
+        "TensorRead": ("fp8._reads",
+            "One fp8 tensor (a layer's input, weight or output gradient) at one read: amax, scale, counts."),
+        "Fp8Read": ("fp8._reads", "Every watched fp8 tensor at one read, what the loop observes as fp8=."),
+        "DelayedHistory": ("fp8._delayed",
+            "An amax history followed from read to read: every step's amax and scale, a load, an outlier."),
+        "Fp8Format": ("fp8._formats",
+            "An fp8 format: its largest value, the saturation and underflow thresholds of a cast."),
+        "E4M3": ("fp8._formats", "float8_e4m3fn: inputs and weights (448 at most)."),
+        "E5M2": ("fp8._formats", "float8_e5m2: gradients under the hybrid recipes (57344 at most)."),
+    },
     "Shape capture for the alignment checker": {
         "Capture": ("alignment._records", "Everything one capture recorded: ops, layers, model dimensions."),
         "OpRecord": ("alignment._records",
@@ -275,6 +289,8 @@ __all__ = [
     "DASHBOARD_CHARTS",
     "DASHBOARD_SECTION",
     "DEFAULT_MAX_UNZIPPED_MIB",
+    "E4M3",
+    "E5M2",
     "FINAL_SCALE",
     "FP16_MIN_SUBNORMAL",
     "GROWTH_INTERVAL",
@@ -293,6 +309,9 @@ __all__ = [
     "ActivationTrace",
     "AuditResult",
     "Capture",
+    "DelayedHistory",
+    "Fp8Format",
+    "Fp8Read",
     "FrameworkAdvice",
     "GradientRange",
     "GuardedSink",
@@ -316,6 +335,7 @@ __all__ = [
     "RunReadError",
     "RunSeries",
     "Snapshot",
+    "TensorRead",
     "Verdict",
     "advise",
     "check_archive",

@@ -87,7 +87,7 @@ def test_an_outlier_is_found_its_end_foretold_and_a_short_history_forgets_it():
     for length, read_at, coarse in ((1024, 40, True), (8, 35, True), (8, 40, False)):
         amaxes = [3.0] * 40
         amaxes[29] = 150.0  # step 30
-        used, after = simulate(amaxes, length, 2)
+        _, after = simulate(amaxes, length, 2)
         history = DelayedHistory(length, 2, E4M3)
         history.observe(0, [0.0] * length, 1.0)
         for step in range(5, read_at + 1, 5):  # a read every 5 steps (at most the history's length)
@@ -124,8 +124,8 @@ def test_a_replaced_history_is_found_and_its_staleness_measured():
 
 def _tensor(**kw):
     base = dict(layer="enc/d2", role="input", format="e4m3", scaling="delayed", amax=3.0, scale=2.9,
-                saturated=0, saturated_share=0.0, underflow_share=0.001, saturated_steps=0, history_length=1024,
-                history_ratio=1.0)
+                saturated=0, saturated_share=0.0, underflow_share=0.001, saturated_steps=0,
+                history_length=1024, history_ratio=1.0)
     base.update(kw)
     return TensorRead(**base)
 
@@ -159,7 +159,8 @@ def test_each_rule_fires_on_its_case_only():
     for rule in default_fp8_rules():
         assert rule(quiet) == []
     cases = {
-        Fp8Saturation(): _tensor(saturated=936, saturated_share=0.46, saturated_steps=1, first_saturated_step=30),
+        Fp8Saturation(): _tensor(saturated=936, saturated_share=0.46, saturated_steps=1,
+                                 first_saturated_step=30),
         Fp8ZeroAmax(): _tensor(role="weight", amax=0.0, scale=4.48e14),
         Fp8CoarseScale(): _tensor(history_ratio=52.0, outlier_step=30, coarse_until=1055),
         Fp8StaleHistory(): _tensor(stale_ratio=6.0, replaced_after=30),

@@ -163,6 +163,8 @@ class DelayedHistory:
             if amax is None:
                 return view  # the reads are too far apart for this history: nothing rebuilt
             rows.append((s, amax, scale))
+        if not rows:  # read again at the same step
+            return view
         saturated = tuple((s, a * m / self.fmt.max) for s, a, m in rows
                           if math.isfinite(a) and a * m >= self.fmt.saturation)
         last_step, last_amax, last_scale = rows[-1]

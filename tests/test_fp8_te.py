@@ -1,0 +1,99 @@
+"""TransformerEngine's ``fp8_meta`` read by its source's fields, on a RECORDING of its state
+(``tests/te_recording.py``, built from TransformerEngine v2.18's fields and update rule, not by
+TransformerEngine, which needs CUDA). What is tested is the reader: the layout (columns per GEMM and role,
+the rolled rows), the per-step rebuild, and the findings on that state."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from te_recording import RecordedTeModule  # noqa: E402
+
+from lossscale_callbacks.fp8._reads import Fp8Read  # noqa: E402
+from lossscale_callbacks.fp8._rules import Fp8CoarseScale, Fp8Saturation, Fp8StaleHistory  # noqa: E402
+from lossscale_callbacks.torch._fp8_te import TeScales  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.attn = RecordedTeModule(**kw)
+        self.mlp = RecordedTeModule(num_gemms=2, **kw)
+
+
+def run(net, amaxes, read_every, scales, start=0):
+    """Train ``amaxes`` (step -> (input, weight, grad) amax) reading every ``read_every`` steps."""
+    reads, used = [], {}
+    for step in range(start + 1, start + len(amaxes) + 1):
+        used[step] = net.attn.scales()
+        i, w, g = amaxes[step - start - 1]
+        net.attn.step([i], [w], [g])
+        net.mlp.step([i, i], [w, w], [g, g])
+        if step % read_every == 0:
+            reads.append(Fp8Read(step, tuple(scales.read(step))))
+    return reads, used
+
+
+def test_the_layout_and_every_steps_scale():
+    net = Net(amax_history_len=16)
+    scales = TeScales()
+    scales.watch(net)
+    assert scales.layers == ("attn", "mlp")
+    scales.read(0)
+    amaxes = [(1.0 + 0.1 * s, 0.5, 1e-3 * (1 + s % 3)) for s in range(40)]
+    reads, used = run(net, amaxes, 8, scales)
+    names = {(t.layer, t.role, t.format) for t in reads[0].tensors}
+    assert ("attn", "grad_output", "e5m2") in names and ("mlp/gemm2", "weight", "e4m3") in names
+    assert len(names) == 9
+    for read in reads:
+        by = {(t.layer, t.role): t for t in read.tensors}
+        rows = {s: (a, m) for s, a, m in by["attn", "input"].rows}
+        assert sorted(rows) == list(range(read.step - 7, read.step + 1))
+        for step, (amax, scale) in rows.items():
+            assert amax == pytest.approx(amaxes[step - 1][0], rel=1e-6)
+            assert scale == pytest.approx(used[step][0], rel=1e-6)
+        grad_rows = {s: m for s, _, m in by["attn", "grad_output"].rows}
+        assert all(grad_rows[s] == pytest.approx(used[s][2], rel=1e-6) for s in grad_rows)
+        assert by["attn", "input"].replaced_after is None
+
+
+def test_an_outlier_saturates_one_step_then_coarsens_the_scale_for_the_history():
+    net = Net()  # DelayedScaling's default: a 1024-step history
+    scales = TeScales()
+    scales.watch(net)
+    scales.read(0)
+    amaxes = [(2.0, 0.5, 1e-3)] * 40
+    amaxes[29] = (100.0, 0.5, 1e-3)  # step 30
+    reads, _ = run(net, amaxes, 10, scales)
+    at30 = {(t.layer, t.role): t for t in reads[2].tensors}["attn", "input"]
+    # TransformerEngine updates after each step (lag 1): the outlier step itself casts with the old scale
+    assert at30.saturated_steps == 1 and at30.first_saturated_step == 30
+    assert at30.max_overshoot == pytest.approx(50.0, rel=1e-5)
+    assert [v.rule for v in Fp8Saturation()(reads[2])][:1] == ["fp8_saturation"]
+    at40 = {(t.layer, t.role): t for t in reads[3].tensors}["attn", "input"]
+    assert at40.history_ratio == pytest.approx(50.0, rel=1e-5) and at40.outlier_step == 30
+    assert at40.coarse_until == 30 + 1 + 1024 - 1
+    coarse = [v.message for v in Fp8CoarseScale()(reads[3]) if v.message.startswith("`attn`'s input")]
+    assert coarse and "1024-step history" in coarse[0] and "amax_history_len" in coarse[0]
+
+
+def test_a_checkpoint_loaded_into_a_run_that_moved_is_stale_at_the_first_read():
+    """TransformerEngine PR #567: a loaded amax history that no longer matches the tensors."""
+    net = Net(amax_history_len=64)
+    scales = TeScales()
+    scales.watch(net)
+    scales.read(0)
+    run(net, [(1.0, 0.5, 1e-3)] * 20, 10, scales)
+    saved = net.attn.extra_state()
+    run(net, [(9.0, 0.5, 1e-3)] * 10, 10, scales, start=20)  # the values moved 9x after step 20
+    net.attn.load_extra_state(saved)  # loaded after step 30: the histories of step 20
+    read = Fp8Read(30, tuple(scales.read(30)))
+    stale = {(t.layer, t.role): t for t in read.tensors}["attn", "input"]
+    assert stale.replaced_after == 30 and stale.stale_ratio == pytest.approx(9.0)
+    (verdict,) = [v for v in Fp8StaleHistory()(read) if "`attn`'s input" in v.message]
+    assert verdict.step == 30 and "PR #567" in verdict.message
+    # the weight's history was loaded too, but its amax did not move: not stale
+    assert {(t.layer, t.role): t for t in read.tensors}["attn", "weight"].stale_ratio == pytest.approx(1.0)
+    assert not [v for v in Fp8StaleHistory()(read) if "`mlp" in v.message]  # not loaded: not replaced
