@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         DASHBOARD_CHARTS,
         DASHBOARD_SECTION,
         FINAL_SCALE,
+        FP8_TAG_PREFIX,
         GROWTH_INTERVAL,
         MAX_SCALE,
         MIN_SCALE,
@@ -242,6 +243,7 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
             "An fp8 format: its largest value, the saturation and underflow thresholds of a cast."),
         "E4M3": ("fp8._formats", "float8_e4m3fn: inputs and weights (448 at most)."),
         "E5M2": ("fp8._formats", "float8_e5m2: gradients under the hybrid recipes (57344 at most)."),
+        "FP8_TAG_PREFIX": ("_metrics", "The prefix of the fp8 scales' tags, fp8/ (readers keep them)."),
     },
     "Shape capture for the alignment checker": {
         "Capture": ("alignment._records", "Everything one capture recorded: ops, layers, model dimensions."),
@@ -293,6 +295,7 @@ __all__ = [
     "E4M3",
     "E5M2",
     "FINAL_SCALE",
+    "FP8_TAG_PREFIX",
     "FP16_MIN_SUBNORMAL",
     "GROWTH_INTERVAL",
     "HISTOGRAM_EXPONENTS",

@@ -134,7 +134,7 @@ def test_the_schema_round_trips_through_logged_series():
     t = _tensor(saturated=936, saturated_share=0.457, saturated_steps=1, first_saturated_step=30,
                 history_ratio=52.0, outlier_step=30, coarse_until=1055, stale_ratio=6.0,
                 rows=((39, 3.1, 2.9), (40, 3.0, 2.9)))
-    read = Fp8Read(40, (t, _tensor(layer="d1", role="grad_output", format="e5m2")), ranks_differing=(1,))
+    read = Fp8Read(40, (t, _tensor(layer="d1", role="grad_output", format="e5m2")), ranks_differing=1)
     assert set(read.step_metrics()) == {39}
     series: dict[str, list] = {}
     for step, values in [*read.step_metrics().items(), (40, read.metrics())]:

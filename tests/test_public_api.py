@@ -56,7 +56,8 @@ EXTENSION: dict[str, list[str]] = {
     # integration that builds on torch may use of the torch integration.
     "lossscale_callbacks.integration": [
         "CAUSES", "COUNT_METRICS", "DASHBOARD_CHARTS", "DASHBOARD_SECTION",
-        "DEFAULT_MAX_UNZIPPED_MIB", "E4M3", "E5M2", "FINAL_SCALE", "FP16_MIN_SUBNORMAL", "GROWTH_INTERVAL",
+        "DEFAULT_MAX_UNZIPPED_MIB", "E4M3", "E5M2", "FINAL_SCALE", "FP8_TAG_PREFIX", "FP16_MIN_SUBNORMAL",
+        "GROWTH_INTERVAL",
         "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE", "OVERALL_SKIP_RATE",
         "POLICY_TAG", "SCALE", "SKIPPED_STEPS", "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX",
         "TOTAL_SKIPPED_STEPS", "ActivationTrace", "AuditResult", "Capture", "DelayedHistory", "Fp8Format",

@@ -23,6 +23,7 @@ import wandb
 
 from lossscale_callbacks.integration import (
     FINAL_SCALE,
+    FP8_TAG_PREFIX,
     OVERALL_SKIP_RATE,
     SCALE,
     SKIPPED_STEPS,
@@ -174,6 +175,7 @@ class _WandbBackend:
             # independent of W&B's own _step, which every other log call also advances.
             self.run.define_metric(STEP_METRIC, hidden=True)
             self.run.define_metric(f"{TAG_PREFIX}*", step_metric=STEP_METRIC)
+            self.run.define_metric(f"{FP8_TAG_PREFIX}*", step_metric=STEP_METRIC)
             self._prepared = self.run
         return self.run
 

@@ -23,15 +23,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+from lossscale_callbacks._metrics import FP8_TAG_PREFIX
 from lossscale_callbacks.fp8._formats import ROLES
 
-__all__ = ["FIELDS", "FINDINGS_TAG", "PREFIX", "RANKS_DISAGREE", "Fp8Read", "TensorRead", "reads_from_series",
-           "tag"]
+__all__ = ["FIELDS", "FINDINGS_TAG", "FP8_TAG_PREFIX", "PREFIX", "RANKS_DISAGREE", "RANKS_TAG", "Fp8Read",
+           "TensorRead", "reads_from_series", "tag"]
 
-PREFIX = "fp8/"
+PREFIX = FP8_TAG_PREFIX
 # Written only by a run with more than one process: the ranks whose fp8 scales differ from rank 0's.
 RANKS_DISAGREE = "fp8/ranks_disagree"
+RANKS_TAG = "fp8/ranks"
 FINDINGS_TAG = "fp8/findings"
 # field -> what it is (the documentation's table is made from this): written per layer and role.
 FIELDS: dict[str, str] = {
@@ -127,14 +130,15 @@ class Fp8Read:
     Attributes:
         step: the optimizer steps attempted when read.
         tensors: one :class:`TensorRead` per layer and role.
-        ranks: every rank's compared values, when the ranks were gathered (see
-            :class:`~lossscale_callbacks.loop._rank_agreement.RankStates`).
+        ranks: every rank's compared scales, when the ranks were gathered
+            (:class:`~lossscale_callbacks.fp8._ranks.Fp8Ranks`).
+        ranks_differing: how many ranks differed from rank 0, for a read rebuilt from the series.
     """
 
     step: int
     tensors: tuple[TensorRead, ...]
-    ranks_differing: tuple[int, ...] | None = None
-    ranks_words: str | None = None
+    ranks: Any = None
+    ranks_differing: int | None = None
 
     def metrics(self) -> dict[str, float | int]:
         """The read's metrics at its step (the per-step amax and scale of delayed scaling are in
@@ -142,8 +146,10 @@ class Fp8Read:
         out: dict[str, float | int] = {}
         for tensor in self.tensors:
             out.update(tensor.metrics())
-        if self.ranks_differing is not None:
-            out[RANKS_DISAGREE] = len(self.ranks_differing)
+        if self.ranks is not None:
+            out[RANKS_DISAGREE] = len(self.ranks.differing())
+        elif self.ranks_differing is not None:
+            out[RANKS_DISAGREE] = int(self.ranks_differing)
         return out
 
     def step_metrics(self) -> dict[int, dict[str, float]]:
@@ -198,7 +204,7 @@ def reads_from_series(series: Mapping[str, Iterable[tuple[int, float]]],
         if tensors:
             differing = ranks.get(step)
             reads.append(Fp8Read(step, tuple(tensors),
-                                 None if differing is None else tuple(range(1, int(differing) + 1))))
+                                 ranks_differing=None if differing is None else int(differing)))
     return reads
 
 

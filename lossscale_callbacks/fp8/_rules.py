@@ -21,6 +21,7 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from lossscale_callbacks._health import ACTIONS, Verdict
 from lossscale_callbacks._validation import check_choice, check_number
@@ -28,7 +29,7 @@ from lossscale_callbacks.fp8._formats import fp8_format
 from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead, merged_tensors
 
 __all__ = ["Fp8CoarseScale", "Fp8Health", "Fp8Saturation", "Fp8StaleHistory", "Fp8ZeroAmax",
-           "default_fp8_rules"]
+           "default_fp8_rules", "split_fp8_health"]
 
 _HISTORY_ARGS = ("`amax_history_length` of Keras' `QuantizedFloat8DTypePolicy`, `amax_history_len` of "
                  "TransformerEngine's `DelayedScaling`")
@@ -242,6 +243,37 @@ def default_fp8_rules(action: str = "warn") -> tuple[object, ...]:
 FP8_RULE_TYPES = (Fp8Saturation, Fp8ZeroAmax, Fp8CoarseScale, Fp8StaleHistory)
 
 
+def split_fp8_health(spec: Any) -> tuple[Any, tuple[object, ...] | None]:
+    """``health=`` as the loss-scale rules see it, and the fp8 rules it asks for.
+
+    ``True``/``"warn"``/``"raise"``/``"stop"`` bring the default fp8 rules with that action; a list of
+    rules brings the fp8 rules in it (taken out of the list); ``None``/``False`` none.
+
+    Example:
+        >>> split_fp8_health("raise")[1][0].action
+        'raise'
+        >>> rest, fp8 = split_fp8_health([Fp8ZeroAmax()])
+        >>> rest, [type(r).__name__ for r in fp8]
+        ([], ['Fp8ZeroAmax'])
+    """
+    if spec is None or spec is False:
+        return spec, None
+    if spec is True:
+        return spec, default_fp8_rules()
+    if isinstance(spec, str):
+        return spec, default_fp8_rules(spec) if spec in ACTIONS else None
+    if isinstance(spec, FP8_RULE_TYPES):
+        return [], (spec,)
+    if callable(spec):
+        return spec, ()
+    try:
+        rules = list(spec)
+    except TypeError:
+        return spec, None
+    return ([r for r in rules if not isinstance(r, FP8_RULE_TYPES)],
+            tuple(r for r in rules if isinstance(r, FP8_RULE_TYPES)))
+
+
 class Fp8Health:
     """The fp8 reads of a run, judged: each (rule, tensor) reported once per stretch of reads it fires in.
 
@@ -284,8 +316,16 @@ class Fp8Health:
         self.verdicts.extend(new)
         return new
 
-    def describe_rules(self) -> list[str]:
-        return [rule.describe() for rule in self.rules]  # type: ignore[attr-defined]
+    def assessment(self) -> str:
+        """The fp8 rules' verdict on the run in plain words (the health section of an fp8-only run)."""
+        if self.verdicts:
+            lines = [f"Health: {len(self.verdicts)} problem(s) found."]
+            lines += [f"  - [{v.rule} at step {v.step}] {v.message}" for v in self.verdicts]
+            return "\n".join(lines)
+        if not self.reads_seen:
+            return "Health: nothing was read, so nothing could be judged."
+        checked = "; ".join(rule.describe() for rule in self.rules)  # type: ignore[attr-defined]
+        return f"Health: OK ({checked})." if checked else "Health: no rule was applied."
 
     def summary(self) -> str:
         """The run's fp8 scales in a few sentences."""
