@@ -26,8 +26,8 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": [
-        "DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer", "audit_keras_precision",
-        "keep_keras_layers_in_float32"],
+        "DynamicLossScale", "Fp8ScaleCallback", "LossScaleCallback", "LossScaleOptimizer",
+        "audit_keras_precision", "keep_keras_layers_in_float32"],
     "lossscale_callbacks.torch": ["LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"],
     "lossscale_callbacks.lightning": ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"],
     "lossscale_callbacks.lightning.fabric": [

@@ -95,6 +95,7 @@ class Fp8Layers:
     def __init__(self, count_every: int = 10) -> None:
         self.count_every = int(count_every)
         self.counting = False  # set while the counting train function runs (torch) or traces (TF, JAX)
+        self.counting_enabled = True  # False: the optimizer cannot store the tallies (see Fp8ScaleCallback)
         self._watched: list[_Watched] = []
 
     @property
@@ -128,6 +129,10 @@ class Fp8Layers:
                         tracker.lock()
                 tally.overwrite_with_gradient = True
                 object.__setattr__(layer, TALLY, tally)
+                # Loading checks the stored variables' count against the layer's: the tally (never saved:
+                # Dense and EinsumDense save their variables by name) is out of the list while it loads.
+                object.__setattr__(layer, "load_own_variables",
+                                   functools.partial(_load_without, layer, tally, layer.load_own_variables))
             length = int(layer.inputs_amax_history.shape[0])
             histories = {role: DelayedHistory(length, LAG, fmt) for role, _, fmt in _ROLES}
             watched = _Watched(path, layer, tally, layer.quantized_call, histories)
@@ -215,6 +220,19 @@ class Fp8Layers:
         """Each layer's tally as it stands (tests)."""
         for w in self._watched:
             yield w.path, np.asarray(ops.convert_to_numpy(w.tally), "float64")
+
+
+def _load_without(layer: Any, tally: Any, load: Any, store: Any) -> None:
+    """``layer.load_own_variables(store)`` with ``tally`` out of the layer's variables while it runs."""
+    listed = layer._trainable_variables
+    at = next((i for i, v in enumerate(listed) if v is tally), None)
+    if at is not None:
+        listed.pop(at)
+    try:
+        load(store)
+    finally:
+        if at is not None:
+            listed.insert(at, tally)
 
 
 def _multiplier(keras_scale: float) -> float:

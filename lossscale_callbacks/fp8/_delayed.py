@@ -9,9 +9,9 @@ before it (Keras: 2, its scale and history are overwritten by the step's own gra
 So one read of a history every ``K`` steps (``K <= length - lag``) gives every step's amax, and with the
 read before it, every step's scale: :class:`DelayedHistory` keeps the amaxes by step, rebuilds the
 interval's scales from the scale read last time, and checks its rebuild against the scale it reads now.
-A history that does not continue the one read before was **replaced** (a checkpoint was loaded, or the
-state was set from outside): then the scales of the interval are not rebuilt, and the loaded history is
-compared with the tensor's latest amax (how stale it is).
+A history that does not continue the one read before, or a read whose step went back, was **replaced** (a
+checkpoint was loaded, or the state was set from outside): then the scales of the interval are not
+rebuilt, and the loaded history is compared with the tensor's latest amax (how stale it is).
 
 Example:
     >>> from lossscale_callbacks.fp8._formats import E4M3
@@ -52,7 +52,8 @@ class DelayedView:
             (``overshoot``: amax over the largest value the scale could keep, > 1).
         history_ratio: at the interval's last step, the amax its scale was made from over the step's own
             amax (1: the scale fits; 38: 38 times coarser than the values need); ``None`` when unknown.
-        outlier_step: the step of the amax that set that scale, when one step dominates the window.
+        outlier_step: the step of the amax that set that scale, when one step dominates the window and the
+            scale is at least twice too coarse.
         coarse_until: the last step whose scale still holds that amax.
         replaced_after: the history was replaced (a load) after this step; ``None`` when it continued.
         stale_ratio: after a replacement, how far the loaded history's largest amax is from the tensor's
@@ -119,7 +120,9 @@ class DelayedHistory:
         values = [float(v) for v in amaxes]
         read = {step - len(values) + 1 + i: v for i, v in enumerate(values)}
         previous, prev_scale = self._step, self._next_scale
-        replaced = previous is not None and self._replaced(read, previous)
+        # The step count went back (a checkpoint loaded with its optimizer), or the amaxes read for steps
+        # read before differ (a history loaded without one): either way this history was loaded.
+        replaced = previous is not None and (step < previous or self._replaced(read, previous))
         view = DelayedView(history_max=max(values, default=0.0))
         if previous is None or replaced:
             if replaced:
@@ -172,7 +175,7 @@ class DelayedHistory:
         used = self.fmt.max / last_scale / 2.0**self.margin if last_scale > 0 else math.nan
         ratio = used / last_amax if last_amax > 0 and math.isfinite(used) else None
         outlier = until = None
-        if at is not None and window_max > 0 and math.isfinite(window_max):
+        if at is not None and ratio is not None and ratio >= 2 and math.isfinite(window_max):
             lo = last_step - self.lag - self.length + 1
             near = sum(1 for s in range(lo, last_step - self.lag + 1)
                        if self._amax.get(s, 0.0) >= window_max / 2)

@@ -223,13 +223,15 @@ class Fp8StaleHistory:
             if t.stale_ratio is None or t.stale_ratio < self.min_ratio:
                 continue
             after = f" after step {t.replaced_after}" if t.replaced_after is not None else ""
-            turn = f" up to {t.history_length} steps," if t.history_length else ""
+            if t.replaced_after is not None and read.step < t.replaced_after:
+                after += f" (the step count went back to {read.step})"
+            turn = f"up to {t.history_length} steps, " if t.history_length else ""
             found.append((t, Verdict(self.name, self.action, read.step, (
-                f"{t.name} got an amax history{after} that is stale (a checkpoint was "
-                f"loaded): its largest amax is {_times(t.stale_ratio)} off the tensor's latest, so the next "
-                f"scales, made from it until it turns over ({turn} while the history's max stays), clip or "
-                "underflow the values (TransformerEngine PR #567 is this bug). Load the histories saved with "
-                "the same weights, or reset them after loading into a run whose values moved."))))
+                f"{t.name} got an amax history{after} that is stale: a checkpoint was loaded, and its "
+                f"largest amax is {_times(t.stale_ratio)} off the tensor's latest. The next scales are made "
+                f"from it until it turns over ({turn}while that amax stays in it), so they clip or underflow "
+                "the values: TransformerEngine PR #567 is this bug. Load the histories saved with the same "
+                "weights, or reset them after loading into a run whose values moved."))))
         return found
 
 
