@@ -113,6 +113,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     )
     from lossscale_callbacks.fp8._delayed import DelayedHistory
     from lossscale_callbacks.fp8._formats import E4M3, E5M2, Fp8Format
+    from lossscale_callbacks.fp8._ranks import Fp8Ranks
     from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead
     from lossscale_callbacks.loop._clock import check_log_every
     from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
@@ -237,6 +238,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "TensorRead": ("fp8._reads",
             "One fp8 tensor (a layer's input, weight or output gradient) at one read: amax, scale, counts."),
         "Fp8Read": ("fp8._reads", "Every watched fp8 tensor at one read, what the loop observes as fp8=."),
+        "Fp8Ranks": ("fp8._ranks",
+            "Every rank's scales that must agree, gathered at one read (Fp8Read.ranks)."),
         "DelayedHistory": ("fp8._delayed",
             "An amax history followed from read to read: every step's amax and scale, a load, an outlier."),
         "Fp8Format": ("fp8._formats",
@@ -315,6 +318,7 @@ __all__ = [
     "Capture",
     "DelayedHistory",
     "Fp8Format",
+    "Fp8Ranks",
     "Fp8Read",
     "FrameworkAdvice",
     "GradientRange",

@@ -194,3 +194,87 @@ def test_disabled_casts_are_not_watched():
     roles = {t.role for t in casts.read(1)}
     assert roles == {"input", "weight", "grad_output"}  # its first GEMMs' casts are all scaled
     assert all(math.isfinite(t.scale) for t in casts.read(2) if t.scale is not None)
+
+
+def _tensorboard(folder) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    out = {tag: {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+           for tag in acc.Tags()["tensors"] if tag.startswith("fp8/") and not tag.endswith("findings")}
+    out.update({tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]})
+    return out
+
+
+@pytest.mark.slow
+def test_acceptance_2_and_4_through_the_monitor_tensorboard_wandb_and_report(tmp_path, monkeypatch):
+    """The monitor on a tensorwise run: a whole-tensor outlier at step 10 (healthy), one row x50 at step 15
+    (underflow counted), a weight zeroed before each step from 18 on (the zero-amax finding); read back from TensorBoard's
+    and W&B's own files; ``report`` says the findings in words."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    import glob
+    import subprocess
+    import sys
+
+    from lossscale_callbacks.torch import Fp8ScaleMonitor
+    from lossscale_callbacks.wandb._reader import read_run, wait_until_finished
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    monitor = Fp8ScaleMonitor(net, log_every=5, count_every=1, tensorboard=str(tmp_path / "tb"),
+                              wandb={"dir": str(tmp_path), "project": "fp8", "mode": "offline"}, echo=None)
+    assert monitor.layers == ("0", "2")
+    torch.manual_seed(3)
+    x = torch.randn(64, 64)
+    expected_underflow = None
+    for step in range(1, 21):
+        inputs = x.clone()
+        if step == 10:
+            inputs *= 50  # the whole tensor: dynamic scaling follows it
+        if step == 15:
+            inputs[5] *= 50  # one row: the others' small values underflow
+            scale = E4M3.max / float(inputs.abs().max())
+            expected_underflow = int(((inputs.abs() * scale < E4M3.min_normal) & (inputs != 0)).sum())
+        if step >= 18:  # pruned: zeroed before each step from 18 on
+            with torch.no_grad():
+                net[2].weight.zero_()
+        net(inputs).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+    summary = monitor.finish()
+    rules = [v.rule for v in monitor.loop.verdicts]
+    assert "fp8_saturation" not in rules  # the whole-tensor outlier clipped nothing
+    # the pruned weight, and the gradient it no longer passes back to layer 0
+    assert rules == ["fp8_zero_amax", "fp8_zero_amax"]
+    assert "`2`'s weight had an amax of 0" in summary and "`0`'s grad output had an amax of 0" in summary
+    assert "No cast saturated" in summary and "Health: 2 problem(s) found." in summary
+
+    board = _tensorboard(tmp_path / "tb")
+    assert board["fp8/0/input/saturated"] == {5: 0, 10: 0, 15: 0, 20: 0}
+    under = board["fp8/0/input/underflow_share"]
+    assert round(under[15] * 5 * x.numel()) == expected_underflow  # the interval 11-15 counted 5 steps
+    assert under[10] == under[5] == 0
+    assert board["fp8/2/weight/amax"][20] == 0 and board["fp8/2/weight/amax"][15] > 0
+
+    (run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    wait_until_finished(run)
+    series = read_run(run)
+    assert dict(series["fp8/0/input/underflow_share"]) == pytest.approx(under)
+    assert dict(series["fp8/2/weight/amax"])[20] == 0
+    done = subprocess.run([sys.executable, "-m", "lossscale_callbacks._cli", "report", run],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "`2`'s weight had an amax of 0" in done.stdout and "no loss scaling logged" in done.stdout
+    assert "Health: 2 problem(s) found." in done.stdout
+
+
+def test_a_model_without_fp8_layers_is_refused_with_the_extra_named():
+    from lossscale_callbacks.torch import Fp8ScaleMonitor
+
+    with pytest.raises(ValueError, match="no fp8 layer"):
+        Fp8ScaleMonitor(torch.nn.Linear(2, 2))

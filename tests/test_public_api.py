@@ -28,7 +28,8 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.keras": [
         "DynamicLossScale", "Fp8ScaleCallback", "LossScaleCallback", "LossScaleOptimizer",
         "audit_keras_precision", "keep_keras_layers_in_float32"],
-    "lossscale_callbacks.torch": ["LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"],
+    "lossscale_callbacks.torch": ["Fp8ScaleMonitor", "LossScaler", "ScalerReader", "audit_precision",
+                                  "keep_in_float32"],
     "lossscale_callbacks.lightning": ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"],
     "lossscale_callbacks.lightning.fabric": [
         "FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"],
@@ -61,7 +62,7 @@ EXTENSION: dict[str, list[str]] = {
         "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE", "OVERALL_SKIP_RATE",
         "POLICY_TAG", "SCALE", "SKIPPED_STEPS", "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX",
         "TOTAL_SKIPPED_STEPS", "ActivationTrace", "AuditResult", "Capture", "DelayedHistory", "Fp8Format",
-        "Fp8Read",
+        "Fp8Ranks", "Fp8Read",
         "FrameworkAdvice",
         "GradientRange", "GuardedSink", "IntervalForensics", "LayerHeadroom", "LayerInfo",
         "LayerPrecision", "LoggingArgs", "ManagedSink", "MissingExtraError", "ModelDim",

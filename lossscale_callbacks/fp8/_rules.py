@@ -349,7 +349,7 @@ class Fp8Health:
             text += " No cast saturated."
         if self.worst_underflow is not None:
             name, share = self.worst_underflow
-            text += f" The largest underflow share was {share:.2%} ({name})."
+            text += f" The largest underflow share was {100 * share:.3g}% ({name})."
         if self.verdicts:
             text += f" {len(self.verdicts)} fp8 finding(s), in the health section."
         return text
