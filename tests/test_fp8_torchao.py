@@ -211,8 +211,8 @@ def _tensorboard(folder) -> dict[str, dict[int, float]]:
 @pytest.mark.slow
 def test_acceptance_2_and_4_through_the_monitor_tensorboard_wandb_and_report(tmp_path, monkeypatch):
     """The monitor on a tensorwise run: a whole-tensor outlier at step 10 (healthy), one row x50 at step 15
-    (underflow counted), a weight zeroed before each step from 18 on (the zero-amax finding); read back from TensorBoard's
-    and W&B's own files; ``report`` says the findings in words."""
+    (underflow counted), a weight zeroed before each step from 18 on (the zero-amax finding); read back from
+    TensorBoard's and W&B's own files; ``report`` says the findings in words."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     import glob
