@@ -201,3 +201,15 @@ def test_health_reports_a_finding_once_per_stretch_and_sums_up_the_run():
     assert "2 tensors of 1 layers" in summary and "20% (`enc/d2`'s input)" in summary
     assert "3 fp8 finding(s)" in summary
     assert Fp8Health(default_fp8_rules()).summary() == "FP8: no fp8 layer was read."
+
+
+def test_the_docs_table_names_every_field_as_the_schema_says():
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "fp8.md").read_text()
+    cells = [re.split(r"(?<!\\)\|", line) for line in page.splitlines() if line.startswith("| `")]
+    rows = {cell[1].strip().strip("`"): cell[2].strip() for cell in cells}
+    assert list(rows) == list(FIELDS)
+    for field, words in FIELDS.items():
+        assert rows[field] == words.replace("|", "\\|"), field

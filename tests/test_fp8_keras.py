@@ -5,6 +5,7 @@ TensorBoard's own reader, and ``lossscale-callbacks report`` is run on them."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -108,3 +109,15 @@ def test_tensorboard_holds_the_metrics_and_report_says_the_findings(results, bac
     assert "no loss scaling logged" in text and "9 tensors of 3 layers" in text
     assert "`d2`'s input saturated at step 30" in text and "coarser than its values need" in text
     assert "1024-step history" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch missing")
+def test_the_ops_a_step_adds_on_the_torch_backend_are_counted(results):
+    ops = results("torch")["ops"]
+    # An ordinary step: the identity before each layer's activation and the tally passed on (3 layers).
+    added, counted = ops["ordinary"] - ops["bare"], ops["counted"] - ops["bare"]
+    assert 0 < added <= 15 * 3, ops
+    assert added < counted <= 120 * 3, ops
+    print(f"Keras on torch, 3 fp8 Dense layers: {ops['bare']} aten ops a step, +{added} on an ordinary "
+          f"step, +{counted} on a counted one")

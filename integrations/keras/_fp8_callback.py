@@ -156,8 +156,9 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         if any(t.replaced_after is not None for t in read.tensors):
             self.loop.observe(None, fp8=read)
         self.loop.restart_interval(self._step)
-        self._ordinary = self._model.train_function
-        self._counting = None
+        current = self._model.train_function
+        if current is not self._ordinary and current is not self._counting:
+            self._ordinary, self._counting = current, None  # a new train function: the counting one again
 
     def _counted(self, function: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:

@@ -124,6 +124,30 @@ def stale_run() -> dict:
     return {"verdicts": [[v.rule, v.step, v.message] for v in monitor.loop.verdicts], "stale": stale}
 
 
+def torch_ops() -> dict:
+    """On the torch backend (eager), the aten ops of one train step: no monitor, the monitor's ordinary step
+    and a counted one (torch's dispatcher sees every op a GPU would launch)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from aten_ops import AtenOps
+
+    from lossscale_callbacks.keras._fp8 import Fp8Layers
+
+    (x, f), y = data({})
+    batch = ([x[:BATCH], f[:BATCH]], y[:BATCH])
+    counts = {}
+    for arm in ("bare", "ordinary", "counted"):
+        model = build()
+        layers = Fp8Layers()
+        if arm != "bare":
+            layers.watch(model)
+            layers.counting = arm == "counted"
+        model.train_on_batch(*batch)  # builds the optimizer (with the tallies) and warms up
+        with AtenOps() as ops:
+            model.train_on_batch(*batch)
+        counts[arm] = len(ops)
+    return counts
+
+
 def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     result = {
@@ -131,6 +155,7 @@ def main() -> None:
         "outlier": outlier_run(None, 10, os.path.join(OUT, "tb")),
         "short": outlier_run(8, 5, None),
         "stale": stale_run(),
+        "ops": torch_ops() if keras.backend.backend() == "torch" else None,
     }
     print("RESULT " + json.dumps(result))
 
