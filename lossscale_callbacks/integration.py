@@ -22,12 +22,12 @@ corner of the core (a run reader) loads only that corner.
 
 Example:
     >>> from lossscale_callbacks.integration import check_int
-    >>> check_int("log_every", 100)
+    >>> check_int("trace_every", 100)
     100
-    >>> check_int("log_every", 0)
+    >>> check_int("trace_every", 0)
     Traceback (most recent call last):
     ...
-    ValueError: log_every must be an integer in [1, 2147483647], got 0
+    ValueError: trace_every must be an integer in [1, 2147483647], got 0
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks.fp8._formats import E4M3, E5M2, Fp8Format
     from lossscale_callbacks.fp8._ranks import Fp8Ranks
     from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead
-    from lossscale_callbacks.loop._clock import check_log_every
+    from lossscale_callbacks.loop._clock import interval_args
     from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
     from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
     from lossscale_callbacks.report._run_readers import (
@@ -160,8 +160,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "logging_args": ("loop._logging_loop",
             "An integration's **logging checked against LoggingArgs, refused as Python refuses an unknown "
             "keyword."),
-        "check_log_every": ("loop._clock",
-            "log_every checked: an integer >= 1, or None where another interval rule applies."),
+        "interval_args": ("loop._clock",
+            "An integration's log_every and every= sorted out once (old spellings warn)."),
         "user_stacklevel": ("_stacklevel",
             "The stacklevel that points a warning at the user's line, not at the framework's."),
         "RankStates": ("loop._rank_agreement",
@@ -353,13 +353,13 @@ __all__ = [
     "check_diagnose",
     "check_int",
     "check_known",
-    "check_log_every",
     "check_number",
     "check_policy",
     "einsum_gemm",
     "ended_inside_record",
     "get_target",
     "host_number",
+    "interval_args",
     "is_event_file_name",
     "is_policy",
     "is_regular_file",

@@ -11,11 +11,12 @@ from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.integration import (
     LoggingArgs,
     check_int,
-    check_log_every,
+    interval_args,
     logging_args,
     sampled_within,
 )
-from lossscale_callbacks.keras._callback import _is_chief, _second_train_function, _strategy_scope
+from lossscale_callbacks.keras._callback import _is_chief, _strategy_scope
+from lossscale_callbacks.keras._fit_sampling import _second_train_function
 from lossscale_callbacks.keras._fp8 import LAG, Fp8Layers
 
 if TYPE_CHECKING:
@@ -66,10 +67,11 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
 
     def __init__(self, log_every: int = 100, count_every: int = 100, **logging: Unpack[LoggingArgs]) -> None:
         super().__init__()
-        self.log_every = check_log_every(log_every, optional=False)
+        log_every, _ = interval_args("Fp8ScaleCallback", log_every, None)  # no interval but the count
         self.count_every = check_int("count_every", count_every)
-        self.loop = LoggingLoop(None, log_every=self.log_every, stop=self._stop,
+        self.loop = LoggingLoop(None, log_every=log_every, stop=self._stop,
                                 **logging_args("Fp8ScaleCallback", logging))
+        self.log_every: int = self.loop.log_every
         self.layers = Fp8Layers(self.count_every)
         self._counting_ok = False
         self._ordinary: Any = None

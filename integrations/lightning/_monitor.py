@@ -16,7 +16,7 @@ from lossscale_callbacks.integration import (
     Snapshot,
     check_bool,
     check_diagnose,
-    check_log_every,
+    interval_args,
     logging_args,
 )
 from lossscale_callbacks.lightning._compat import bases
@@ -27,7 +27,8 @@ from lossscale_callbacks.torch.integration import has_deepspeed_scaler, warn_no_
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
-_INTERVALS = (None, "step", "epoch")
+# The old spellings of the intervals that are not a count (they still work, with a FutureWarning).
+_DEPRECATED = {"step": "trainer", "epoch": "epoch"}
 
 
 def _find_scaler(trainer: Any) -> Any:
@@ -71,9 +72,12 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
     are written from rank 0 only; ``callback_metrics`` and the health rules run on every rank.
 
     Args:
-        log_every: ``None`` or ``"step"``: at the trainer's ``log_every_n_steps``; ``"epoch"``: at the
-            end of each training epoch; an integer ``n >= 1``: as for
-            :class:`~lossscale_callbacks.LoggingLoop` (optimizer steps).
+        log_every: every this many optimizer steps (``trainer.global_step``), as for
+            :class:`~lossscale_callbacks.LoggingLoop`; not with ``every``.
+        every: ``"trainer"`` (the default when ``log_every`` is not given): at the trainer's
+            ``log_every_n_steps``, where ``self.log`` logs; ``"epoch"``: at the end of each training
+            epoch. The old spellings ``log_every="step"`` and ``log_every="epoch"`` still work, with a
+            ``FutureWarning``.
         prog_bar: also show the scale and the skipped steps in the progress bar.
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
             ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
@@ -102,28 +106,24 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
 
     def __init__(
         self,
-        log_every: int | str | None = None,
+        log_every: int | None = None,
         prog_bar: bool = False,
         *,
+        every: str | None = None,
         check_alignment: bool = False,
         alignment_kwargs: dict[str, Any] | None = None,
         diagnose: bool | str = False,
         **logging: Unpack[LoggingArgs],
     ) -> None:
-        is_count = log_every not in _INTERVALS
-        if is_count:  # the one check of a count, with this monitor's other choices named
-            try:
-                check_log_every(log_every, optional=False)
-            except ValueError as error:
-                raise ValueError(f"log_every must be None, 'step', 'epoch' or an integer >= 1, "
-                                 f"got {log_every!r}") from error
+        log_every, self.every = interval_args("LossScaleMonitor", log_every, every,
+                                              allowed=("epoch", "trainer"), default=(None, "trainer"),
+                                              deprecated=_DEPRECATED)
         check_bool("prog_bar", prog_bar)
         check_bool("check_alignment", check_alignment)
         if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
             raise ValueError(f"alignment_kwargs must be None or a dict, got {alignment_kwargs!r}")
         self.diagnose = check_diagnose(diagnose)
-        self.log_every = log_every
-        self.loop = LoggingLoop(None, log_every=log_every if is_count else None, stop=self._stop,
+        self.loop = LoggingLoop(None, log_every=log_every, stop=self._stop,
                                 **logging_args("LossScaleMonitor", logging))
         self.prog_bar = prog_bar
         self.check_alignment = check_alignment
@@ -136,6 +136,11 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self._last_global_step = 0  # the trainer's step when steps were last counted
         self._read_at = -1  # ... and when the state was last read
         self._alignment_done = False
+
+    @property
+    def log_every(self) -> int | None:
+        """The optimizer steps per interval (``None`` with ``every``); the loop holds it."""
+        return self.loop.log_every
 
     @property
     def summary(self) -> str | None:
@@ -217,7 +222,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self._count_steps(trainer)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.reader is not None and self.log_every == "epoch":
+        if self.reader is not None and self.every == "epoch":
             self._observe(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -245,9 +250,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
 
     def _due(self, trainer: Any) -> bool:
         step = trainer.global_step
-        if isinstance(self.log_every, int):
+        if self.every is None:
             return self.loop.due(step)
-        if self.log_every == "epoch" or step == self._read_at:
+        if self.every == "epoch" or step == self._read_at:
             return False
         return _lightning_logs_now(trainer)
 

@@ -16,7 +16,7 @@ from lossscale_callbacks.integration import (
     LoggingArgs,
     TensorRead,
     check_int,
-    check_log_every,
+    interval_args,
     logging_args,
     require,
 )
@@ -77,7 +77,7 @@ class Fp8ScaleMonitor:
 
     def __init__(self, model: torch.nn.Module, *, log_every: int = 100, count_every: int = 100,
                  process_group: Any = None, **logging: Unpack[LoggingArgs]) -> None:
-        self.log_every = check_log_every(log_every, optional=False)
+        log_every, _ = interval_args("Fp8ScaleMonitor", log_every, None)  # no interval but the count
         self.count_every = check_int("count_every", count_every)
         self.process_group = process_group
         self.torchao = TorchaoCasts()
@@ -90,7 +90,8 @@ class Fp8ScaleMonitor:
             raise ValueError("Fp8ScaleMonitor found no fp8 layer in the model: convert it with torchao's "
                              "convert_to_float8_training (or build it from TransformerEngine's modules) "
                              "first")
-        self.loop = LoggingLoop(None, log_every=self.log_every, **logging_args("Fp8ScaleMonitor", logging))
+        self.loop = LoggingLoop(None, log_every=log_every, **logging_args("Fp8ScaleMonitor", logging))
+        self.log_every: int = self.loop.log_every
         self._step = 0
         self._read_at = 0
         self.te.read(0)  # the baseline of the histories

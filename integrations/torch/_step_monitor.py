@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lossscale_callbacks import LoggingLoop, Sink
-from lossscale_callbacks.integration import LoggingArgs, Snapshot, check_log_every, logging_args
+from lossscale_callbacks.integration import LoggingArgs, Snapshot, interval_args, logging_args
 from lossscale_callbacks.torch._reader import ScalerReader
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class ScalerStepMonitor:
 
     def __init__(self, scaler: Any, *, log_every: int = 100, writer: bool = True,
                  run_sinks: Iterable[Sink] = (), **logging: Unpack[LoggingArgs]) -> None:
-        check_log_every(log_every, optional=False)  # a step monitor has no other interval rule
+        log_every, _ = interval_args(type(self).__name__, log_every, None)  # no interval but the count
         self.reader = ScalerReader(scaler)
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
                                 **logging_args(type(self).__name__, logging))

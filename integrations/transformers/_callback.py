@@ -11,7 +11,14 @@ from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
 from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.accelerate import install_loss_scaler
-from lossscale_callbacks.integration import LoggingArgs, Policy, check_diagnose, check_policy, logging_args
+from lossscale_callbacks.integration import (
+    LoggingArgs,
+    Policy,
+    check_diagnose,
+    check_policy,
+    interval_args,
+    logging_args,
+)
 from lossscale_callbacks.torch import ScalerReader
 from lossscale_callbacks.torch.integration import warn_no_scaler
 
@@ -22,6 +29,8 @@ __all__ = ["LossScaleTrainerCallback"]
 
 # The logs of Trainer.evaluate()/predict() (every key prefixed), which the Trainer also returns.
 _EVALUATION_PREFIXES = ("eval_", "test_")
+# A key of the Trainer's end-of-training log: the run's last read rides on it, whatever the interval.
+_END_OF_TRAINING = "train_runtime"
 # Where the counts a stock GradScaler does not checkpoint ride in trainer_state.json (not a callback's
 # class name: Trainer(restore_callback_states_from_checkpoint=True) would rebuild such a callback).
 COUNTS_KEY = "lossscale_callbacks"
@@ -45,9 +54,10 @@ class LossScaleTrainerCallback(TrainerCallback):
     """Puts ``loss_scale/*`` into the Trainer's logs, so every ``report_to`` integration receives them.
 
     At each of the Trainer's log events at a new ``global_step`` (every ``logging_steps``, and at the
-    end of training) the callback reads the Trainer's loss scaler once (never per step) and adds the
-    metrics to the ``logs`` that TensorBoard, W&B, MLflow... and the progress bar receive, at the
-    Trainer's ``global_step`` like its loss. The logs of ``evaluate()`` and ``predict()`` are left
+    end of training), or every ``log_every`` optimizer steps (the Trainer is asked to log then), the
+    callback reads the Trainer's loss scaler once (never per step) and adds the metrics to the ``logs``
+    that TensorBoard, W&B, MLflow... and the progress bar receive, at the Trainer's ``global_step`` like
+    its loss. The logs of ``evaluate()`` and ``predict()`` are left
     alone. The core's :class:`~lossscale_callbacks.LoggingLoop` runs the health rules and prints the
     summary on the main process.
 
@@ -64,8 +74,11 @@ class LossScaleTrainerCallback(TrainerCallback):
         diagnose: install a ``LossScaler`` with overflow forensics (``True`` or ``"every_step"``),
             naming the layers after the Trainer's model.
         scaler: install this scaler instead (a ``LossScaler`` or a ``torch.amp.GradScaler``).
-        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop` in optimizer steps: also
-            asks the Trainer to log then (``None``: its ``logging_steps`` alone decide).
+        log_every: every this many optimizer steps (``state.global_step``), as for
+            :class:`~lossscale_callbacks.LoggingLoop`: the Trainer is asked to log then, and its other
+            log events carry no loss-scale metrics (but its end-of-training log); not with ``every``.
+        every: ``"trainer"`` (the default when ``log_every`` is not given): at the Trainer's own log
+            events (``logging_steps``).
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
             ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
             its Args); ``health="stop"`` sets ``should_training_stop``; the default ``echo`` writes
@@ -82,7 +95,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         MissingExtraError: ``tensorboard=``/``wandb=`` without their extra installed.
 
     Example:
-        >>> from lossscale_callbacks._policy import DynamicPolicy
+        >>> from lossscale_callbacks import DynamicPolicy
         >>> callback = LossScaleTrainerCallback(policy=DynamicPolicy(initial_scale=2.0**12), diagnose=True)
         >>> callback.attach(trainer)  # doctest: +SKIP
         >>> trainer.train()           # doctest: +SKIP
@@ -90,8 +103,10 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def __init__(self, *, policy: Policy | None = None, diagnose: bool | str = False,
                  scaler: torch.amp.GradScaler | None = None, log_every: int | None = None,
-                 **logging: Unpack[LoggingArgs]) -> None:
+                 every: str | None = None, **logging: Unpack[LoggingArgs]) -> None:
         self.diagnose = check_diagnose(diagnose)
+        log_every, self.every = interval_args("LossScaleTrainerCallback", log_every, every,
+                                              allowed=("trainer",), default=(None, "trainer"))
         if policy is not None:
             check_policy("policy", policy)
         self.policy = policy
@@ -105,6 +120,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.reader: ScalerReader | None = None
         self._trainer: weakref.ref[Trainer] | None = None
         self._read_at = 0
+        self._asked_at = -1  # the step log_every asked the Trainer to log at
         self._stop_requested = False
 
     @property
@@ -167,6 +183,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.reader = ScalerReader(scaler)
         self.reader.count_from(state.global_step)  # a stock GradScaler checkpoints no count: from here
         self._read_at = state.global_step
+        self._asked_at = -1
         self._stop_requested = False
         self.loop.start(policy=self.reader.policy, writer=bool(state.is_world_process_zero))
         if state.global_step > 0:
@@ -208,8 +225,9 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # log_every asks the Trainer for a log event; the read itself happens in on_log.
-        if self.reader is not None and self.loop.log_every is not None and self.loop.due(state.global_step):
+        if self.reader is not None and self.every is None and self.loop.due(state.global_step):
             control.should_log = True
+            self._asked_at = state.global_step
         self._save_counts(state, control)  # after DefaultFlowCallback decided (attach puts us after it)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -221,6 +239,8 @@ class LossScaleTrainerCallback(TrainerCallback):
             return
         if any(key.startswith(_EVALUATION_PREFIXES) for key in logs):
             return
+        if self.every is None and state.global_step != self._asked_at and _END_OF_TRAINING not in logs:
+            return  # a log event of the Trainer's own: log_every decides when the scaler is read
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
