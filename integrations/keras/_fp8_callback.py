@@ -77,6 +77,7 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         self._ordinary: Any = None
         self._counting: Any = None
         self._step = 0
+        self._per_execution = 1
         self._read_at: int | None = None
 
     @property
@@ -146,6 +147,7 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         if keras.backend.backend() == "jax" and callable(sync):
             sync()
         self._step = self._optimizer_steps()
+        self._per_execution = int(getattr(self._model, "steps_per_execution", 1) or 1)
         length = self.layers.history_length
         if length is not None and self.log_every > length - LAG - 1:
             warnings.warn(f"[lossscale-callbacks] Fp8ScaleCallback(log_every={self.log_every}) reads the "
@@ -174,19 +176,20 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self._counting_ok or not self.layers.counting_enabled:
             return
-        steps = int(getattr(self._model, "steps_per_execution", 1) or 1)
-        current = self._model.train_function
+        model = self._model
+        current = model.train_function
         if current is not self._ordinary and current is not self._counting:
             self._ordinary, self._counting = current, None  # made afresh (recompiled)
-        if sampled_within(self._step + 1, steps, self.count_every):
+        want = self._ordinary
+        if sampled_within(self._step + 1, self._per_execution, self.count_every):
             if self._counting is None:
-                self._counting = self._counted(_second_train_function(self._model))
-            self._model.train_function = self._counting
-        else:
-            self._model.train_function = self._ordinary
+                self._counting = self._counted(_second_train_function(model))
+            want = self._counting
+        if current is not want:  # a Keras model's attribute assignment goes through its tracker: only if due
+            model.train_function = want
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self._step += int(getattr(self._model, "steps_per_execution", 1) or 1)
+        self._step += self._per_execution
         if self.loop.due(self._step):
             self.loop.observe(None, fp8=self._read())
 
