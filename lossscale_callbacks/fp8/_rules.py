@@ -39,18 +39,24 @@ def _times(x: float) -> str:
     return f"{x:.3g}×"
 
 
+def _share(x: float) -> str:
+    """A share as a percentage with two significant digits (0.049%, 4.9%, 46%)."""
+    return f"{100 * x:.2g}%"
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Saturation:
     """Fires when a tensor's cast clipped more than ``max_share`` of the values it counted, or (steps not
     counted) when a step's amax went beyond its scale's range by ``min_overshoot`` times or more.
 
     Args:
-        max_share: the tolerated share of saturated values, in [0, 1).
+        max_share: the tolerated share of saturated values, in [0, 1). The default (0.1%) lets pass the
+            few values a delayed scale clips while its history fills, at the first steps.
         min_overshoot: how far beyond the range an uncounted step must go to count as saturated.
         action: ``"warn"``, ``"raise"`` or ``"stop"``.
     """
 
-    max_share: float = 1e-4
+    max_share: float = 1e-3
     min_overshoot: float = 2.0
     action: str = "warn"
     name = "fp8_saturation"
@@ -61,7 +67,7 @@ class Fp8Saturation:
         check_choice("action", self.action, ACTIONS)
 
     def describe(self) -> str:
-        return f"no fp8 cast clipped more than {self.max_share:.2%} of its values"
+        return f"no fp8 cast clipped more than {_share(self.max_share)} of its values"
 
     def _fires(self, t: TensorRead) -> bool:
         if t.saturated_share is not None and t.saturated_share > self.max_share:
@@ -84,7 +90,8 @@ def saturation_words(t: TensorRead, step: int) -> str:
     when = (f"at step {at}" if t.saturated_steps <= 1
             else f"in {t.saturated_steps} steps of the interval, first at step {at}")
     if t.saturated is not None and t.saturated_share is not None and t.saturated:
-        what = (f"{t.saturated} values ({t.saturated_share:.1%} of those counted) were clipped to "
+        values = "1 value" if t.saturated == 1 else f"{t.saturated} values"
+        what = (f"{values} ({_share(t.saturated_share)} of those counted) were clipped to "
                 f"±{fmt.max:g} ({fmt.name})")
     else:
         what = (f"its values went up to {_times(t.max_overshoot or 1.0)} beyond what the scale could hold "
@@ -182,7 +189,7 @@ def coarse_words(t: TensorRead, step: int) -> str:
     until = t.coarse_until
     left = f", {until - step} more steps" if until is not None and until > step else ""
     lost = math.log2(t.history_ratio) if t.history_ratio else 0.0
-    underflow = (f"; {t.underflow_share:.1%} of the counted values became subnormal or zero"
+    underflow = (f"; {_share(t.underflow_share)} of the counted values became subnormal or zero"
                  if t.underflow_share else "")
     return (f"{t.name} casts with a scale {_times(t.history_ratio or 1.0)} coarser than "
             f"its values need: one amax at step {t.outlier_step} dominates its {length} history, so the "
@@ -349,7 +356,7 @@ class Fp8Health:
             text += " No cast saturated."
         if self.worst_underflow is not None:
             name, share = self.worst_underflow
-            text += f" The largest underflow share was {100 * share:.3g}% ({name})."
+            text += f" The largest underflow share was {_share(share)} ({name})."
         if self.verdicts:
             text += f" {len(self.verdicts)} fp8 finding(s), in the health section."
         return text
