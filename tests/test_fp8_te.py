@@ -97,3 +97,25 @@ def test_a_checkpoint_loaded_into_a_run_that_moved_is_stale_at_the_first_read():
     # the weight's history was loaded too, but its amax did not move: not stale
     assert {(t.layer, t.role): t for t in read.tensors}["attn", "weight"].stale_ratio == pytest.approx(1.0)
     assert not [v for v in Fp8StaleHistory()(read) if "`mlp" in v.message]  # not loaded: not replaced
+
+
+def test_the_monitor_reads_transformer_engine_modules_through_the_loop():
+    from lossscale_callbacks import InMemorySink
+    from lossscale_callbacks.torch import Fp8ScaleMonitor
+
+    net = Net(amax_history_len=64)
+    memory = InMemorySink()
+    monitor = Fp8ScaleMonitor(net, log_every=5, sinks=[memory], echo=None)
+    assert monitor.layers == ("attn", "mlp")
+    for step in range(1, 21):
+        i = 80.0 if step == 12 else 1.0
+        net.attn.step([i], [0.5], [1e-3])
+        net.mlp.step([1.0, 1.0], [0.5, 0.5], [1e-3, 1e-3])
+        monitor.step()
+    summary = monitor.finish()
+    # every step's scale on the dashboards, rebuilt from the histories read every 5 steps
+    assert [s for s, _ in memory.series("fp8/attn/input/scale")] == list(range(1, 21))
+    assert dict(memory.series("fp8/attn/input/saturated_steps"))[15] == 1
+    rules = [(v.rule, v.step) for v in monitor.loop.verdicts if "`attn`'s input" in v.message]
+    assert rules == [("fp8_saturation", 15), ("fp8_coarse_scale", 15)]
+    assert "64-step history" in summary and "until step 76" in summary
