@@ -12,8 +12,11 @@ from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.integration import (
     SCALE,
     SKIPPED_STEPS,
+    TRAINER_STEP,
+    FollowerCount,
     LoggingArgs,
     Snapshot,
+    carry,
     check_bool,
     check_diagnose,
     interval_args,
@@ -184,7 +187,10 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                 self._warn_no_scaler(trainer)
                 return None
             return ScalerReader(engine)
-        return ScalerReader(self._scaler) if self._scaler is not None else None
+        if self._scaler is None:
+            return None
+        schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+        return ScalerReader(self._scaler, followers=schedulers)
 
     # ---------------------------------------------------------------------------- training
 
@@ -197,6 +203,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             return
         # A stock GradScaler does not checkpoint its steps or skips: they are counted from here on.
         self.reader.count_from(trainer.global_step)
+        # trainer.global_step counts attempted optimizer steps: with max_steps it decides when the run ends
+        # (compared with the applied steps at each read; see _with_trainer_step).
+        self._step_base = (trainer.global_step, *self.reader.progress())
         writer = bool(trainer.is_global_zero)
         self.loop.start(policy=self.reader.policy, writer=writer,
                         sinks=[logger_sink(lg, lambda: trainer.current_epoch) for lg in trainer.loggers]
@@ -262,9 +271,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         # Lightning's own logging step: rows line up with the metrics of self.log.
         epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
-        snapshot = self.loop.observe(self.reader.read(), sink_step=sink_step,
-                                     forensics=self.reader.read_forensics())
-        metrics = {**snapshot.metrics(), **self.loop.rank_metrics()}
+        state = self._with_trainer_step(self.reader.read(), trainer)
+        snapshot = self.loop.observe(state, sink_step=sink_step, forensics=self.reader.read_forensics())
+        metrics = {**snapshot.metrics(), **self.loop.outcome_metrics(), **self.loop.rank_metrics()}
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():
             callback_metrics[name] = torch.tensor(value)
@@ -273,6 +282,16 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             progress[SCALE] = metrics[SCALE]
             progress[SKIPPED_STEPS] = metrics[SKIPPED_STEPS]
         return snapshot
+
+    def _with_trainer_step(self, state: Any, trainer: Any) -> Any:
+        """The state read, with ``trainer.global_step`` among what follows the optimizer when it ends the
+        run (``max_steps``): it counts skipped steps too, and the run applies that many fewer updates."""
+        if getattr(trainer, "max_steps", -1) is None or trainer.max_steps <= 0:
+            return state
+        base = getattr(self, "_step_base", None)
+        step = FollowerCount("Trainer.global_step", TRAINER_STEP, int(trainer.global_step), False,
+                             "trainer.global_step", base)
+        return carry(state, followers=[*getattr(state, "followers", ()), step])
 
     def _run_alignment(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         try:

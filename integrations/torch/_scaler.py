@@ -17,6 +17,8 @@ Where the host synchronises (and nowhere else):
 * ``diagnose=True`` adds no host read to a step, and a bounded number of ops whatever the number of
   parameters (see :mod:`lossscale_callbacks.torch._forensics`).
 * ``update(new_scale=<tensor>)`` reads the tensor once to check it.
+* ``read_outcomes`` reads the device ring of step outcomes (one copy); ``update`` writes it with
+  device-side indexing (see :mod:`lossscale_callbacks.torch._outcome_ring`).
 """
 
 from __future__ import annotations
@@ -28,21 +30,28 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from lossscale_callbacks import LossScaleState, initial_state
 from lossscale_callbacks.integration import (
+    APPLIED_NONFINITE_CODE,
+    SPIKE_CODE,
     IntervalForensics,
+    IntervalOutcomes,
     Policy,
+    SpikeRule,
     check_bool,
     check_choice,
     check_diagnose,
     check_int,
     check_policy,
+    check_spike,
+    decode_records,
     host_number,
     is_policy,
+    nonfinite_cause,
     validate_state,
 )
 from lossscale_callbacks.torch._checkpoint import (
@@ -53,7 +62,19 @@ from lossscale_callbacks.torch._checkpoint import (
 )
 from lossscale_callbacks.torch._forensics import GradForensics
 from lossscale_callbacks.torch._grad_scaler_compat import policy_from_grad_scaler_settings
+from lossscale_callbacks.torch._held import Holder
+from lossscale_callbacks.torch._outcome_ring import DEFAULT_CAPACITY, OutcomeRing
+from lossscale_callbacks.torch._spike import SpikeWindow
 from lossscale_callbacks.torch._update_paths import PathState, make_path
+
+
+class _OutcomeCursor(NamedTuple):
+    """What :meth:`LossScaler.read_outcomes` saw last: records written, counts per code, steps, skipped."""
+
+    written: int
+    counts: tuple[int, ...]
+    steps: int
+    skipped: int
 
 
 class _Stage(Enum):
@@ -67,6 +88,9 @@ class _OptimizerState:
     stage: _Stage = _Stage.READY
     # One float32 0-d tensor on the scaler's device: 1.0 when any gradient was Inf/NaN, else 0.0.
     found_inf: torch.Tensor | None = None
+    # The flag the optimizer was given: the overflow flag, merged with the spike rule's (or the spike
+    # rule's alone when non-finite steps are applied); None when nothing can skip the step.
+    skip: torch.Tensor | None = None
     # Host copy of the decision, only where ``step`` already had to read it.
     skipped_on_host: bool | None = None
     # Whether the optimizer had any gradient to check (GradScaler refuses to step or update without).
@@ -140,6 +164,13 @@ class LossScaler(torch.amp.GradScaler):
             ``headroom_every`` steps; ``"every_step"`` samples every step. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
+        outcome_capacity: non-ordinary steps (skipped, or applied non-finite) the device ring keeps
+            between two :meth:`read_outcomes` (default 64; more are counted, the oldest not listed).
+        spike: the opt-in loss-spike rule (a :class:`~lossscale_callbacks.skips._spike.SpikeRule`, or
+            ``True``: 6σ over 128 applied steps), decided on the device; its skips are cause
+            ``"spike"``, not overflows (see the "Skipped steps" page).
+        skip_nonfinite: ``False`` (monitoring only, with a scale fixed at 1) applies non-finite steps
+            and records them as ``"applied_nonfinite"``, with no host read in the step.
 
     Raises:
         ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.
@@ -171,6 +202,9 @@ class LossScaler(torch.amp.GradScaler):
         process_group: Any = None,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
+        outcome_capacity: int = DEFAULT_CAPACITY,
+        spike: SpikeRule | bool | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         # GradScaler.__init__ is not called: it would set up GradScaler's own scale and tracker.
         if is_policy(device):
@@ -181,6 +215,9 @@ class LossScaler(torch.amp.GradScaler):
         check_process_group("process_group", process_group)
         check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
+        check_int("outcome_capacity", outcome_capacity)
+        spike = check_spike("spike", spike)
+        check_bool("skip_nonfinite", skip_nonfinite)
         settings = {"init_scale": init_scale, "growth_factor": growth_factor,
                     "backoff_factor": backoff_factor, "growth_interval": growth_interval}
         if policy is not None:
@@ -191,6 +228,9 @@ class LossScaler(torch.amp.GradScaler):
                                  f"policy={policy!r} and {', '.join(given)}")
         else:
             policy = policy_from_grad_scaler_settings(**settings)
+        if not skip_nonfinite and nonfinite_cause(policy) != "nonfinite":
+            raise ValueError(f"skip_nonfinite=False (apply non-finite steps, monitoring only) needs a scale "
+                             f"fixed at 1 (policy=FixedPolicy(1.0): bf16 or fp32); got policy={policy!r}")
         device_type = None
         if device is not None:
             try:
@@ -203,11 +243,13 @@ class LossScaler(torch.amp.GradScaler):
             enabled = False
         self._assign(enabled=enabled, device=device_type, policy=policy, sync_found_inf=sync_found_inf,
                      process_group=process_group, diagnose=diagnose, headroom_every=headroom_every,
-                     state=None)
+                     state=None, outcome_capacity=outcome_capacity, spike=spike,
+                     skip_nonfinite=skip_nonfinite)
 
     def _assign(self, *, enabled: bool, device: str | None, policy: Policy, sync_found_inf: bool | str,
                 process_group: Any, diagnose: bool | str, headroom_every: int,
-                state: LossScaleState | None) -> None:
+                state: LossScaleState | None, outcome_capacity: int, spike: SpikeRule | None,
+                skip_nonfinite: bool) -> None:
         """Set every attribute from checked values: the one place the constructor and unpickling meet."""
         self._device = device
         self._enabled = enabled
@@ -221,10 +263,22 @@ class LossScaler(torch.amp.GradScaler):
         self._pending: LossScaleState | None = state
         self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
         self._last_found_inf: torch.Tensor | None = None
+        self._last_code: torch.Tensor | None = None  # the last update's outcome code (None: the flag itself)
         self._last_skipped_on_host: bool | None = None
         self._headroom_every = headroom_every
         self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
         self._watched: weakref.ref | None = None
+        # The step outcomes (made with the path) and what the last read_outcomes saw: the ring's
+        # records written, its counts per code, the steps and the skipped steps.
+        self._outcome_capacity = outcome_capacity
+        self._ring: OutcomeRing | None = None
+        self.spike_rule = spike
+        self._spike: SpikeWindow | None = None
+        self.skip_nonfinite = skip_nonfinite
+        self._outcome_cursor = self._cursor_at(self._host_state() if enabled else None)
+        # What follows the optimizers (hold): LR schedulers and EMAs held on skipped steps.
+        self._holder = Holder()
+        self._stepped: weakref.WeakValueDictionary[int, torch.optim.Optimizer] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------------------- forensics
 
@@ -289,7 +343,15 @@ class LossScaler(torch.amp.GradScaler):
     def _lazy_init(self, device: torch.device) -> None:
         # torch.ones/full fill on the device: no host-to-device copy, no stream sync.
         self._one = torch.ones((), dtype=torch.float32, device=device)
-        self._path = make_path(self._policy, device, PathState.from_host(self._host_state()))
+        host = self._host_state()
+        self._path = make_path(self._policy, device, PathState.from_host(host))
+        self._ring = OutcomeRing(device, self._outcome_capacity, steps=host.steps,
+                                 count_codes=self.spike_rule is not None or not self.skip_nonfinite)
+        self._path.recorder = self._ring
+        if self.spike_rule is not None:
+            self._spike = SpikeWindow(self.spike_rule, device)
+        if not self.skip_nonfinite:
+            self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._pending = None
 
     def _require_state(self, funcname: str) -> Any:
@@ -314,6 +376,11 @@ class LossScaler(torch.amp.GradScaler):
             self._pending = host
         else:
             self._path = make_path(policy, self._path.device, PathState.from_host(host))
+            assert self._ring is not None
+            self._ring.clear()  # the records belong to the state this one replaces
+            self._ring.set_steps(host.steps)
+            self._path.recorder = self._ring
+        self._outcome_cursor = self._cursor_at(host)
         self._per_optimizer = defaultdict(_OptimizerState)
 
     def _replace_policy(self, policy: Policy) -> None:
@@ -325,6 +392,7 @@ class LossScaler(torch.amp.GradScaler):
         self._policy = policy
         if self._path is not None:
             self._path = make_path(policy, self._path.device, self._path.export())
+            self._path.recorder = self._ring
         elif self._pending is not None:
             cap = policy.constants.growth_interval - 1
             self._pending = self._pending._replace(growth_counter=min(self._pending.growth_counter, cap))
@@ -366,6 +434,8 @@ class LossScaler(torch.amp.GradScaler):
                 self._lazy_init(outputs.device)
             if self.forensics is not None:
                 self.forensics.on_scale([outputs])
+            if self._spike is not None:
+                self._spike.note_loss(outputs)
             return outputs * self._path.scale.to(device=outputs.device, non_blocking=True)
         copies: dict[torch.device, torch.Tensor] = {}
 
@@ -522,6 +592,7 @@ class LossScaler(torch.amp.GradScaler):
                 self._resolve_forensics(optimizer, None)
                 retval = optimizer.step(*args, **kwargs, grad_scaler=self)
                 opt_state.stage = _Stage.STEPPED
+                self._after_step(optimizer, opt_state.found_inf, None)
                 return retval
             if opt_state.stage is _Stage.READY:
                 # Only the check: the fused kernel unscales with grad_scale itself.
@@ -529,23 +600,25 @@ class LossScaler(torch.amp.GradScaler):
                 grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
+            skip = self._skip_flag(optimizer, opt_state, grad_scale)
             if _fused_sgd_first_step(optimizer):
-                assert opt_state.found_inf is not None
                 # One read, until the first update is applied (the buffers exist from then on).
-                opt_state.skipped_on_host = bool(opt_state.found_inf.item())
+                opt_state.skipped_on_host = skip is not None and bool(skip.item())
                 self._resolve_forensics(optimizer, opt_state.skipped_on_host)
                 if opt_state.skipped_on_host:
                     opt_state.stage = _Stage.STEPPED
+                    self._after_step(optimizer, None, True)
                     return None
             self._resolve_forensics(optimizer, None)  # the kernel decides on the device
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = opt_state.found_inf  # type: ignore[attr-defined]
+            optimizer.found_inf = skip  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             opt_state.stage = _Stage.STEPPED
+            self._after_step(optimizer, skip, opt_state.skipped_on_host if skip is not None else False)
             return retval
 
         if opt_state.stage is _Stage.READY:
@@ -553,13 +626,98 @@ class LossScaler(torch.amp.GradScaler):
         if not opt_state.checked:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         assert opt_state.found_inf is not None
-        # The one host read of a non-fused step: Python must decide whether to call step().
-        skipped = bool(opt_state.found_inf.item())
+        skip = self._skip_flag(optimizer, opt_state, None)
+        # The one host read of a non-fused step: Python must decide whether to call step() (none when
+        # nothing can skip it: non-finite steps applied and no spike rule).
+        skipped = skip is not None and bool(skip.item())
         opt_state.skipped_on_host = skipped
         self._resolve_forensics(optimizer, skipped)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
+        self._after_step(optimizer, None, skipped)
         return retval
+
+    def _skip_flag(self, optimizer: torch.optim.Optimizer, opt_state: _OptimizerState,
+                   grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The flag that skips the step: the overflow flag, the spike rule's, both merged, or ``None``."""
+        skip = opt_state.found_inf if self.skip_nonfinite else None
+        if self._spike is not None:
+            assert self.spike_rule is not None
+            norm = self._grad_norm(optimizer, grad_scale) if self.spike_rule.grad_norm else None
+            spike = self._spike.decide(norm)
+            skip = spike if skip is None else torch.maximum(skip, spike)
+        opt_state.skip = skip
+        return skip
+
+    @staticmethod
+    def _grad_norm(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> torch.Tensor:
+        """The step's gradient norm, unscaled (a fused optimizer's gradients are still scaled here)."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).to(torch.float64)
+        return norm if grad_scale is None else norm / grad_scale
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor | None,
+                    host_skipped: bool | None) -> None:
+        """The step's flag for what follows the optimizer (one device op where a held object reads it)."""
+        self._stepped[id(optimizer)] = optimizer
+        self._holder.on_step(optimizer, skip=skip, host_skipped=host_skipped)
+
+    # ------------------------------------------------------------------------------------ hold
+
+    def hold(self, follower: Any, *, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Advance ``follower`` only on the steps its optimizer applied; returns it.
+
+        ``follower`` is an LR scheduler (any ``torch.optim.lr_scheduler`` one, Transformers'
+        ``get_*_schedule_with_warmup``, a ``SequentialLR`` chain) or an EMA
+        (``torch.optim.swa_utils.AveragedModel``). Keep calling ``scheduler.step()`` and
+        ``ema.update_parameters(model)`` every iteration, as the PyTorch recipe does: after a skipped
+        step they do nothing. No host read is added to the step: with an optimizer that decides on the
+        host (non-fused) the held call looks at that decision; with a fused one the learning rate and
+        the average's weight follow a device flag (see :mod:`lossscale_callbacks.torch._held`, which
+        also lists what needs one read per step: ``ReduceLROnPlateau``, ``cycle_momentum``, a custom
+        average). The scheduler object's own counters are brought up to date at each read
+        (:meth:`sync_held`; the monitors call it at the log interval).
+
+        Args:
+            follower: the scheduler or ``AveragedModel``.
+            optimizer: the optimizer an EMA follows (default: the one this scaler steps; required when
+                it steps several). A scheduler follows its own ``scheduler.optimizer``.
+
+        Raises:
+            ValueError: ``follower`` is neither, is held already, or the EMA's optimizer is ambiguous.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            >>> scaler = LossScaler(device="cpu")
+            >>> sched = scaler.hold(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+            >>> for step in range(3):
+            ...     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            ...     if step == 1:
+            ...         model.weight.grad[0, 0] = float("inf")
+            ...     _ = scaler.step(opt); scaler.update(); sched.step(); opt.zero_grad()
+            >>> sched.last_epoch, sched.get_last_lr()  # two applied steps of three
+            (2, [0.25])
+        """
+        if not self._enabled:
+            return follower
+        return self._holder.hold(follower, optimizer, known=list(self._stepped.values()))
+
+    def release(self, follower: Any = None) -> None:
+        """Stop holding ``follower`` (default: all): its stock methods and float learning rates back."""
+        self.sync_held()
+        self._holder.release(follower)
+
+    def sync_held(self) -> None:
+        """Bring the held schedulers' and EMAs' host side up to date: one read of their device counters
+        (none when nothing is held on the device, or when :meth:`read_state_and_outcomes` read them at
+        this step already). Call it at the log interval; the monitors' read does."""
+        self._holder.sync(self._path.steps if self._path is not None else None)
+
+    @property
+    def held(self) -> list[Any]:
+        """The held schedulers and EMAs (their follower records: ``obj``, ``mode``, ``steps_taken()``)."""
+        return list(self._holder.followers)
 
     def _resolve_forensics(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
         if self.forensics is not None:
@@ -600,14 +758,38 @@ class LossScaler(torch.amp.GradScaler):
             found_inf = flags[0]
             for flag in flags[1:]:
                 found_inf = torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True))
-            path.update(found_inf)
-            self._last_found_inf = found_inf
+            rule_flag, code = self._step_code(found_inf)
+            path.update(rule_flag, code)
+            self._last_found_inf, self._last_code = found_inf, code
             self._last_skipped_on_host = on_host
             if self.forensics is not None:
                 self.forensics.on_update(found_inf)
         if new_scale is not None:
             path.scale.fill_(replacement)
         self._per_optimizer = defaultdict(_OptimizerState)
+
+    def _step_code(self, found_inf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rule's input and the step's outcome code (``None``: the code is the overflow flag itself).
+
+        The code is :func:`~lossscale_callbacks.skips._outcomes.step_code` in arithmetic (tested equal):
+        the rule sees whether the gradients were finite (or nothing, when non-finite steps are applied),
+        never the spike rule's decision. The spike window takes the step's values only when it was an
+        ordinary applied step."""
+        spike = self._spike.decide() if self._spike is not None else None
+        if self.skip_nonfinite:
+            rule_flag = found_inf
+            code = None
+            if spike is not None:  # f + 2s(1 - f): an overflow wins over a spike
+                code = torch.addcmul(found_inf, spike, 1.0 - found_inf, value=SPIKE_CODE)
+        else:
+            rule_flag = self._zero
+            code = found_inf * APPLIED_NONFINITE_CODE
+            if spike is not None:  # 3f + s(2 - 3f): a spike skip wins over an applied non-finite step
+                code = torch.addcmul(code, spike, SPIKE_CODE - code)
+        if self._spike is not None:
+            assert code is not None
+            self._spike.commit(code == 0)
+        return rule_flag, code
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
         if isinstance(new_scale, torch.Tensor):
@@ -634,7 +816,66 @@ class LossScaler(torch.amp.GradScaler):
             return self._last_skipped_on_host
         if self._last_found_inf is None:
             return None
-        return bool(self._last_found_inf.item())
+        if self._last_code is None:
+            return bool(self._last_found_inf.item())
+        code = int(self._last_code.item())  # codes 1 and 2 are skips; 3 (applied non-finite) is not
+        return 0 < code < APPLIED_NONFINITE_CODE
+
+    # -------------------------------------------------------------------------- step outcomes
+
+    @staticmethod
+    def _cursor_at(state: LossScaleState | None) -> _OutcomeCursor:
+        """Where the next :meth:`read_outcomes` starts: after ``state``'s steps, no record read yet."""
+        if state is None:
+            return _OutcomeCursor(0, (0, 0, 0, 0), 0, 0)
+        return _OutcomeCursor(0, (0, 0, 0, 0), int(state.steps), int(state.skipped_steps))
+
+    def read_outcomes(self) -> IntervalOutcomes:
+        """The optimizer steps since the previous call that were not ordinary applied steps. One host read.
+
+        Every step since the previous call (or since the scaler started, or loaded a state) that was
+        skipped, or applied with non-finite gradients, with its cause and the scale it used, oldest
+        first, and the exact counts per cause (see
+        :class:`~lossscale_callbacks.skips._outcomes.IntervalOutcomes`). The steps are written on the
+        device by :meth:`update` (no host read there); call this at the log interval. Beyond
+        ``outcome_capacity`` non-ordinary steps in one interval the oldest are not listed (``missed``),
+        and still counted.
+
+        Example:
+            >>> scaler = LossScaler(device="cpu", init_scale=1024.0)
+            >>> weight = torch.ones(2, requires_grad=True)
+            >>> opt = torch.optim.SGD([weight], lr=0.1)
+            >>> for step in range(1, 4):
+            ...     scaler.scale(weight.sum()).backward()
+            ...     if step == 2:
+            ...         weight.grad[0] = float("inf")
+            ...     _ = scaler.step(opt); scaler.update(); opt.zero_grad()
+            >>> outcomes = scaler.read_outcomes()
+            >>> outcomes.outcomes, outcomes.applied
+            ((StepOutcome(step=2, cause='overflow', scale=1024.0),), 2)
+        """
+        return self.read_state_and_outcomes()[1]
+
+    def read_state_and_outcomes(self) -> tuple[LossScaleState, IntervalOutcomes]:
+        """:meth:`get_state` and :meth:`read_outcomes` in one device-to-host copy (the monitors' read)."""
+        cursor = self._outcome_cursor
+        if not self._enabled or self._path is None or self._ring is None:
+            steps = cursor.steps
+            state = self.get_state() if self._enabled else self._host_state()
+            return state, IntervalOutcomes(steps + 1, steps)
+        ring = self._ring.flat()
+        held = self._holder.counters(ring.device)
+        state, flat = self._path.read_with(ring if held is None else torch.cat([ring, held]))
+        rows, written, counts, _ = self._ring.parse(flat[:ring.numel()])
+        self._holder.apply(flat[ring.numel():], at_step=state.steps)  # the held objects, in the same copy
+        outcomes, missed = decode_records(rows, written, cursor.written, self._outcome_capacity,
+                                          nonfinite_cause(self._policy))
+        new_counts = [now - before for now, before in zip(counts, cursor.counts, strict=True)]
+        skipped = state.skipped_steps - cursor.skipped
+        by_cause = {nonfinite_cause(self._policy): skipped, "spike": new_counts[2],
+                    "applied_nonfinite": new_counts[3]}
+        self._outcome_cursor = _OutcomeCursor(written, tuple(counts), state.steps, state.skipped_steps)
+        return state, IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
 
     # -------------------------------------------------------------------------- host reads
 
@@ -736,7 +977,9 @@ class LossScaler(torch.amp.GradScaler):
                 "state": self.get_state()._asdict() if self._enabled else None,
                 "sync_found_inf": self.sync_found_inf, "process_group": self.process_group,
                 "diagnose": self.forensics.mode if self.forensics is not None else False,
-                "headroom_every": self._headroom_every}
+                "headroom_every": self._headroom_every, "outcome_capacity": self._outcome_capacity,
+                "spike": self.spike_rule.to_config() if self.spike_rule is not None else None,
+                "skip_nonfinite": self.skip_nonfinite}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`__getstate__`. A pickle is input from outside too: everything is checked

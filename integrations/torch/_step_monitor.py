@@ -38,6 +38,7 @@ class ScalerStepMonitor:
             Args);
         writer: whether this process writes to the sinks and prints.
         run_sinks: the framework's loggers or trackers, written and flushed, never closed here.
+        followers: the LR schedulers and EMAs the framework knows (the reader also finds the others).
 
     Example:
         >>> import torch
@@ -59,9 +60,10 @@ class ScalerStepMonitor:
     _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated"
 
     def __init__(self, scaler: Any, *, log_every: int = 100, writer: bool = True,
-                 run_sinks: Iterable[Sink] = (), **logging: Unpack[LoggingArgs]) -> None:
+                 run_sinks: Iterable[Sink] = (), followers: Iterable[Any] = (),
+                 **logging: Unpack[LoggingArgs]) -> None:
         log_every, _ = interval_args(type(self).__name__, log_every, None)  # no interval but the count
-        self.reader = ScalerReader(scaler)
+        self.reader = ScalerReader(scaler, followers=followers)
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
                                 **logging_args(type(self).__name__, logging))
         self.loop.start(sinks=run_sinks)
@@ -79,6 +81,24 @@ class ScalerStepMonitor:
     def summary(self) -> str | None:
         """The end-of-run summary (after :meth:`finish`)."""
         return self.loop.summary
+
+    def hold(self, follower: Any, *, optimizer: Any = None) -> Any:
+        """Hold an LR scheduler or an EMA (``AveragedModel``) on skipped steps: ``LossScaler.hold`` of the
+        scaler read (ours); returns ``follower``. Keep stepping it as before.
+
+        Raises:
+            ValueError: the scaler is a stock one (only ours holds: what advanced on skipped steps is
+                flagged instead), or what ``LossScaler.hold`` refuses.
+        """
+        hold = getattr(self.scaler, "hold", None)
+        if hold is None:
+            raise ValueError(f"{type(self).__name__}.hold needs the lossscale-callbacks scaler (LossScaler); "
+                             f"this run's is a {type(self.scaler).__name__}: a scheduler or an EMA that "
+                             "advances on skipped steps is flagged at the log interval instead")
+        hold(follower, optimizer=optimizer)
+        if self.reader.followers is not None:
+            self.reader.followers.add([follower])
+        return follower
 
     @property
     def should_stop(self) -> bool:

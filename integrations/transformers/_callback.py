@@ -12,14 +12,18 @@ from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.accelerate import install_loss_scaler
 from lossscale_callbacks.integration import (
+    TRAINER_STEP,
+    FollowerCount,
     LoggingArgs,
     Policy,
+    carry,
+    check_bool,
     check_diagnose,
     check_policy,
     interval_args,
     logging_args,
 )
-from lossscale_callbacks.torch import ScalerReader
+from lossscale_callbacks.torch import LossScaler, ScalerReader
 from lossscale_callbacks.torch.integration import warn_no_scaler
 
 if TYPE_CHECKING:
@@ -79,6 +83,11 @@ class LossScaleTrainerCallback(TrainerCallback):
             log events carry no loss-scale metrics (but its end-of-training log); not with ``every``.
         every: ``"trainer"`` (the default when ``log_every`` is not given): at the Trainer's own log
             events (``logging_steps``).
+        hold: hold the Trainer's LR scheduler on skipped steps (default ``True``; with our scaler,
+            i.e. ``policy``/``diagnose``/``scaler=LossScaler(...)``): with its default fused optimizer,
+            whose kernel skips where ``optimizer_step_was_skipped`` cannot see, the learning rate
+            follows a device count, no host read. ``state.global_step`` still counts attempted steps
+            (``max_steps`` ends the run): a run that skipped steps is flagged once.
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
             ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
             its Args); ``health="stop"`` sets ``should_training_stop``; the default ``echo`` writes
@@ -103,8 +112,9 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def __init__(self, *, policy: Policy | None = None, diagnose: bool | str = False,
                  scaler: torch.amp.GradScaler | None = None, log_every: int | None = None,
-                 every: str | None = None, **logging: Unpack[LoggingArgs]) -> None:
+                 every: str | None = None, hold: bool = True, **logging: Unpack[LoggingArgs]) -> None:
         self.diagnose = check_diagnose(diagnose)
+        self.hold = check_bool("hold", hold)
         log_every, self.every = interval_args("LossScaleTrainerCallback", log_every, every,
                                               allowed=("trainer",), default=(None, "trainer"))
         if policy is not None:
@@ -122,6 +132,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = 0
         self._asked_at = -1  # the step log_every asked the Trainer to log at
         self._stop_requested = False
+        self._pending: Any = None  # a read made at on_step_end for the log that follows
 
     @property
     def summary(self) -> str | None:
@@ -180,8 +191,14 @@ class LossScaleTrainerCallback(TrainerCallback):
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             self._warn_no_scaler(args, state)
             return
-        self.reader = ScalerReader(scaler)
+        scheduler = getattr(trainer, "lr_scheduler", None)
+        if self.hold and isinstance(scaler, LossScaler) and scheduler is not None:
+            if all(f.obj is not scheduler for f in scaler.held):
+                scaler.hold(scheduler)  # a fused optimizer (the default adamw_torch_fused) included
+        self.reader = ScalerReader(scaler, followers=[scheduler] if scheduler is not None else [])
         self.reader.count_from(state.global_step)  # a stock GradScaler checkpoints no count: from here
+        # state.global_step counts attempted optimizer steps, and max_steps ends the run: a follower too.
+        self._step_base = (state.global_step, *self.reader.progress())
         self._read_at = state.global_step
         self._asked_at = -1
         self._stop_requested = False
@@ -189,6 +206,12 @@ class LossScaleTrainerCallback(TrainerCallback):
         if state.global_step > 0:
             self._resume_counts(state)
         self.loop.resume_at(state.global_step, self.reader.read if state.global_step > 0 else None)
+
+    def _with_global_step(self, read: Any, state: Any) -> Any:
+        """The state read, with the Trainer's ``global_step`` among what follows the optimizer."""
+        step = FollowerCount("Trainer.global_step", TRAINER_STEP, int(state.global_step), False,
+                             "state.global_step", getattr(self, "_step_base", None))
+        return carry(read, followers=[*getattr(read, "followers", ()), step])
 
     def _resume_counts(self, state: Any) -> None:
         """The counts saved with the checkpoint (a stock scaler keeps none); without them, a scaler that
@@ -203,7 +226,7 @@ class LossScaleTrainerCallback(TrainerCallback):
     def _save_counts(self, state: Any, control: Any) -> None:
         """Before the Trainer writes a checkpoint: the counts into ``trainer_state.json`` (one host read)."""
         if self.reader is not None and control.should_save:
-            counts = self.reader.read()
+            counts = self.reader.read(outcomes=False)  # the interval's outcomes stay for the next log
             state.stateful_callbacks[COUNTS_KEY] = {"steps": counts.steps,
                                                     "skipped_steps": counts.skipped_steps}
 
@@ -228,6 +251,11 @@ class LossScaleTrainerCallback(TrainerCallback):
         if self.reader is not None and self.every is None and self.loop.due(state.global_step):
             control.should_log = True
             self._asked_at = state.global_step
+        if (self.reader is not None and control.should_log and state.global_step > self._read_at
+                and (self.every is not None or state.global_step == self._asked_at)):
+            # The interval's read now, before the Trainer logs its learning rate: the held scheduler's
+            # get_last_lr() comes up to date with it (the same one read; on_log uses it).
+            self._pending = (state.global_step, self._with_global_step(self.reader.read(), state))
         self._save_counts(state, control)  # after DefaultFlowCallback decided (attach puts us after it)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -243,8 +271,12 @@ class LossScaleTrainerCallback(TrainerCallback):
             return  # a log event of the Trainer's own: log_every decides when the scaler is read
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
-        snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        added = {**snapshot.metrics(), **self.loop.rank_metrics(),
+        pending, self._pending = self._pending, None
+        read = pending[1] if pending is not None and pending[0] == state.global_step else None
+        if read is None:
+            read = self._with_global_step(self.reader.read(), state)
+        snapshot = self.loop.observe(read, sink_step=state.global_step, forensics=forensics)
+        added = {**snapshot.metrics(), **self.loop.outcome_metrics(), **self.loop.rank_metrics(),
                  **(forensics.metrics() if forensics is not None else {})}
         _add_to_history(state, logs, added)
         logs.update(added)
@@ -257,6 +289,6 @@ class LossScaleTrainerCallback(TrainerCallback):
         if state.global_step > self._read_at:
             # Steps after the last log event (none when the Trainer logged at its last step).
             self._read_at = state.global_step
-            self.loop.observe(self.reader.read(), sink_step=state.global_step,
+            self.loop.observe(self._with_global_step(self.reader.read(), state), sink_step=state.global_step,
                               forensics=self.reader.read_forensics())
         self.loop.finish()  # prints the summary on the main process, closes the sinks it opened

@@ -48,8 +48,10 @@ from lossscale_callbacks.loop._fp8 import Fp8Scales
 from lossscale_callbacks.loop._rank_agreement import RankAgreement, split_health
 from lossscale_callbacks.loop._run_sinks import RunSinks
 from lossscale_callbacks.loop._segments import Segments
+from lossscale_callbacks.loop._skip_truth import SkipTruth
 from lossscale_callbacks.loop._summary import run_summary
 from lossscale_callbacks.loop._verdicts import Diagnosis, judge_by
+from lossscale_callbacks.skips._followers import split_not_held
 
 __all__ = ["LoggingArgs", "LoggingLoop", "logging_args"]
 
@@ -190,6 +192,7 @@ class LoggingLoop:
         # The rank-agreement rule is judged on the gathered ranks, not on one rank's snapshots; the fp8
         # rules on the fp8 reads.
         health, self._ranks_rule = split_health(health)
+        health, self._not_held = split_not_held(health)  # judged on the followers' counts
         health, self._fp8_rules = split_fp8_health(health)
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
         self._sinks = RunSinks(tensorboard, wandb, sinks, writer)
@@ -235,6 +238,7 @@ class LoggingLoop:
         self._segments = Segments()
         self._ranks = RankAgreement(self._ranks_rule)
         self._diagnosis = Diagnosis()
+        self._skips = SkipTruth()
         self._fp8 = Fp8Scales(self._fp8_rules, self._ranks_rule)
         self.summary: str | None = None
         self.should_stop = False  # a "stop" rule fired in this run
@@ -313,6 +317,7 @@ class LoggingLoop:
             ValueError: a field of ``state`` is missing or wrong, naming it.
         """
         ranks = getattr(state, "ranks", None)
+        outcomes = getattr(state, "outcomes", None)
         state = observed_state(state)
         self._interval.read()
         if self._segments.repeated(state, self.tracker.last):
@@ -322,6 +327,7 @@ class LoggingLoop:
         if self._segments.last_at is None:
             self._segments.last_at = int(state.steps)
         snapshot = self.tracker.observe(state)
+        self._skips.metrics(snapshot, outcomes, self._policy)
         # a rank resumed from another checkpoint
         self._act(self._ranks.judge(ranks, snapshot.step, self._sinks.out, self.health))
         return snapshot
@@ -355,6 +361,9 @@ class LoggingLoop:
         if state is None:
             return self._observe_fp8(fp8, sink_step)
         ranks = getattr(state, "ranks", None)  # a RankedState: every rank's, gathered at this read
+        # What the state carries for the skip truth (torch's ScalerReader): the interval's step outcomes
+        # and what follows the optimizer (each scheduler's, EMA's, trainer's own step count).
+        outcomes, followers = getattr(state, "outcomes", None), getattr(state, "followers", ())
         state = observed_state(state)
         self._interval.read()
         out, last, segments = self._sinks.out, self.tracker.last, self._segments
@@ -365,9 +374,10 @@ class LoggingLoop:
             return last
         restarted = self._restarted(state)
         snapshot = self.tracker.observe(state)
+        outcome_metrics = self._skips.metrics(snapshot, outcomes, self._policy)
         at = segments.sink_step(snapshot.step if sink_step is None else int(sink_step))
         if self.writer:
-            metrics = {**snapshot.metrics(), **self._ranks.metrics(ranks)}
+            metrics = {**snapshot.metrics(), **outcome_metrics, **self._ranks.metrics(ranks)}
             if fp8 is not None:
                 metrics.update(self._fp8.write(fp8, at, out))
             segments.label(metrics, interval_known=not restarted)
@@ -383,6 +393,10 @@ class LoggingLoop:
         if self.health is not None:  # health=None: no rule, so no verdict of the forensics either
             verdicts = self._diagnosis.verdicts(self.health.observe(snapshot), forensics, snapshot.step,
                                                 self.health, self.tracker.min_scale, out)
+            if self._not_held is not None:
+                not_held = self._skips.verdicts(followers, self._not_held.action)
+                self.health.verdicts.extend(not_held)  # among the run's problems, in its assessment
+                verdicts += not_held
         if fp8 is not None:
             verdicts += self._fp8.judge(fp8, out, self.health)
         self._act(verdicts + self._ranks.judge(ranks, snapshot.step, out, self.health))
@@ -405,6 +419,7 @@ class LoggingLoop:
         if not self._segments.restarted(self.tracker.last, state):
             return False
         self.tracker.reset()
+        self._skips.restart()
         if self.health is not None:
             self.health.restart()
         return True
@@ -449,7 +464,8 @@ class LoggingLoop:
         if self.tracker.last is None and self._fp8.reads:  # a run without loss scaling: its fp8 scales
             self.summary = text = self._fp8.summary(note)
         else:
-            sentences = [self._ranks.sentence(), self._segments.sentence(), self._fp8.sentence()]
+            sentences = [self._skips.sentence(), self._ranks.sentence(), self._segments.sentence(),
+                         self._fp8.sentence()]
             self.summary = text = run_summary(self.tracker, min_scale, sentences, self.health,
                                               self._diagnosis, out, note)
         if self.writer:
@@ -460,6 +476,12 @@ class LoggingLoop:
                 self.echo(text)
         self._sinks.close_owned()
         return text
+
+    def outcome_metrics(self) -> dict[str, int]:
+        """The skip truth's metrics of the last read (the applied steps, the skips by cause: see
+        :data:`~lossscale_callbacks._metrics.OUTCOME_METRICS`), ``{}`` before one: for a trainer's own
+        metrics, beside the snapshot's."""
+        return dict(self._skips.last_metrics)
 
     def rank_metrics(self) -> dict[str, int]:
         """``{"loss_scale/ranks_disagree": n}`` of the last read that gathered every rank's state, else ``{}``
