@@ -358,8 +358,15 @@ class LoggingLoop:
                 ``skipped_steps > steps``), naming it; nothing is recorded then.
             LossScaleHealthError: a ``"raise"`` rule fired.
         """
-        if state is None:
-            return self._observe_fp8(fp8, sink_step)
+        if state is None:  # a run without loss scaling: only the fp8 scales
+            if fp8 is None:
+                raise ValueError("observe() needs a loss-scale state, an fp8 read (fp8=...), or both")
+            self._interval.read()
+            at, out = fp8.step if sink_step is None else int(sink_step), self._sinks.out
+            if self.writer:
+                out.write(at, self._fp8.write(fp8, at, out))
+            self._act(self._fp8.judge(fp8, out, self.health))
+            return None
         ranks = getattr(state, "ranks", None)  # a RankedState: every rank's, gathered at this read
         # What the state carries for the skip truth (torch's ScalerReader): the interval's step outcomes
         # and what follows the optimizer (each scheduler's, EMA's, trainer's own step count).
@@ -401,18 +408,6 @@ class LoggingLoop:
             verdicts += self._fp8.judge(fp8, out, self.health)
         self._act(verdicts + self._ranks.judge(ranks, snapshot.step, out, self.health))
         return snapshot
-
-    def _observe_fp8(self, fp8: Fp8Read | None, sink_step: int | None) -> None:
-        """A read of a run without loss scaling: only the fp8 scales."""
-        if fp8 is None:
-            raise ValueError("observe() needs a loss-scale state, an fp8 read (fp8=...), or both")
-        self._interval.read()
-        out = self._sinks.out
-        at = fp8.step if sink_step is None else int(sink_step)
-        if self.writer:
-            out.write(at, self._fp8.write(fp8, at, out))
-        self._act(self._fp8.judge(fp8, out, self.health))
-        return None
 
     def _restarted(self, state: Any) -> bool:
         """A new segment when ``state`` cannot follow the last read: the tracker and the rules start over."""
