@@ -33,6 +33,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from lossscale_callbacks.fp8._formats import Fp8Format
 
 __all__ = ["DelayedHistory", "DelayedView"]
@@ -91,7 +93,9 @@ class DelayedHistory:
 
     def __init__(self, length: int, lag: int, fmt: Fp8Format, margin: float = 0.0) -> None:
         self.length, self.lag, self.fmt, self.margin = int(length), int(lag), fmt, float(margin)
-        self._amax: dict[int, float] = {}
+        # The amaxes known, of consecutive steps from ``_first`` on (a read's block, joined to the last).
+        self._first = 0
+        self._known = np.zeros(0)
         self._step: int | None = None
         self._next_scale: float | None = None
 
@@ -101,14 +105,16 @@ class DelayedHistory:
             return previous
         return self.fmt.max / window_max / 2.0**self.margin
 
-    def _window_max(self, step: int) -> tuple[float, int | None]:
-        """The largest known amax of the window of ``step``'s scale, and its step (``None``: none known)."""
-        best, at = 0.0, None
-        for s in range(step - self.lag - self.length + 1, step - self.lag + 1):
-            value = self._amax.get(s)
-            if value is not None and (at is None or value > best or math.isnan(value)):
-                best, at = value, s
-        return best, at
+    def _span(self, lo: int, hi: int) -> np.ndarray:
+        """The amaxes of steps ``lo`` to ``hi``: 0 where not known."""
+        out = np.zeros(max(hi - lo + 1, 0))
+        a, b = max(lo, self._first), min(hi, self._first + len(self._known) - 1)
+        if a <= b:
+            out[a - lo: b - lo + 1] = self._known[a - self._first: b - self._first + 1]
+        return out
+
+    def _known_from(self, first: int, last: int) -> bool:
+        return self._first <= first and last <= self._first + len(self._known) - 1
 
     def observe(self, step: int, amaxes: Sequence[float], next_scale: float) -> DelayedView:
         """One read after ``step`` steps: the history's amaxes oldest first (the last one is ``step``'s)
@@ -117,69 +123,93 @@ class DelayedHistory:
         The first read (at the start of training) only sets the baseline.
         """
         step, next_scale = int(step), float(next_scale)
-        values = [float(v) for v in amaxes]
-        read = {step - len(values) + 1 + i: v for i, v in enumerate(values)}
+        values = np.asarray(amaxes, dtype=np.float64).ravel()
+        first = step - len(values) + 1
         previous, prev_scale = self._step, self._next_scale
         # The step count went back (a checkpoint loaded with its optimizer), or the amaxes read for steps
         # read before differ (a history loaded without one): either way this history was loaded.
-        replaced = previous is not None and (step < previous or self._replaced(read, previous))
-        view = DelayedView(history_max=max(values, default=0.0))
+        replaced = previous is not None and (step < previous or self._replaced(first, values, previous))
+        view = DelayedView(history_max=float(np.max(values)) if len(values) else 0.0)
         if previous is None or replaced:
             if replaced:
-                view = self._stale(view, read, previous, step)
-            self._amax = dict(read)
+                view = self._stale(view, first, values, previous)
+            self._first, self._known = first, values
         else:
-            self._amax.update(read)
-            view = self._rebuild(view, previous, prev_scale, step)
-            rebuilt = self.next_scale(self._window_max(step + 1)[0], view.rows[-1][2] if view.rows else
-                                      prev_scale)
+            self._join(first, values)
+            view, rebuilt = self._rebuild(view, previous, prev_scale, step)
             if view.rows and not math.isclose(rebuilt, next_scale, rel_tol=1e-5):
                 # The history went on, but the scale did not follow it: it was set from outside.
                 view = dataclasses.replace(view, replaced_after=previous)
         self._step, self._next_scale = step, next_scale
-        keep = step - self.length - self.lag - 1
-        self._amax = {s: v for s, v in self._amax.items() if s >= keep}
+        keep = step - self.length - self.lag - 1  # older amaxes are in no window any more
+        if keep > self._first:
+            self._known, self._first = self._known[keep - self._first:], keep
         return view
 
-    def _replaced(self, read: dict[int, float], previous: int) -> bool:
-        """Whether the amaxes read now for steps read before differ from those (a history not continued)."""
-        common = [s for s in read if s <= previous and s in self._amax]
-        return any(not (read[s] == self._amax[s] or (math.isnan(read[s]) and math.isnan(self._amax[s])))
-                   for s in common)
+    def _join(self, first: int, values: np.ndarray) -> None:
+        """The read's block after the known one (overlapping or touching it), or in its place."""
+        end = self._first + len(self._known)
+        if len(self._known) and self._first <= first <= end:
+            self._known = np.concatenate([self._known[: first - self._first], values])
+        else:
+            self._first, self._known = first, values
 
-    def _stale(self, view: DelayedView, read: dict[int, float], previous: int, step: int) -> DelayedView:
-        loaded = [v for s, v in read.items() if s <= previous]
-        fresh = [v for s, v in sorted(read.items()) if s > previous]
-        latest = fresh[-1] if fresh else self._amax.get(previous, math.nan)
-        loaded_max = max(loaded, default=0.0)
+    def _replaced(self, first: int, values: np.ndarray, previous: int) -> bool:
+        """Whether the amaxes read now for steps read before differ from those (a history not continued)."""
+        lo, hi = max(first, self._first), min(previous, first + len(values) - 1,
+                                              self._first + len(self._known) - 1)
+        if lo > hi:
+            return False
+        return not np.array_equal(values[lo - first: hi - first + 1],
+                                  self._known[lo - self._first: hi - self._first + 1], equal_nan=True)
+
+    def _stale(self, view: DelayedView, first: int, values: np.ndarray, previous: int) -> DelayedView:
+        split = max(0, min(len(values), previous - first + 1))  # the loaded amaxes are those up to previous
+        loaded, fresh = values[:split], values[split:]
+        if len(fresh):
+            latest = float(fresh[-1])
+        elif self._known_from(previous, previous):  # loaded after the last read: its latest amax
+            latest = float(self._span(previous, previous)[0])
+        else:
+            latest = math.nan
+        loaded_max = float(np.max(loaded)) if len(loaded) else 0.0
         return dataclasses.replace(view, replaced_after=previous, stale_ratio=_ratio(loaded_max, latest))
 
-    def _rebuild(self, view: DelayedView, previous: int, prev_scale: float | None, step: int) -> DelayedView:
-        if prev_scale is None:
-            return view
+    def _window_maxima(self, first: int, last: int) -> np.ndarray:
+        """The window maxima of the scales of steps ``first`` to ``last``, at once (NaN counts as Inf: a
+        non-finite window keeps the previous scale either way); an amax not known counts as 0."""
+        known = self._span(first - self.lag - self.length + 1, last - self.lag)
+        known[np.isnan(known)] = np.inf
+        return np.lib.stride_tricks.sliding_window_view(known, self.length).max(axis=1)
+
+    def _rebuild(self, view: DelayedView, previous: int, prev_scale: float | None,
+                 step: int) -> tuple[DelayedView, float]:
+        """The interval's rows from the scale read last time; and the scale they lead to for ``step + 1``."""
+        if prev_scale is None or step <= previous:  # nothing to rebuild from, or read again at the same step
+            return view, math.nan
+        if not self._known_from(previous + 1, step):
+            return view, math.nan  # the reads are too far apart for this history: nothing rebuilt
+        maxima = self._window_maxima(previous + 2, step + 1)  # one window per step from previous + 2 on
+        amaxes = self._span(previous + 1, step)
         rows: list[tuple[int, float, float]] = []
         scale = prev_scale
-        for s in range(previous + 1, step + 1):
-            if s > previous + 1:
-                scale = self.next_scale(self._window_max(s)[0], scale)
-            amax = self._amax.get(s)
-            if amax is None:
-                return view  # the reads are too far apart for this history: nothing rebuilt
-            rows.append((s, amax, scale))
-        if not rows:  # read again at the same step
-            return view
+        for i, amax in enumerate(amaxes.tolist()):
+            if i:
+                scale = self.next_scale(float(maxima[i - 1]), scale)
+            rows.append((previous + 1 + i, amax, scale))
+        rebuilt = self.next_scale(float(maxima[-1]), scale)
         saturated = tuple((s, a * m / self.fmt.max) for s, a, m in rows
                           if math.isfinite(a) and a * m >= self.fmt.saturation)
         last_step, last_amax, last_scale = rows[-1]
-        window_max, at = self._window_max(last_step)
         used = self.fmt.max / last_scale / 2.0**self.margin if last_scale > 0 else math.nan
         ratio = used / last_amax if last_amax > 0 and math.isfinite(used) else None
         outlier = until = None
-        if at is not None and ratio is not None and ratio >= 2 and math.isfinite(window_max):
-            lo = last_step - self.lag - self.length + 1
-            near = sum(1 for s in range(lo, last_step - self.lag + 1)
-                       if self._amax.get(s, 0.0) >= window_max / 2)
-            if near <= DOMINANT_STEPS:
-                outlier, until = at, at + self.lag + self.length - 1
+        lo = last_step - self.lag - self.length + 1
+        window = self._span(lo, last_step - self.lag)
+        if ratio is not None and ratio >= 2 and len(window) and np.all(np.isfinite(window)):
+            top = float(window.max())
+            if top > 0 and np.count_nonzero(window >= top / 2) <= DOMINANT_STEPS:
+                outlier = lo + int(np.argmax(window))
+                until = outlier + self.lag + self.length - 1
         return dataclasses.replace(view, rows=tuple(rows), saturated_steps=saturated, history_ratio=ratio,
-                                   outlier_step=outlier, coarse_until=until)
+                                   outlier_step=outlier, coarse_until=until), rebuilt
