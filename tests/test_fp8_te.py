@@ -119,3 +119,54 @@ def test_the_monitor_reads_transformer_engine_modules_through_the_loop():
     rules = [(v.rule, v.step) for v in monitor.loop.verdicts if "`attn`'s input" in v.message]
     assert rules == [("fp8_saturation", 15), ("fp8_coarse_scale", 15)]
     assert "64-step history" in summary and "until step 76" in summary
+
+
+@pytest.mark.cuda
+def test_transformer_engine_itself_on_a_gpu():
+    """The same reading on TransformerEngine's own ``te.Linear`` (needs CUDA and an fp8 GPU, SM 8.9 or
+    newer; skipped elsewhere): every step's rebuilt scale equals the one TransformerEngine held before that
+    step, a 50x input at step 12 saturates there, and the coarse scale is said with the 16-step history."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    te = pytest.importorskip("transformer_engine.pytorch")
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from lossscale_callbacks import InMemorySink
+    from lossscale_callbacks.torch import Fp8ScaleMonitor
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM 8.9 or newer")
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)
+    # TransformerEngine 2.x: ``te.autocast(recipe=...)``; older releases: ``te.fp8_autocast(fp8_recipe=...)``
+    autocast = ((lambda: te.autocast(enabled=True, recipe=recipe)) if hasattr(te, "autocast") else
+                (lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(te.Linear(64, 64), torch.nn.ReLU(), te.Linear(64, 64)).cuda()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, device="cuda")
+
+    def train(factor: float) -> None:
+        with autocast():
+            out = net(x * factor)
+        out.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train(1.0)  # fp8_meta is made at the first forward under autocast
+    memory = InMemorySink()
+    monitor = Fp8ScaleMonitor(net, log_every=5, sinks=[memory], echo=None)
+    assert monitor.layers == ("0", "2")
+    held = {}
+    for step in range(1, 21):
+        held[step] = float(net[0].fp8_meta["scaling_fwd"].scale[0])  # a test's read, not the monitor's
+        train(50.0 if step == 12 else 1.0)
+        monitor.step()
+    summary = monitor.finish()
+    rebuilt = dict(memory.series("fp8/0/input/scale"))
+    assert sorted(rebuilt) == list(range(1, 21))
+    for step, scale in held.items():
+        assert rebuilt[step] == pytest.approx(scale, rel=1e-5), step
+    assert dict(memory.series("fp8/0/input/saturated_steps"))[15] >= 1
+    rules = {v.rule for v in monitor.loop.verdicts if "`0`'s input" in v.message}
+    assert {"fp8_saturation", "fp8_coarse_scale"} <= rules
+    assert "16-step history" in summary

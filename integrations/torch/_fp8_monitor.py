@@ -42,7 +42,9 @@ class Fp8ScaleMonitor:
 
     It finds torchao's ``Float8Linear`` layers (``convert_to_float8_training``: the ``tensorwise``,
     ``rowwise`` and ``rowwise_with_gw_hp`` recipes, eager or under ``torch.compile``) and TransformerEngine's
-    modules (their ``fp8_meta``: delayed scaling). Call :meth:`step` after each optimizer step: every
+    modules (their ``fp8_meta``: delayed scaling; read by the fields of its v2.18 source and tested on a
+    recording of that state, not yet on TransformerEngine itself, which needs CUDA). Call :meth:`step`
+    after each optimizer step: every
     ``count_every`` steps the next step's casts are counted on the device (torchao; the other steps carry
     nothing added), and every ``log_every`` steps the counts and TransformerEngine's scales and amax
     histories are read once and handed to the :class:`~lossscale_callbacks.LoggingLoop`: the
