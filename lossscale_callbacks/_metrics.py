@@ -19,7 +19,8 @@ from typing import Any
 from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks._validation import INT64_MAX, check_int, check_number, host_number
 
-TAG_PREFIX = "loss_scale/"  # every tag of this library starts with it
+TAG_PREFIX = "loss_scale/"  # every tag of this library starts with it, but the fp8 scales'
+FP8_TAG_PREFIX = "fp8/"  # the fp8 scales' (lossscale_callbacks.fp8._reads), per layer and role
 SCALE = "loss_scale/scale"
 LOG2_SCALE = "loss_scale/log2_scale"
 GROWTH_COUNTER = "loss_scale/growth_counter"

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         DASHBOARD_CHARTS,
         DASHBOARD_SECTION,
         FINAL_SCALE,
+        FP8_TAG_PREFIX,
         GROWTH_INTERVAL,
         MAX_SCALE,
         MIN_SCALE,
@@ -112,6 +113,10 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         layer_of,
         sampled_within,
     )
+    from lossscale_callbacks.fp8._delayed import DelayedHistory
+    from lossscale_callbacks.fp8._formats import E4M3, E5M2, Fp8Format
+    from lossscale_callbacks.fp8._ranks import Fp8Ranks
+    from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead
     from lossscale_callbacks.loop._clock import interval_args
     from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
     from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
@@ -265,6 +270,20 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "smallest_keep_set": ("forensics._advice",
             "The layers to keep in float32, found by running until a run is finite."),
     },
+    "FP8 scales": {
+        "TensorRead": ("fp8._reads",
+            "One fp8 tensor (a layer's input, weight or output gradient) at one read: amax, scale, counts."),
+        "Fp8Read": ("fp8._reads", "Every watched fp8 tensor at one read, what the loop observes as fp8=."),
+        "Fp8Ranks": ("fp8._ranks",
+            "Every rank's scales that must agree, gathered at one read (Fp8Read.ranks)."),
+        "DelayedHistory": ("fp8._delayed",
+            "An amax history followed from read to read: every step's amax and scale, a load, an outlier."),
+        "Fp8Format": ("fp8._formats",
+            "An fp8 format: its largest value, the saturation and underflow thresholds of a cast."),
+        "E4M3": ("fp8._formats", "float8_e4m3fn: inputs and weights (448 at most)."),
+        "E5M2": ("fp8._formats", "float8_e5m2: gradients under the hybrid recipes (57344 at most)."),
+        "FP8_TAG_PREFIX": ("_metrics", "The prefix of the fp8 scales' tags, fp8/ (readers keep them)."),
+    },
     "Shape capture for the alignment checker": {
         "Capture": ("alignment._records", "Everything one capture recorded: ops, layers, model dimensions."),
         "OpRecord": ("alignment._records",
@@ -315,8 +334,11 @@ __all__ = [
     "DASHBOARD_CHARTS",
     "DASHBOARD_SECTION",
     "DEFAULT_MAX_UNZIPPED_MIB",
+    "E4M3",
+    "E5M2",
     "EMA",
     "FINAL_SCALE",
+    "FP8_TAG_PREFIX",
     "FP16_MIN_SUBNORMAL",
     "GROWTH_INTERVAL",
     "HISTOGRAM_EXPONENTS",
@@ -338,7 +360,11 @@ __all__ = [
     "ActivationTrace",
     "AuditResult",
     "Capture",
+    "DelayedHistory",
     "FollowerCount",
+    "Fp8Format",
+    "Fp8Ranks",
+    "Fp8Read",
     "FrameworkAdvice",
     "GradientRange",
     "GuardedSink",
@@ -364,6 +390,7 @@ __all__ = [
     "RunSeries",
     "Snapshot",
     "SpikeRule",
+    "TensorRead",
     "Verdict",
     "advise",
     "carry",

@@ -46,6 +46,11 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         for name in ("torch_adamw_foreach", "torch_adamw_fused", "torch_launch_bound_foreach",
                      "torch_launch_bound_fused", "keras_fit_jax")
     ]),
+    # torchao in the script's process, Keras' fit on JAX in one of its own.
+    "fp8_overhead.py": (["--backends", "jax"], [
+        rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
+        for name in ("torchao_tensorwise", "keras_fit_jax")
+    ]),
     "keras_trace_overhead.py": (["--backends", "torch"], [
         rf"^keras_fit_torch\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
     ]),

@@ -27,9 +27,10 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": [
-        "DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer", "audit_keras_precision",
-        "keep_keras_layers_in_float32"],
-    "lossscale_callbacks.torch": ["LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"],
+        "DynamicLossScale", "Fp8ScaleCallback", "LossScaleCallback", "LossScaleOptimizer",
+        "audit_keras_precision", "keep_keras_layers_in_float32"],
+    "lossscale_callbacks.torch": ["Fp8ScaleMonitor", "LossScaler", "ScalerReader", "audit_precision",
+                                  "keep_in_float32"],
     "lossscale_callbacks.lightning": ["LossScaleFSDPPlugin", "LossScaleMonitor", "LossScalePlugin"],
     "lossscale_callbacks.lightning.fabric": [
         "FabricLossScaleMonitor", "LossScaleFabricFSDPPlugin", "LossScaleFabricPlugin"],
@@ -58,20 +59,21 @@ EXTENSION: dict[str, list[str]] = {
     # integration that builds on torch may use of the torch integration.
     "lossscale_callbacks.integration": [
         "APPLIED_NONFINITE_CODE", "APPLIED_STEPS", "CAUSES", "CODES", "COUNT_METRICS", "DASHBOARD_CHARTS",
-        "DASHBOARD_SECTION", "DEFAULT_MAX_UNZIPPED_MIB", "EMA", "FINAL_SCALE", "FP16_MIN_SUBNORMAL",
-        "GROWTH_INTERVAL", "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE",
-        "OVERALL_SKIP_RATE", "POLICY_TAG", "SCALE", "SCHEDULER", "SKIPPED_STEPS", "SPIKE_CODE",
-        "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX", "TOTAL_APPLIED_STEPS", "TOTAL_SKIPPED_STEPS",
-        "TRAINER_STEP", "ActivationTrace", "AuditResult", "Capture", "FollowerCount", "FrameworkAdvice",
+        "DASHBOARD_SECTION", "DEFAULT_MAX_UNZIPPED_MIB", "E4M3", "E5M2", "EMA", "FINAL_SCALE",
+        "FP8_TAG_PREFIX", "FP16_MIN_SUBNORMAL", "GROWTH_INTERVAL", "HISTOGRAM_EXPONENTS", "INT64_MAX",
+        "MAX_SCALE", "MIN_SCALE", "OVERALL_SKIP_RATE", "POLICY_TAG", "SCALE", "SCHEDULER", "SKIPPED_STEPS",
+        "SPIKE_CODE", "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX", "TOTAL_APPLIED_STEPS",
+        "TOTAL_SKIPPED_STEPS", "TRAINER_STEP", "ActivationTrace", "AuditResult", "Capture",
+        "DelayedHistory", "FollowerCount", "Fp8Format", "Fp8Ranks", "Fp8Read", "FrameworkAdvice",
         "GradientRange", "GuardedSink", "IntervalForensics", "IntervalOutcomes", "LayerHeadroom",
         "LayerInfo", "LayerPrecision", "LoggingArgs", "ManagedSink", "MissingExtraError", "ModelDim",
         "ModelTooDeepError", "OpPrecision", "OpRecord", "Pass", "Policy", "PrecisionInfo", "RankStates",
-        "RankedState", "Role", "RunReadError", "RunSeries", "Snapshot", "SpikeRule", "Verdict", "advise",
-        "carry", "check_archive", "check_batch_size", "check_bool", "check_choice", "check_diagnose",
-        "check_int", "check_known", "check_number", "check_policy", "check_spike", "decode_records",
-        "einsum_gemm", "ended_inside_record", "get_target", "host_number", "interval_args",
-        "is_event_file_name", "is_policy", "is_regular_file", "largest_finite_scale", "layer_of",
-        "lazy_attributes", "logging_args", "matmul_gemm", "nonfinite_cause", "observed_state",
+        "RankedState", "Role", "RunReadError", "RunSeries", "Snapshot", "SpikeRule", "TensorRead",
+        "Verdict", "advise", "carry", "check_archive", "check_batch_size", "check_bool", "check_choice",
+        "check_diagnose", "check_int", "check_known", "check_number", "check_policy", "check_spike",
+        "decode_records", "einsum_gemm", "ended_inside_record", "get_target", "host_number",
+        "interval_args", "is_event_file_name", "is_policy", "is_regular_file", "largest_finite_scale",
+        "layer_of", "lazy_attributes", "logging_args", "matmul_gemm", "nonfinite_cause", "observed_state",
         "policy_bounds_from_markdown", "policy_from_config", "policy_values_from_markdown", "require",
         "sampled_within", "smallest_keep_set", "user_stacklevel", "validate_state",
         "warn_if_nothing_checked"],
@@ -82,8 +84,8 @@ EXTENSION: dict[str, list[str]] = {
         "reference_histogram", "reference_run", "stack_states"],
 }
 # The core's rooms: private sub-packages that hold a family of modules and export nothing.
-ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.loop", "lossscale_callbacks.report",
-         "lossscale_callbacks.skips")
+ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.fp8", "lossscale_callbacks.loop",
+         "lossscale_callbacks.report", "lossscale_callbacks.skips")
 FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
               "accelerate", "transformers", "ray")
 

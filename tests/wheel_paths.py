@@ -52,6 +52,9 @@ _OWN_PROBES = {
     "tensorboard": "from lossscale_callbacks.tensorboard import TensorBoardSink\nTensorBoardSink('runs/p')",
     "wandb": "from lossscale_callbacks.wandb import WandbSink\nWandbSink(mode='offline')",
     "plot": "from lossscale_callbacks._cli import main\nmain(['report', '.', '--png', 'x.png'])",
+    # Fp8ScaleMonitor's own check (it lives behind the torch face, which names [torch] first where torch is
+    # missing too); lossscale_callbacks.fp8 is a room of the core, importable without the extra.
+    "fp8": "from lossscale_callbacks._extras import require\nrequire('torchao', 'fp8')",
 }
 PROBES = {**{extra: f"import lossscale_callbacks.{extra}" for extra in (
     PYPROJECT["project"]["optional-dependencies"] if PYPROJECT else ())

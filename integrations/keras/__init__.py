@@ -1,7 +1,8 @@
 """Keras 3 on any backend (TensorFlow, JAX, torch): ``LossScaleCallback`` and ``LossScaleOptimizer`` on the
-shared core, ``DynamicLossScale`` (the ``tf.train.experimental`` seed API, TensorFlow only), and the
+shared core, ``DynamicLossScale`` (the ``tf.train.experimental`` seed API, TensorFlow only), the
 precision audit: ``audit_keras_precision`` (does float16 fit, what to keep in float32, where to start) and
-``keep_keras_layers_in_float32``, which applies its keep list.
+``keep_keras_layers_in_float32``, which applies its keep list; and ``Fp8ScaleCallback``, the scales of the
+fp8 layers in ``fit``.
 
 TensorFlow is imported only on the TensorFlow backend, or when ``DynamicLossScale`` is asked for. The
 ops, the optimizer wrapping and the alignment capture are private modules behind this face.
@@ -43,10 +44,11 @@ _require_keras()
 
 from lossscale_callbacks.keras._audit import audit_keras_precision, keep_keras_layers_in_float32  # noqa: E402
 from lossscale_callbacks.keras._callback import LossScaleCallback  # noqa: E402
+from lossscale_callbacks.keras._fp8_callback import Fp8ScaleCallback  # noqa: E402
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer  # noqa: E402
 
-__all__ = ["DynamicLossScale", "LossScaleCallback", "LossScaleOptimizer", "audit_keras_precision",
-           "keep_keras_layers_in_float32"]
+__all__ = ["DynamicLossScale", "Fp8ScaleCallback", "LossScaleCallback", "LossScaleOptimizer",
+           "audit_keras_precision", "keep_keras_layers_in_float32"]
 
 
 def __getattr__(name: str) -> Any:

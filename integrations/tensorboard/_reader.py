@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
 from lossscale_callbacks.integration import (
+    FP8_TAG_PREFIX,
     GROWTH_INTERVAL,
     MAX_SCALE,
     MIN_SCALE,
@@ -244,8 +245,8 @@ def decode_rows(layout: Layout, rows: np.ndarray) -> tuple[np.ndarray, list[tupl
 # An event file is a sequence of records: the data's length (8 bytes, little-endian), the masked
 # CRC-32C of those 8 bytes, the data (a serialized ``Event``), the masked CRC-32C of the data.
 # :func:`iter_record_batches` walks a file chunk by chunk and keeps only the file's first record and
-# the records whose data contain ``wanted`` (``b"loss_scale/"``): a file of a million other events
-# costs one pass of the framing, not a million parses. What it checks, and what a failure means:
+# the records whose data contain one of ``wanted`` (``b"loss_scale/"``, ``b"fp8/"``): a file of a million
+# other events costs one pass of the framing, not a million parses. What it checks, and what a failure means:
 #
 # * the length's checksum of *every* record (the framing depends on it): a damaged length loses the
 #   framing, so the rest of the file is left out and the damage is reported;
@@ -358,10 +359,11 @@ def _crc_fails(buffer: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> np.n
     return masked_crc32c_rows(rows) != stored
 
 
-def _frame(buffer: bytes, wanted: bytes, keep_first: bool) -> tuple[list[int], list[int], list[int], int]:
+def _frame(buffer: bytes, wanted: tuple[bytes, ...], keep_first: bool
+           ) -> tuple[list[int], list[int], list[int], int]:
     """Frame the whole records in ``buffer``: where each starts; where the kept ones start and their data's
     lengths; and the position of the first byte not framed (a record that continues in the next chunk).
-    Kept: the first record when ``keep_first``, and every record whose data contain ``wanted``."""
+    Kept: the first record when ``keep_first``, and every record whose data contain one of ``wanted``."""
     starts: list[int] = []
     kept: list[int] = []
     lengths: list[int] = []
@@ -372,7 +374,7 @@ def _frame(buffer: bytes, wanted: bytes, keep_first: bool) -> tuple[list[int], l
         if end > size:
             break
         starts.append(position)
-        if keep_first or buffer.find(wanted, position + _HEADER, end - _FOOTER) >= 0:
+        if keep_first or any(buffer.find(w, position + _HEADER, end - _FOOTER) >= 0 for w in wanted):
             kept.append(position)
             lengths.append(length)
         keep_first = False
@@ -416,9 +418,9 @@ def _end_of_file(rest: bytes, offset: int, reading: FileReading) -> None:
     reading.ended_early = ended_inside_record(reading.path, offset, reading.records_read)
 
 
-def _mentions(handle: BinaryIO, length: int, wanted: bytes) -> bool:
-    """Whether the next ``length`` bytes of ``handle`` contain ``wanted``, read into one small buffer."""
-    keep = len(wanted) - 1  # the end of a piece, kept for a match across two pieces
+def _mentions(handle: BinaryIO, length: int, wanted: tuple[bytes, ...]) -> bool:
+    """Whether the next ``length`` bytes of ``handle`` hold one of ``wanted`` (read into a small buffer)."""
+    keep = max(map(len, wanted)) - 1  # the end of a piece, kept for a match across two pieces
     window = bytearray(keep + _SCAN)
     view, held = memoryview(window), 0
     while length > 0:
@@ -426,14 +428,14 @@ def _mentions(handle: BinaryIO, length: int, wanted: bytes) -> bool:
         if not got:
             return False
         end, length = held + got, length - got
-        if window.find(wanted, 0, end) >= 0:
+        if any(window.find(w, 0, end) >= 0 for w in wanted):
             return True
         held = min(keep, end)
         window[:held] = window[end - held: end]
     return False
 
 
-def _long_record(handle: BinaryIO, carry: bytes, offset: int, size: int, wanted: bytes,
+def _long_record(handle: BinaryIO, carry: bytes, offset: int, size: int, wanted: tuple[bytes, ...],
                  reading: FileReading) -> bool:
     """Step over the record at ``offset`` (``carry`` starts with it) when it is longer than a chunk; whether
     it did. Memory stays at one chunk: a length past the end of the file is a file cut short (read up to
@@ -457,7 +459,7 @@ def _long_record(handle: BinaryIO, carry: bytes, offset: int, size: int, wanted:
     return True
 
 
-def _chunk_groups(buffer: bytes, base: int, wanted: bytes, first: bool, more: bool,
+def _chunk_groups(buffer: bytes, base: int, wanted: tuple[bytes, ...], first: bool, more: bool,
                   reading: FileReading) -> tuple[list[RecordRows], int, int | None]:
     """One chunk: its verified record groups, the bytes framed, and where a damaged length stops the file
     (``more``: the file goes on after this chunk)."""
@@ -479,8 +481,9 @@ def _chunk_groups(buffer: bytes, base: int, wanted: bytes, first: bool, more: bo
     return groups, used, None if bad_header is None else base + bad_header
 
 
-def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Iterator[list[RecordRows]]:
-    """The first record and the records mentioning ``wanted``, one batch of length groups per chunk.
+def iter_record_batches(path: str, wanted: tuple[bytes, ...], reading: FileReading
+                        ) -> Iterator[list[RecordRows]]:
+    """The first record and the records mentioning one of ``wanted``, one batch of length groups per chunk.
 
     Only records whose checksums hold are yielded; damage and an early end go to ``reading`` (see the
     module). The first record (offset 0) is in the first batch, unless it is damaged.
@@ -510,7 +513,12 @@ def iter_record_batches(path: str, wanted: bytes, reading: FileReading) -> Itera
                 return
 
 
-_WANTED = TAG_PREFIX.encode()
+_WANTED = (TAG_PREFIX.encode(), FP8_TAG_PREFIX.encode())
+
+
+def _ours(tag: str) -> bool:
+    """A tag of this library: the loss scale's (under any prefix) or the fp8 scales'."""
+    return TAG_PREFIX in tag or tag.startswith(FP8_TAG_PREFIX)
 _NEW_LAYOUTS = 8  # per record length and batch; past that (a file of odd records) protobuf parses them
 # A scalar tensor's value: its repeated field, or the NumPy type of its raw bytes (tensor_content).
 _FIELDS = {types_pb2.DT_FLOAT: "float_val", types_pb2.DT_DOUBLE: "double_val", types_pb2.DT_HALF: "half_val",
@@ -702,13 +710,13 @@ class _Collector:
         steps, values = decode_rows(layout, rows[matched])
         places = order[matched]  # one array for every tag of these records: series() sorts it once
         for tag, column in values:
-            if TAG_PREFIX in tag:
+            if _ours(tag):
                 self.columns.setdefault(tag, []).append((places, steps, column))
 
     def _parse_one(self, file_path: str, index: int, data: bytes) -> None:
         event = _parse(file_path, data)
         for value in event.summary.value:
-            if TAG_PREFIX not in value.tag:
+            if not _ours(value.tag):
                 continue
             text = _text(value)
             if text is not None:

@@ -1,7 +1,8 @@
 """PyTorch: ``LossScaler``, a ``torch.amp.GradScaler`` drop-in on the shared loss-scaling core, and
 ``ScalerReader``, the one reader of a torch run's loss scaler (ours, a stock ``GradScaler``/
 ``ShardedGradScaler``, DeepSpeed's or Megatron-Core's) that every monitor uses; ``audit_precision``, the
-float16 audit of a module before training, and ``keep_in_float32``, which applies its keep list.
+float16 audit of a module before training, and ``keep_in_float32``, which applies its keep list; and
+``Fp8ScaleMonitor``, the per-tensor scales of fp8 training (torchao, TransformerEngine).
 
 Needs only ``torch`` (``pip install "lossscale-callbacks[torch]"``); the Lightning plugins and monitor
 live in :mod:`lossscale_callbacks.lightning`. The torch ops, the stock and DeepSpeed scaler readers and
@@ -18,10 +19,11 @@ from lossscale_callbacks.integration import require
 require("torch", "torch", feature="lossscale_callbacks.torch")
 
 from lossscale_callbacks.torch._audit import audit_precision, keep_in_float32  # noqa: E402
+from lossscale_callbacks.torch._fp8_monitor import Fp8ScaleMonitor  # noqa: E402
 from lossscale_callbacks.torch._reader import ScalerReader  # noqa: E402
 from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
 
-__all__ = ["LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"]
+__all__ = ["Fp8ScaleMonitor", "LossScaler", "ScalerReader", "audit_precision", "keep_in_float32"]
 
 
 def __dir__() -> list[str]:

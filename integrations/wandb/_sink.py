@@ -24,6 +24,7 @@ import wandb
 from lossscale_callbacks.integration import (
     APPLIED_STEPS,
     FINAL_SCALE,
+    FP8_TAG_PREFIX,
     OVERALL_SKIP_RATE,
     SCALE,
     SKIPPED_STEPS,
@@ -177,6 +178,7 @@ class _WandbBackend:
             # independent of W&B's own _step, which every other log call also advances.
             self.run.define_metric(STEP_METRIC, hidden=True)
             self.run.define_metric(f"{TAG_PREFIX}*", step_metric=STEP_METRIC)
+            self.run.define_metric(f"{FP8_TAG_PREFIX}*", step_metric=STEP_METRIC)
             self._prepared = self.run
         return self.run
 

@@ -14,6 +14,7 @@ fresh for each run (:meth:`LoggingLoop.start`) and tested alone:
 * ``_segments``: repeated reads, restarts, segments and the sinks' step offsets;
 * ``_rank_agreement``: every rank's state compared at a read;
 * ``_verdicts``: the health rules of a policy, the forensics' and the advice's verdicts;
+* ``_fp8``: the fp8 scales of a run, read by an fp8 monitor (its metrics, rebuilt steps and findings);
 * ``_summary``: the end-of-run text.
 
 Where a new job plugs in (the skip truth of each step, a ledger of bad steps written beside the
@@ -40,7 +41,10 @@ from lossscale_callbacks._metrics import ALIGNMENT_TAG, SUMMARY_TAG, MetricsTrac
 from lossscale_callbacks._policy import check_policy
 from lossscale_callbacks._sinks import Sink, guarded_sinks
 from lossscale_callbacks.forensics._gradients import IntervalForensics
+from lossscale_callbacks.fp8._reads import Fp8Read
+from lossscale_callbacks.fp8._rules import split_fp8_health
 from lossscale_callbacks.loop._clock import IntervalClock
+from lossscale_callbacks.loop._fp8 import Fp8Scales
 from lossscale_callbacks.loop._rank_agreement import RankAgreement, split_health
 from lossscale_callbacks.loop._run_sinks import RunSinks
 from lossscale_callbacks.loop._segments import Segments
@@ -185,9 +189,11 @@ class LoggingLoop:
         self._interval = IntervalClock(log_every, every_seconds, clock)
         _check_callable("stop", stop)
         _check_callable("echo", echo)
-        # The rank-agreement rule is judged on the gathered ranks, not on one rank's snapshots.
+        # The rank-agreement rule is judged on the gathered ranks, not on one rank's snapshots; the fp8
+        # rules on the fp8 reads.
         health, self._ranks_rule = split_health(health)
         health, self._not_held = split_not_held(health)  # judged on the followers' counts
+        health, self._fp8_rules = split_fp8_health(health)
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
         self._sinks = RunSinks(tensorboard, wandb, sinks, writer)
         self._health_spec = health
@@ -233,6 +239,7 @@ class LoggingLoop:
         self._ranks = RankAgreement(self._ranks_rule)
         self._diagnosis = Diagnosis()
         self._skips = SkipTruth()
+        self._fp8 = Fp8Scales(self._fp8_rules, self._ranks_rule)
         self.summary: str | None = None
         self.should_stop = False  # a "stop" rule fired in this run
         self.tracker = MetricsTracker(1.0)
@@ -290,13 +297,15 @@ class LoggingLoop:
 
     def maybe_observe(self, step: int, read: Callable[[], Any], sink_step: int | None = None,
                       read_forensics: Callable[[], IntervalForensics | None] | None = None,
-                      ) -> Snapshot | None:
+                      read_fp8: Callable[[], Fp8Read | None] | None = None) -> Snapshot | None:
         """:meth:`observe` ``read()`` if an interval ends at ``step``; ``read`` (the host read) runs only
-        then, and so does ``read_forensics`` (the scaler's ``read_forensics`` with ``diagnose=True``)."""
+        then, and so do ``read_forensics`` (the scaler's ``read_forensics`` with ``diagnose=True``) and
+        ``read_fp8`` (an fp8 monitor's read of the scales)."""
         if not self._interval.due(step):
             return None
         return self.observe(read(), sink_step=sink_step,
-                            forensics=read_forensics() if read_forensics is not None else None)
+                            forensics=read_forensics() if read_forensics is not None else None,
+                            fp8=read_fp8() if read_fp8 is not None else None)
 
     # ---------------------------------------------------------------------------- reading
 
@@ -324,7 +333,7 @@ class LoggingLoop:
         return snapshot
 
     def observe(self, state: Any, sink_step: int | None = None,
-                forensics: IntervalForensics | None = None) -> Snapshot:
+                forensics: IntervalForensics | None = None, fp8: Fp8Read | None = None) -> Snapshot | None:
         """One host read of the state: a new snapshot goes to the sinks and through the health rules.
 
         A read at the step of the previous one (a second read at train end) adds nothing and
@@ -340,11 +349,24 @@ class LoggingLoop:
         sinks when the interval skipped steps or sampled the headroom, and its plain words to the
         health verdicts; a non-finite loss is a verdict of its own (``NonFiniteLoss``, once a run).
 
+        ``fp8`` (an fp8 monitor's read of the scales, see ``loop/_fp8``) adds the ``fp8/...`` metrics, the
+        rebuilt steps of delayed scaling and the fp8 rules' verdicts; with ``state=None`` (a run without
+        loss scaling) it is all the read holds, written at its own step, and ``None`` is returned.
+
         Raises:
             ValueError: a field of ``state`` is missing or wrong (negative, fractional or NaN counts,
                 ``skipped_steps > steps``), naming it; nothing is recorded then.
             LossScaleHealthError: a ``"raise"`` rule fired.
         """
+        if state is None:  # a run without loss scaling: only the fp8 scales
+            if fp8 is None:
+                raise ValueError("observe() needs a loss-scale state, an fp8 read (fp8=...), or both")
+            self._interval.read()
+            at, out = fp8.step if sink_step is None else int(sink_step), self._sinks.out
+            if self.writer:
+                out.write(at, self._fp8.write(fp8, at, out))
+            self._act(self._fp8.judge(fp8, out, self.health))
+            return None
         ranks = getattr(state, "ranks", None)  # a RankedState: every rank's, gathered at this read
         # What the state carries for the skip truth (torch's ScalerReader): the interval's step outcomes
         # and what follows the optimizer (each scheduler's, EMA's, trainer's own step count).
@@ -363,6 +385,8 @@ class LoggingLoop:
         at = segments.sink_step(snapshot.step if sink_step is None else int(sink_step))
         if self.writer:
             metrics = {**snapshot.metrics(), **outcome_metrics, **self._ranks.metrics(ranks)}
+            if fp8 is not None:
+                metrics.update(self._fp8.write(fp8, at, out))
             segments.label(metrics, interval_known=not restarted)
             if forensics is not None:
                 self._diagnosis.metrics(forensics, metrics, segments.last_at, at, out)
@@ -380,6 +404,8 @@ class LoggingLoop:
                 not_held = self._skips.verdicts(followers, self._not_held.action)
                 self.health.verdicts.extend(not_held)  # among the run's problems, in its assessment
                 verdicts += not_held
+        if fp8 is not None:
+            verdicts += self._fp8.judge(fp8, out, self.health)
         self._act(verdicts + self._ranks.judge(ranks, snapshot.step, out, self.health))
         return snapshot
 
@@ -430,9 +456,13 @@ class LoggingLoop:
             self._act(self.health.final())
         out = self._sinks.out
         min_scale = self._policy.min_scale if self._policy is not None else None
-        sentences = [self._skips.sentence(), self._ranks.sentence(), self._segments.sentence()]
-        self.summary = text = run_summary(self.tracker, min_scale, sentences, self.health, self._diagnosis,
-                                          out, note)
+        if self.tracker.last is None and self._fp8.reads:  # a run without loss scaling: its fp8 scales
+            self.summary = text = self._fp8.summary(note)
+        else:
+            sentences = [self._skips.sentence(), self._ranks.sentence(), self._segments.sentence(),
+                         self._fp8.sentence()]
+            self.summary = text = run_summary(self.tracker, min_scale, sentences, self.health,
+                                              self._diagnosis, out, note)
         if self.writer:
             self._segments.write_note(out)  # a restart seen by a baseline, never followed by a read
             out.write_text(SUMMARY_TAG, text)

@@ -129,6 +129,9 @@ class RanksDisagree:
         differing = ranks.differing()
         if not differing:
             return None
+        own_words = getattr(ranks, "disagreement_words", None)  # another family's ranks (fp8 scales)
+        if own_words is not None:
+            return Verdict("ranks_disagree", self.action, step, own_words(step))
         names = ", ".join(map(str, differing))
         return Verdict(
             "ranks_disagree", self.action, step,
@@ -182,8 +185,10 @@ class RankAgreement:
         []
     """
 
-    def __init__(self, rule: RanksDisagree | None) -> None:
+    def __init__(self, rule: RanksDisagree | None, metric: str = RANKS_DISAGREE, tag: str = RANKS_TAG,
+                 what: str = "loss-scale states") -> None:
         self.rule = rule
+        self.metric, self.tag, self.what = metric, tag, what  # another family's (fp8: its scales)
         self.reads = 0  # reads that gathered every rank's state (none with one process)
         self.disagreements: list[tuple[int, str]] = []  # (step, the ranks' states in words)
         self.differing: int | None = None  # ranks that differ from rank 0 at the last gathered read
@@ -191,7 +196,7 @@ class RankAgreement:
 
     def metrics(self, ranks: RankStates | None) -> dict[str, int]:
         """The read's ``loss_scale/ranks_disagree`` (none for a read of one process)."""
-        return {} if ranks is None else {RANKS_DISAGREE: len(ranks.differing())}
+        return {} if ranks is None else {self.metric: len(ranks.differing())}
 
     def judge(self, ranks: RankStates | None, step: int, out: SinkGroup, health: Any = None) -> list[Verdict]:
         """The verdict of one gathered read when a stretch of disagreement begins (the words go to ``out``
@@ -207,7 +212,7 @@ class RankAgreement:
             return []
         self.disagreements.append((step, ranks.describe()))
         verdict = self.rule.judge(ranks, step) if self.rule is not None else None
-        out.write_text(RANKS_TAG, verdict.message if verdict else f"Step {step}: {ranks.describe()}")
+        out.write_text(self.tag, verdict.message if verdict else f"Step {step}: {ranks.describe()}")
         if verdict is None or health is None:
             return []
         health.verdicts.append(verdict)
@@ -215,15 +220,15 @@ class RankAgreement:
 
     def last_metrics(self) -> dict[str, int]:
         """``loss_scale/ranks_disagree`` of the last gathered read, ``{}`` with one process."""
-        return {} if self.differing is None else {RANKS_DISAGREE: self.differing}
+        return {} if self.differing is None else {self.metric: self.differing}
 
     def sentence(self) -> str:
         """The ranks in the run's summary ("" when no read gathered them)."""
         if not self.reads:
             return ""
         if not self.disagreements:
-            return (f" The ranks' loss-scale states were compared at {self.reads} read(s) and "
+            return (f" The ranks' {self.what} were compared at {self.reads} read(s) and "
                     "always agreed.")
         step, words = self.disagreements[0]
-        return (f" The ranks' loss-scale states disagreed {len(self.disagreements)} time(s) in "
+        return (f" The ranks' {self.what} disagreed {len(self.disagreements)} time(s) in "
                 f"{self.reads} compared read(s), first at step {step} ({words}).")

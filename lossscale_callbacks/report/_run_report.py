@@ -348,6 +348,8 @@ class RunReport:
     applied_steps: int | None = None
     skipped_by_cause: Mapping[str, int] | None = None
     applied_nonfinite: int | None = None
+    fp8: Any = None  # the fp8 scales' judgement (their rules over the logged reads), when the run logged them
+    loss_scaled: bool = True  # False: a run without loss scaling, that logged only its fp8 scales
 
     @property
     def healthy(self) -> bool:
@@ -367,6 +369,12 @@ class RunReport:
         """Plain numbers for machines (``--json``). What the run's log does not hold is ``null``: the steps
         of a log with no step counter (``engine_log.steps_at_least`` has the least they can be, and the
         skip rate is not given), the scales of a log that prints none."""
+        fp8 = None if self.fp8 is None else {"summary": self.fp8.summary(), "reads": self.fp8.reads_seen}
+        if not self.loss_scaled:
+            return {"path": self.path, "reader": self.reader, "steps": self.steps, "loss_scaled": False,
+                    "healthy": self.healthy, "verdicts": [dataclasses.asdict(v) for v in self.verdicts],
+                    "summary": self.text(), "damage": list(self.damage), "notes": list(self.notes),
+                    "fp8": fp8, "series": {tag: list(points) for tag, points in self.series.items()}}
         scale = (lambda value: value) if self.scale_known else (lambda value: None)
         return {
             "path": self.path,
@@ -394,6 +402,7 @@ class RunReport:
                 "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips),
                 "producers": dict(self.forensics.producers), "advice": self.advice().to_dict()},
             "engine_log": None if self.engine is None else dict(self.engine),
+            "fp8": fp8,
             # (step, value) pairs: JSON writes a tuple as an array, so the pairs need no copy
             "series": {tag: list(points) for tag, points in self.series.items()
                        if self.scale_known or tag != m.SCALE},
@@ -464,6 +473,8 @@ class RunReport:
         """The summary in plain words, each line escaped by
         :func:`~lossscale_callbacks.report._printable.printable` (a name from the disk cannot add a line or
         drive the terminal)."""
+        if not self.loss_scaled:
+            return self._fp8_text()
         if self.steps == 0:
             return printable(f"{self.path}: the run logged its loss scale, but no optimizer step was taken.")
         at_min = (f"about {self.steps_at_min_scale}" if self.steps_at_min_scale else "none seen")
@@ -485,11 +496,57 @@ class RunReport:
             advice = self.advice()
             lines.extend(advice.findings)
             lines.extend(f"Advice: {sentence}" for sentence in advice.actions)
+        if self.fp8 is not None:
+            lines.append(self.fp8.summary())
         if self.damage:
             lines.append(f"Damaged records, left out ({len(self.damage)}): {_listed(self.damage)}")
         if self.notes:
             lines.append(f"Note: {_listed(self.notes)}")
         return "\n".join(printable(line) for line in lines)
+
+
+    def _fp8_text(self) -> str:
+        """A run without loss scaling: its fp8 scales, their health, what the reader said."""
+        lines = [f"Run: {self.path} (read as {self.reader}, {self.log_points} fp8 reads)",
+                 f"Optimizer steps: {self.steps}; no loss scaling logged (no {m.SCALE} series)",
+                 self.fp8.summary(), self.fp8.assessment()]
+        if self.damage:
+            lines.append(f"Damaged records, left out ({len(self.damage)}): {_listed(self.damage)}")
+        if self.notes:
+            lines.append(f"Note: {_listed(self.notes)}")
+        return "\n".join(printable(line) for part in lines for line in part.splitlines())
+
+
+def _fp8_of(series: Mapping[str, Points]) -> Any:
+    """The run's fp8 scales judged by the fp8 rules over its logged reads (the words of its own run), or
+    ``None`` when it logged none. The fp8 room is loaded only for a run that logged them."""
+    if not any(tag.startswith("fp8/") for tag in series):
+        return None
+    from lossscale_callbacks.fp8._reads import RANKS_DISAGREE, reads_from_series
+    from lossscale_callbacks.fp8._rules import Fp8Health, default_fp8_rules
+
+    health = Fp8Health(default_fp8_rules())
+    for read in reads_from_series(series):
+        health.observe(read)
+    differing = [(int(step), int(value)) for step, value in series.get(RANKS_DISAGREE, ()) if value > 0]
+    if differing:
+        step, count = differing[0]
+        health.verdicts.append(Verdict("ranks_disagree", "warn", step, (
+            f"The ranks cast with different fp8 scales at {len(differing)} log interval(s), first at step "
+            f"{step} ({count} rank(s) differed from rank 0; the run's fp8/ranks text names the scales).")))
+    return health
+
+
+def _fp8_only_report(path: str, series: Mapping[str, Points], reader: str, damage: Sequence[str],
+                     notes: Sequence[str]) -> RunReport:
+    fp8 = _fp8_of(series)
+    steps = max((step for tag, points in series.items() if tag.startswith("fp8/") for step, _ in points),
+                default=0)
+    return RunReport(path=path, reader=reader, steps=steps, skipped_steps=None, skip_rate=None,
+                     final_scale=math.nan, min_scale_seen=math.nan, max_scale_seen=math.nan,
+                     min_scale=math.nan, steps_at_min_scale=0, log_points=fp8.reads_seen,
+                     verdicts=tuple(fp8.verdicts), series=series, fp8=fp8, damage=tuple(damage),
+                     notes=tuple(notes), loss_scaled=False)
 
 
 @dataclasses.dataclass
@@ -639,6 +696,8 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
         >>> report.steps, report.skipped_steps, report.final_scale, report.healthy
         (200, 3, 2048.0, True)
     """
+    if not any(tag.endswith(m.SCALE) for tag in series) and any(tag.startswith("fp8/") for tag in series):
+        return _fp8_only_report(path, series, reader, damage, notes)
     prefix = _find_prefix(series)
     replayed = series if isinstance(series, ReplayedRun) else None
     series, damage = dict(series), list(damage)
@@ -659,6 +718,10 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
     if replayed is not None:
         _engine_verdicts(latest, replayed)
     last = latest.last
+    fp8 = _fp8_of(series)
+    if fp8 is not None:  # in the assessment and the verdicts, as the run's own summary has them
+        latest.monitor.verdicts.extend(fp8.verdicts)
+        latest.verdicts.extend(fp8.verdicts)
     upper = series.get(prefix + MAX_SCALE)
     lowest, highest = _levels_range(series, latest)
     return RunReport(
@@ -670,7 +733,7 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
         verdicts=tuple(latest.verdicts), series=series,
         health=latest.monitor.assessment(), max_scale=float(upper[-1][1]) if upper else None,
         forensics=latest.forensics, damage=tuple(damage), notes=tuple(notes),
-        segments=tuple(_segment(i, j) for i, j in enumerate(judged)),
+        segments=tuple(_segment(i, j) for i, j in enumerate(judged)), fp8=fp8,
         steps_known=True if replayed is None else replayed.steps_known,
         scale_known=True if replayed is None else replayed.scale_known,
         engine=None if replayed is None else replayed.engine,

@@ -1,0 +1,265 @@
+"""Keras' fp8 layers watched: every step's amax and scale from their own histories, the casts' saturated and
+underflowed values counted on the device, one host read at the log interval; every Keras backend.
+
+A layer quantized with ``model.quantize("float8")`` (or built under ``dtype="float8_from_float32"``:
+``Dense``, ``EinsumDense``) keeps, per role, a scale and an amax history (``inputs_*``, ``kernel_*``,
+``outputs_grad_*``; 1,024 steps unless the dtype policy's ``amax_history_length`` says otherwise).
+Keras overwrites both with the step's own "gradients": the scale a step divides by is made from the
+history read at the step before it, so from amaxes up to two steps earlier (``lag`` 2 in
+:mod:`lossscale_callbacks.fp8._delayed`). One read of the histories every ``K <= length - 2`` steps
+rebuilds every step's amax and scale, and the steps that saturated (an amax beyond what the scale held).
+
+How many values a cast clipped or flushed is counted on the device on the counted steps (every
+``count_every``-th, chosen on the host): :meth:`Fp8Layers.watch` gives each layer one more variable (its
+**tally**, 10 float32 values, not saved with the layer's weights) and wraps its ``quantized_call``:
+
+* the input and the kernel are counted in the forward pass against the scales the layer casts with;
+* the output gradient is counted in the backward pass by a ``custom_gradient`` identity put before the
+  layer's activation (where Keras casts that gradient), which returns the new tally as the tally's
+  gradient; the tally, like Keras' own fp8 variables, has ``overwrite_with_gradient``, so the optimizer
+  stores it. The same identity, without counting, runs on the other steps: JAX would otherwise give the
+  tally a zero gradient there, and it passes the tally on unchanged (a copy of 10 values).
+
+Which steps count is the host's choice: :class:`~lossscale_callbacks.keras.Fp8ScaleCallback` runs ``fit``
+with one train function for the counted steps (traced while :attr:`Fp8Layers.counting` holds) and the
+ordinary one for the others. No host read in the step; :meth:`Fp8Layers.read` is one, at the interval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from lossscale_callbacks.integration import E4M3, E5M2, DelayedHistory, Fp8Format, Fp8Read, TensorRead
+from lossscale_callbacks.keras._forward_trace import traced_layers
+
+__all__ = ["LAG", "TALLY", "Fp8Layers", "fp8_layers"]
+
+LAG = 2  # Keras casts with the scale made from the history read one step before (amaxes up to t - 2)
+TALLY = "fp8_scale_tally"
+# The tally: the counted steps, then per role (input, kernel, output gradient) the saturated values, the
+# sum of the steps' saturated shares and the sum of their underflow shares.
+_ROLES = (("input", "inputs", E4M3), ("weight", "kernel", E4M3), ("grad_output", "outputs_grad", E5M2))
+TALLY_SIZE = 1 + 3 * len(_ROLES)
+
+
+def fp8_layers(model: Any) -> list[tuple[str, Any]]:
+    """``(path, layer)`` of every layer of ``model`` that casts in fp8 (``quantization_mode == "float8"``)."""
+    return [(path, layer) for path, layer in traced_layers(model)
+            if getattr(layer, "quantization_mode", None) == "float8"
+            and hasattr(layer, "inputs_amax_history")]
+
+
+def _counts(x: Any, scale: Any, fmt: Fp8Format) -> Any:
+    """``[saturated values, saturated share, underflow share]`` of ``x`` cast as ``x / scale`` (float32)."""
+    a = ops.abs(ops.cast(x, "float32"))
+    scale = ops.cast(scale, "float32")
+    total = ops.cast(ops.size(a), "float32")
+    saturated = ops.cast(ops.sum(ops.cast(a >= fmt.saturation * scale, "int32")), "float32")
+    small = ops.logical_and(a < fmt.min_normal * scale, a > 0)
+    underflow = ops.cast(ops.sum(ops.cast(small, "int32")), "float32")
+    return ops.stack([saturated, saturated / total, underflow / total])
+
+
+def _kernel(layer: Any) -> Any:
+    return getattr(layer, "_kernel", None) if getattr(layer, "_kernel", None) is not None else layer.kernel
+
+
+@dataclasses.dataclass
+class _Watched:
+    path: str
+    layer: Any
+    tally: Any
+    original: Any
+    histories: dict[str, DelayedHistory]
+
+
+class Fp8Layers:
+    """The fp8 layers of one model, watched (see the module docstring).
+
+    Args:
+        count_every: optimizer steps between counted steps (informs the host's choice only).
+
+    Example:
+        >>> Fp8Layers(count_every=10).layers
+        ()
+    """
+
+    def __init__(self, count_every: int = 10) -> None:
+        self.count_every = int(count_every)
+        self.counting = False  # set while the counting train function runs (torch) or traces (TF, JAX)
+        self.counting_enabled = True  # False: the optimizer cannot store the tallies (see Fp8ScaleCallback)
+        self._watched: list[_Watched] = []
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(w.path for w in self._watched)
+
+    @property
+    def history_length(self) -> int | None:
+        """The shortest amax history of the watched layers (the longest interval the rebuild allows is this
+        minus 2)."""
+        lengths = [int(w.layer.inputs_amax_history.shape[0]) for w in self._watched]
+        return min(lengths) if lengths else None
+
+    # ------------------------------------------------------------------ watching
+
+    def watch(self, model: Any) -> None:
+        """Give each fp8 layer of ``model`` its tally and wrap its ``quantized_call`` (again: the old
+        wrappers are taken off first). Call it before the train function is made."""
+        self.unwatch()
+        for path, layer in fp8_layers(model):
+            tally = getattr(layer, TALLY, None)
+            if tally is None:
+                tracker = getattr(layer, "_tracker", None)
+                if tracker is not None:
+                    tracker.unlock()  # as Keras' own quantize() does on a built layer
+                try:
+                    tally = layer.add_weight(name=TALLY, shape=(TALLY_SIZE,), initializer="zeros",
+                                             dtype="float32", trainable=True, autocast=False)
+                finally:
+                    if tracker is not None:
+                        tracker.lock()
+                tally.overwrite_with_gradient = True
+                object.__setattr__(layer, TALLY, tally)
+                # Loading checks the stored variables' count against the layer's: the tally (never saved:
+                # Dense and EinsumDense save their variables by name) is out of the list while it loads.
+                object.__setattr__(layer, "load_own_variables",
+                                   functools.partial(_load_without, layer, tally, layer.load_own_variables))
+            length = int(layer.inputs_amax_history.shape[0])
+            histories = {role: DelayedHistory(length, LAG, fmt) for role, _, fmt in _ROLES}
+            watched = _Watched(path, layer, tally, layer.quantized_call, histories)
+            object.__setattr__(layer, "quantized_call", functools.partial(self._call, watched))
+            self._watched.append(watched)
+
+    def unwatch(self) -> None:
+        """Take the wrappers off (the tallies stay, untouched)."""
+        for w in self._watched:
+            w.layer.__dict__.pop("quantized_call", None)
+        self._watched = []
+
+    def _call(self, w: _Watched, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("training"):
+            return w.original(inputs, *args, **kwargs)
+        layer, counting = w.layer, self.counting
+        tally = ops.convert_to_tensor(w.tally)
+        if counting:
+            forward = ops.concatenate([
+                _counts(inputs, ops.convert_to_tensor(layer.inputs_scale), E4M3),
+                _counts(ops.convert_to_tensor(_kernel(layer)), ops.convert_to_tensor(layer.kernel_scale),
+                        E4M3)])
+            grad_scale = ops.convert_to_tensor(layer.outputs_grad_scale)
+        else:
+            forward = grad_scale = None
+        activation = layer.activation
+        probe = _probe(counting)
+
+        def probed(z: Any) -> Any:
+            if counting:
+                z = probe(z, forward, tally, grad_scale)
+            else:
+                z = probe(z, tally)
+            return activation(z)
+
+        object.__setattr__(layer, "activation", probed)  # past Keras' tracking: restored at once
+        try:
+            return w.original(inputs, *args, **kwargs)
+        finally:
+            object.__setattr__(layer, "activation", activation)
+
+    # ------------------------------------------------------------------ reading
+
+    def _sync(self, model: Any) -> None:
+        sync = getattr(model, "jax_state_sync", None)
+        if keras.backend.backend() == "jax" and callable(sync):
+            sync()
+
+    def read(self, step: int, model: Any = None) -> Fp8Read:
+        """One host read after ``step`` optimizer steps: every layer's scales, histories and tally; the
+        tallies start again from zero. The first read only sets the baseline of the histories."""
+        if model is not None:
+            self._sync(model)
+        tensors = []
+        for w in self._watched:
+            host = {name: np.asarray(ops.convert_to_numpy(getattr(w.layer, name)), "float64")
+                    for name in ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
+                                 "outputs_grad_scale", "outputs_grad_amax_history")}
+            tally = np.asarray(ops.convert_to_numpy(w.tally), "float64")
+            w.tally.assign(np.zeros(TALLY_SIZE, "float32"))
+            calls = int(tally[0])
+            for index, (role, prefix, fmt) in enumerate(_ROLES):
+                ring = host[f"{prefix}_amax_history"]
+                oldest_first = np.concatenate([ring[1:], ring[:1]])  # Keras writes the newest at index 0
+                keras_scale = float(host[f"{prefix}_scale"])
+                view = w.histories[role].observe(step, oldest_first.tolist(), _multiplier(keras_scale))
+                sat, sat_share, und_share = tally[1 + 3 * index: 4 + 3 * index]
+                last = view.rows[-1] if view.rows else None
+                tensors.append(TensorRead(
+                    w.path, role, fmt.name, "delayed",
+                    amax=last[1] if last else float(ring[0]),
+                    scale=last[2] if last else None,
+                    saturated=int(sat) if calls else None,
+                    saturated_share=float(sat_share / calls) if calls else None,
+                    underflow_share=float(und_share / calls) if calls else None,
+                    saturated_steps=len(view.saturated_steps),
+                    max_overshoot=max((o for _, o in view.saturated_steps), default=None),
+                    first_saturated_step=view.saturated_steps[0][0] if view.saturated_steps else None,
+                    history_length=len(ring), history_ratio=view.history_ratio,
+                    outlier_step=view.outlier_step, coarse_until=view.coarse_until,
+                    stale_ratio=view.stale_ratio, replaced_after=view.replaced_after, rows=view.rows))
+        return Fp8Read(int(step), tuple(tensors))
+
+    def tallies(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Each layer's tally as it stands (tests)."""
+        for w in self._watched:
+            yield w.path, np.asarray(ops.convert_to_numpy(w.tally), "float64")
+
+
+def _load_without(layer: Any, tally: Any, load: Any, store: Any) -> None:
+    """``layer.load_own_variables(store)`` with ``tally`` out of the layer's variables while it runs."""
+    listed = layer._trainable_variables
+    at = next((i for i, v in enumerate(listed) if v is tally), None)
+    if at is not None:
+        listed.pop(at)
+    try:
+        load(store)
+    finally:
+        if at is not None:
+            listed.insert(at, tally)
+
+
+def _multiplier(keras_scale: float) -> float:
+    """Keras keeps the reciprocal of the scale (values are divided by it)."""
+    return 1.0 / keras_scale if keras_scale > 0 and math.isfinite(keras_scale) else math.nan
+
+
+@functools.lru_cache(maxsize=2)
+def _probe(counting: bool) -> Any:
+    """The identity before a layer's activation whose gradient carries the tally (the module docstring)."""
+    if counting:
+        @ops.custom_gradient
+        def counted(z: Any, forward: Any, tally: Any, grad_scale: Any) -> Any:
+            def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
+                if upstream is None:
+                    (upstream,) = args
+                step = ops.concatenate([ops.ones((1,), "float32"), forward,
+                                        _counts(upstream, grad_scale, E5M2)])
+                return upstream, ops.zeros_like(forward), tally + step, ops.zeros_like(grad_scale)
+            return z, grad
+        return counted
+
+    @ops.custom_gradient
+    def passed(z: Any, tally: Any) -> Any:
+        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
+            if upstream is None:
+                (upstream,) = args
+            return upstream, tally
+        return z, grad
+    return passed

@@ -1,0 +1,215 @@
+"""Delayed scaling rebuilt on the host: every step's amax and scale from two reads of a history.
+
+Under delayed scaling (Keras' fp8 layers, TransformerEngine's ``DelayedScaling``) each tensor keeps a
+history of the amaxes (largest ``|value|``) of its last ``length`` casts, and the scale a step casts with
+is ``fmt.max / max(window) / 2**margin``, the window being the ``length`` amaxes that end ``lag`` steps
+before it (Keras: 2, its scale and history are overwritten by the step's own gradients; TransformerEngine:
+1, it updates after each step). An amax of zero or a non-finite one keeps the previous scale.
+
+So one read of a history every ``K`` steps (``K <= length - lag``) gives every step's amax, and with the
+read before it, every step's scale: :class:`DelayedHistory` keeps the amaxes by step, rebuilds the
+interval's scales from the scale read last time, and checks its rebuild against the scale it reads now.
+A history that does not continue the one read before, or a read whose step went back, was **replaced** (a
+checkpoint was loaded, or the state was set from outside): then the scales of the interval are not
+rebuilt, and the loaded history is compared with the tensor's latest amax (how stale it is).
+
+Example:
+    >>> from lossscale_callbacks.fp8._formats import E4M3
+    >>> history = DelayedHistory(length=8, lag=2, fmt=E4M3)
+    >>> _ = history.observe(0, [0.0] * 8, next_scale=1.0)  # the baseline, before the first step
+    >>> view = history.observe(6, [0, 0, 1, 1, 1, 1, 1, 50], next_scale=448.0)  # steps -1 to 6
+    >>> [scale for step, amax, scale in view.rows]  # steps 1 to 6: step 1's amax sets step 3's scale
+    [1.0, 1.0, 448.0, 448.0, 448.0, 448.0]
+    >>> view.saturated_steps  # step 6: an amax 50 times what its scale could hold
+    ((6, 50.0),)
+    >>> later = history.observe(10, [1, 1, 1, 50, 1, 1, 1, 1], next_scale=448 / 50)
+    >>> round(later.history_ratio), later.outlier_step, later.coarse_until
+    (50, 6, 15)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from lossscale_callbacks.fp8._formats import Fp8Format
+
+__all__ = ["DelayedHistory", "DelayedView"]
+
+# A window whose largest amax is matched (within a factor 2) by at most this many steps is dominated by
+# one value: an outlier, not a change of range.
+DOMINANT_STEPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedView:
+    """What one read of a delayed-scaling history tells (see :class:`DelayedHistory`).
+
+    Attributes:
+        rows: ``(step, amax, scale)`` for each step of the interval that could be rebuilt.
+        saturated_steps: ``(step, overshoot)`` where the step's amax went beyond the scale's range
+            (``overshoot``: amax over the largest value the scale could keep, > 1).
+        history_ratio: at the interval's last step, the amax its scale was made from over the step's own
+            amax (1: the scale fits; 38: 38 times coarser than the values need); ``None`` when unknown.
+        outlier_step: the step of the amax that set that scale, when one step dominates the window and the
+            scale is at least twice too coarse.
+        coarse_until: the last step whose scale still holds that amax.
+        replaced_after: the history was replaced (a load) after this step; ``None`` when it continued.
+        stale_ratio: after a replacement, how far the loaded history's largest amax is from the tensor's
+            latest one (>= 1, either way).
+        history_max: the largest amax of the history read now.
+    """
+
+    rows: tuple[tuple[int, float, float], ...] = ()
+    saturated_steps: tuple[tuple[int, float], ...] = ()
+    history_ratio: float | None = None
+    outlier_step: int | None = None
+    coarse_until: int | None = None
+    replaced_after: int | None = None
+    stale_ratio: float | None = None
+    history_max: float | None = None
+
+
+def _ratio(a: float, b: float) -> float | None:
+    if not (math.isfinite(a) and math.isfinite(b)) or a <= 0 or b <= 0:
+        return None
+    return max(a, b) / min(a, b)
+
+
+class DelayedHistory:
+    """The amax history of one tensor under delayed scaling, followed from read to read.
+
+    Args:
+        length: the history's length (Keras' ``amax_history_length``, TransformerEngine's
+            ``amax_history_len``).
+        lag: the steps between a step and the newest amax its scale is made from (Keras 2,
+            TransformerEngine 1).
+        fmt: the tensor's fp8 format.
+        margin: TransformerEngine's ``margin`` (the scale is divided by ``2**margin``).
+    """
+
+    def __init__(self, length: int, lag: int, fmt: Fp8Format, margin: float = 0.0) -> None:
+        self.length, self.lag, self.fmt, self.margin = int(length), int(lag), fmt, float(margin)
+        # The amaxes known, of consecutive steps from ``_first`` on (a read's block, joined to the last).
+        self._first = 0
+        self._known = np.zeros(0)
+        self._step: int | None = None
+        self._next_scale: float | None = None
+
+    def next_scale(self, window_max: float, previous: float) -> float:
+        """The scale made from a window's largest amax (the previous one when it is zero or not finite)."""
+        if not math.isfinite(window_max) or window_max <= 0:
+            return previous
+        return self.fmt.max / window_max / 2.0**self.margin
+
+    def _span(self, lo: int, hi: int) -> np.ndarray:
+        """The amaxes of steps ``lo`` to ``hi``: 0 where not known."""
+        out = np.zeros(max(hi - lo + 1, 0))
+        a, b = max(lo, self._first), min(hi, self._first + len(self._known) - 1)
+        if a <= b:
+            out[a - lo: b - lo + 1] = self._known[a - self._first: b - self._first + 1]
+        return out
+
+    def _known_from(self, first: int, last: int) -> bool:
+        return self._first <= first and last <= self._first + len(self._known) - 1
+
+    def observe(self, step: int, amaxes: Sequence[float], next_scale: float) -> DelayedView:
+        """One read after ``step`` steps: the history's amaxes oldest first (the last one is ``step``'s)
+        and the scale the next step will cast with.
+
+        The first read (at the start of training) only sets the baseline.
+        """
+        step, next_scale = int(step), float(next_scale)
+        values = np.asarray(amaxes, dtype=np.float64).ravel()
+        first = step - len(values) + 1
+        previous, prev_scale = self._step, self._next_scale
+        # The step count went back (a checkpoint loaded with its optimizer), or the amaxes read for steps
+        # read before differ (a history loaded without one): either way this history was loaded.
+        replaced = previous is not None and (step < previous or self._replaced(first, values, previous))
+        view = DelayedView(history_max=float(np.max(values)) if len(values) else 0.0)
+        if previous is None or replaced:
+            if replaced:
+                view = self._stale(view, first, values, previous)
+            self._first, self._known = first, values
+        else:
+            self._join(first, values)
+            view, rebuilt = self._rebuild(view, previous, prev_scale, step)
+            if view.rows and not math.isclose(rebuilt, next_scale, rel_tol=1e-5):
+                # The history went on, but the scale did not follow it: it was set from outside.
+                view = dataclasses.replace(view, replaced_after=previous)
+        self._step, self._next_scale = step, next_scale
+        keep = step - self.length - self.lag - 1  # older amaxes are in no window any more
+        if keep > self._first:
+            self._known, self._first = self._known[keep - self._first:], keep
+        return view
+
+    def _join(self, first: int, values: np.ndarray) -> None:
+        """The read's block after the known one (overlapping or touching it), or in its place."""
+        end = self._first + len(self._known)
+        if len(self._known) and self._first <= first <= end:
+            self._known = np.concatenate([self._known[: first - self._first], values])
+        else:
+            self._first, self._known = first, values
+
+    def _replaced(self, first: int, values: np.ndarray, previous: int) -> bool:
+        """Whether the amaxes read now for steps read before differ from those (a history not continued)."""
+        lo, hi = max(first, self._first), min(previous, first + len(values) - 1,
+                                              self._first + len(self._known) - 1)
+        if lo > hi:
+            return False
+        return not np.array_equal(values[lo - first: hi - first + 1],
+                                  self._known[lo - self._first: hi - self._first + 1], equal_nan=True)
+
+    def _stale(self, view: DelayedView, first: int, values: np.ndarray, previous: int) -> DelayedView:
+        split = max(0, min(len(values), previous - first + 1))  # the loaded amaxes are those up to previous
+        loaded, fresh = values[:split], values[split:]
+        if len(fresh):
+            latest = float(fresh[-1])
+        elif self._known_from(previous, previous):  # loaded after the last read: its latest amax
+            latest = float(self._span(previous, previous)[0])
+        else:
+            latest = math.nan
+        loaded_max = float(np.max(loaded)) if len(loaded) else 0.0
+        return dataclasses.replace(view, replaced_after=previous, stale_ratio=_ratio(loaded_max, latest))
+
+    def _window_maxima(self, first: int, last: int) -> np.ndarray:
+        """The window maxima of the scales of steps ``first`` to ``last``, at once (NaN counts as Inf: a
+        non-finite window keeps the previous scale either way); an amax not known counts as 0."""
+        known = self._span(first - self.lag - self.length + 1, last - self.lag)
+        known[np.isnan(known)] = np.inf
+        return np.lib.stride_tricks.sliding_window_view(known, self.length).max(axis=1)
+
+    def _rebuild(self, view: DelayedView, previous: int, prev_scale: float | None,
+                 step: int) -> tuple[DelayedView, float]:
+        """The interval's rows from the scale read last time; and the scale they lead to for ``step + 1``."""
+        if prev_scale is None or step <= previous:  # nothing to rebuild from, or read again at the same step
+            return view, math.nan
+        if not self._known_from(previous + 1, step):
+            return view, math.nan  # the reads are too far apart for this history: nothing rebuilt
+        maxima = self._window_maxima(previous + 2, step + 1)  # one window per step from previous + 2 on
+        amaxes = self._span(previous + 1, step)
+        rows: list[tuple[int, float, float]] = []
+        scale = prev_scale
+        for i, amax in enumerate(amaxes.tolist()):
+            if i:
+                scale = self.next_scale(float(maxima[i - 1]), scale)
+            rows.append((previous + 1 + i, amax, scale))
+        rebuilt = self.next_scale(float(maxima[-1]), scale)
+        saturated = tuple((s, a * m / self.fmt.max) for s, a, m in rows
+                          if math.isfinite(a) and a * m >= self.fmt.saturation)
+        last_step, last_amax, last_scale = rows[-1]
+        used = self.fmt.max / last_scale / 2.0**self.margin if last_scale > 0 else math.nan
+        ratio = used / last_amax if last_amax > 0 and math.isfinite(used) else None
+        outlier = until = None
+        lo = last_step - self.lag - self.length + 1
+        window = self._span(lo, last_step - self.lag)
+        if ratio is not None and ratio >= 2 and len(window) and np.all(np.isfinite(window)):
+            top = float(window.max())
+            if top > 0 and np.count_nonzero(window >= top / 2) <= DOMINANT_STEPS:
+                outlier = lo + int(np.argmax(window))
+                until = outlier + self.lag + self.length - 1
+        return dataclasses.replace(view, rows=tuple(rows), saturated_steps=saturated, history_ratio=ratio,
+                                   outlier_step=outlier, coarse_until=until), rebuilt

@@ -1,0 +1,164 @@
+"""Keras' fp8 layers watched by ``Fp8ScaleCallback`` under the backend of ``KERAS_BACKEND``; prints one
+``RESULT <json>`` line (run by ``tests/test_fp8_keras.py`` through ``run_checks.py``, with the other modules'
+scripts of a session, one process a backend).
+
+1. A Dense stack quantized to float8, ``d2``'s input multiplied by 50 at step 30 of 40 (the same batch every
+   step otherwise): what the monitor counted and rebuilt, against a count made here from the layer's own
+   variables (its input recomputed through ``d1``, its scale read before the step); the same with an amax
+   history of 8 steps.
+2. A checkpoint saved at step 20, loaded after step 30 into a run whose inputs grew 8 times since.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+from keras import ops
+
+from lossscale_callbacks import InMemorySink
+from lossscale_callbacks.fp8._formats import E4M3
+from lossscale_callbacks.keras import Fp8ScaleCallback
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "fp8_out"
+BATCH, FEATURES, UNITS, STEPS = 32, 32, 64, 40
+
+
+def _sync(model):
+    if keras.backend.backend() == "jax":
+        model.jax_state_sync()
+
+
+def build(history: int | None = None) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    policies = keras.dtype_policies
+    dtype = (None if history is None else
+             policies.QuantizedFloat8DTypePolicy("float8", "float32", amax_history_length=history))
+    x = keras.Input((FEATURES,), name="x")
+    f = keras.Input((1,), name="f")
+    h = keras.layers.Dense(UNITS, activation="relu", name="d1", dtype=dtype)(x)
+    h = keras.layers.Multiply(name="outlier")([h, f])
+    h = keras.layers.Dense(UNITS, activation="relu", name="d2", dtype=dtype)(h)
+    model = keras.Model([x, f], keras.layers.Dense(1, name="d3", dtype=dtype)(h))
+    if history is None:
+        model.quantize("float8")
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    return model
+
+
+def data(factors: dict[int, float]) -> tuple[list[np.ndarray], np.ndarray]:
+    """The same batch every step; ``d2``'s input times ``factors[step]`` at those steps (1-based)."""
+    rng = np.random.default_rng(0)
+    batch = rng.normal(size=(BATCH, FEATURES)).astype("float32")
+    x = np.tile(batch, (STEPS, 1))
+    f = np.ones((STEPS * BATCH, 1), "float32")
+    for step, factor in factors.items():
+        f[(step - 1) * BATCH: step * BATCH] = factor
+    y = np.tile(rng.normal(size=(BATCH, 1)).astype("float32"), (STEPS, 1))
+    return [x, f], y
+
+
+class Witness(keras.callbacks.Callback):
+    """Reads the layer's own variables before chosen steps (a test's host reads, not the monitor's)."""
+
+    def __init__(self, x, f, steps):
+        super().__init__()
+        self.x, self.f, self.steps = x, f, steps
+        self.scales: dict[int, float] = {}
+        self.recount: dict[int, int] = {}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = batch + 1
+        if step not in self.steps:
+            return
+        _sync(self.model)
+        d1, d2 = self.model.get_layer("d1"), self.model.get_layer("d2")
+        scale = float(ops.convert_to_numpy(d2.inputs_scale))  # Keras divides by it
+        self.scales[step] = scale
+        rows = slice(batch * BATCH, (batch + 1) * BATCH)
+        h = ops.convert_to_numpy(d1(self.x[rows], training=False)) * self.f[rows]
+        self.recount[step] = int((np.abs(h) >= E4M3.saturation * scale).sum())
+
+
+def outlier_run(history: int | None, log_every: int, tensorboard: str | None) -> dict:
+    model = build(history)
+    (x, f), y = data({30: 50.0})
+    memory = InMemorySink()
+    monitor = Fp8ScaleCallback(log_every=log_every, count_every=1, sinks=[memory], tensorboard=tensorboard,
+                               echo=None)
+    witness = Witness(x, f, range(25, 36))
+    model.fit([x, f], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor, witness])
+    names = {name for _, metrics in memory.records for name in metrics if name.startswith("fp8/d2/input/")}
+    series = {name: [[int(s), float(v)] for s, v in memory.series(name)] for name in sorted(names)}
+    return {"series": series, "witness_scale": {str(k): v for k, v in witness.scales.items()},
+            "recount": {str(k): v for k, v in witness.recount.items()},
+            "verdicts": [[v.rule, v.step, v.message] for v in monitor.loop.verdicts],
+            "summary": monitor.summary,
+            "texts": [text for tag, text in memory.texts if tag == "fp8/findings"]}
+
+
+def stale_run() -> dict:
+    model = build()
+    (x, f), y = data({s: 8.0 for s in range(21, STEPS + 1)})  # from step 21 on, d2's input 8 times larger
+    checkpoint = os.path.join(OUT, "step20.weights.h5")
+
+    class SaveAt20(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch + 1 == 20:
+                _sync(self.model)
+                self.model.save_weights(checkpoint)
+
+    memory = InMemorySink()
+    monitor = Fp8ScaleCallback(log_every=10, count_every=10, sinks=[memory], echo=None)
+    first = slice(0, 30 * BATCH)
+    model.fit([x[first], f[first]], y[first], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[monitor, SaveAt20()])
+    model.load_weights(checkpoint)  # after step 30: the histories of step 20
+    rest = slice(30 * BATCH, None)
+    model.fit([x[rest], f[rest]], y[rest], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[monitor])
+    stale = [[int(s), float(v)] for s, v in memory.series("fp8/d2/input/stale_ratio")]
+    return {"verdicts": [[v.rule, v.step, v.message] for v in monitor.loop.verdicts], "stale": stale}
+
+
+def torch_ops() -> dict:
+    """On the torch backend (eager), the aten ops of one train step: no monitor, the monitor's ordinary step
+    and a counted one (torch's dispatcher sees every op a GPU would launch)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from aten_ops import AtenOps
+
+    from lossscale_callbacks.keras._fp8 import Fp8Layers
+
+    (x, f), y = data({})
+    batch = ([x[:BATCH], f[:BATCH]], y[:BATCH])
+    counts = {}
+    for arm in ("bare", "ordinary", "counted"):
+        model = build()
+        layers = Fp8Layers()
+        if arm != "bare":
+            layers.watch(model)
+            layers.counting = arm == "counted"
+        model.train_on_batch(*batch)  # builds the optimizer (with the tallies) and warms up
+        with AtenOps() as ops:
+            model.train_on_batch(*batch)
+        counts[arm] = len(ops)
+    return counts
+
+
+def main() -> None:
+    os.makedirs(OUT, exist_ok=True)
+    result = {
+        "backend": keras.backend.backend(),
+        "outlier": outlier_run(None, 10, os.path.join(OUT, "tb")),
+        "short": outlier_run(8, 5, None),
+        "stale": stale_run(),
+        "ops": torch_ops() if keras.backend.backend() == "torch" else None,
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
