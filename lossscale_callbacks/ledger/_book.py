@@ -20,11 +20,11 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from lossscale_callbacks.ledger._entry import Entry
+from lossscale_callbacks.ledger._entry import Entry, MicroBatch, Replay
 from lossscale_callbacks.ledger._words import group_sentences
 
 __all__ = ["FILE_PREFIX", "MAX_ENTRIES", "Ledger", "ledger_file", "read_ledger_file"]
@@ -83,6 +83,27 @@ class Ledger:
             return
         self.entries.append(entry)
         self._write(entry.to_json())
+
+    def record(self, bad: Mapping[int, tuple[str, float | None, bool]],
+               details: Mapping[int, tuple[tuple[MicroBatch, ...], Replay | None, str | None]],
+               origin: str | None = None, producer: str | None = None) -> list[Entry]:
+        """An interval's bad steps as entries: ``bad`` (step -> cause, scale, applied: the skip truth),
+        ``details`` (step -> micro-batches, replay, why no replay: the integration's capture), and the
+        interval's forensics where they name one layer for all its bad steps. Returns the new entries."""
+        new = []
+        for step in sorted(bad):
+            cause, scale, applied = bad[step]
+            micro, replay, note = details.get(step, ((), None, "off"))
+            entry = Entry(step=step, rank=self.rank, cause=cause,
+                          scale=replay.scale if scale is None and replay is not None else scale,
+                          micro_batches=micro, applied=applied,
+                          origin_layer=(replay.origin if replay is not None and replay.origin else origin),
+                          producing_layer=(replay.producer if replay is not None and not replay.same
+                                           else producer),
+                          replay=replay, replay_note=None if replay is not None else note)
+            self.add(entry)
+            new.append(entry)
+        return new
 
     def _write(self, line: str) -> None:
         if self.directory is None or self._failed:
