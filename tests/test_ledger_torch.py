@@ -9,6 +9,9 @@ naming ``fc2``, replayed as reproducible at any scale and finite in float32, and
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -20,7 +23,7 @@ from aten_ops import AtenOps  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy  # noqa: E402
 from lossscale_callbacks.ledger._book import Ledger  # noqa: E402
-from lossscale_callbacks.ledger._read import read_ledgers  # noqa: E402
+from lossscale_callbacks.ledger._read import ledger_markdown, read_ledgers  # noqa: E402
 from lossscale_callbacks.ledger._skip import SKIP_BATCHES, SKIP_SAMPLES, skip_samples, write_skip_list  # noqa: E402
 from lossscale_callbacks.torch import LossScaler  # noqa: E402
 
@@ -171,3 +174,40 @@ def test_host_reads_added_by_the_ledger(fused, mode):
     baseline = 0 if fused else 1  # a non-fused step reads found_inf once, as GradScaler does
     added = 1 if (fused and mode == "replay") else 0
     assert len(reads) == baseline + added, reads
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    script = os.path.join(os.path.dirname(__file__), "ledger_scripts", "ddp_ledger.py")
+    proc = subprocess.run([sys.executable, script, str(out)], env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_two_gloo_ranks_write_each_their_own_entries_with_their_own_samples(two_ranks):
+    entries = read_ledgers(two_ranks)
+    runs = [json.loads((two_ranks / f"order_rank{rank}.json").read_text()) for rank in range(2)]
+    batches = {}  # (rank, step) -> the rank's batch at that step
+    for rank, run in enumerate(runs):
+        for epoch, order in enumerate(run["orders"]):
+            for b in range(0, len(order), sc.BATCH):
+                batches[(rank, epoch * (len(order) // sc.BATCH) + b // sc.BATCH + 1)] = order[b:b + sc.BATCH]
+    blamed = {step: sorted(set(batch) & set(sc.BAD)) for (rank, step), batch in batches.items()
+              if set(batch) & set(sc.BAD)}
+    assert not any(set(batches[(r, sc.INJECT_AT)]) & set(sc.BAD) for r in range(2))
+    steps = sorted({*blamed, sc.INJECT_AT})
+    assert sorted((e.step, e.rank) for e in entries) == [(s, r) for s in steps for r in range(2)]
+    for entry in entries:
+        assert list(entry.samples()) == batches[(entry.rank, entry.step)]  # its own samples, in order
+        mine = sorted(set(entry.samples()) & set(sc.BAD))
+        if entry.step == sc.INJECT_AT:
+            assert entry.verdict == "transient"
+        elif mine:
+            assert entry.verdict == "float16_range" and sorted(entry.culprits()) == mine
+            assert entry.producing_layer == "fc2"
+        else:
+            assert entry.verdict == "other_rank" and entry.replay.other_ranks == (1 - entry.rank,)
+    table = ledger_markdown(entries)
+    assert "| 37 |" in table and "| 301 |" in table
