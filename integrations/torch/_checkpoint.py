@@ -39,6 +39,8 @@ _MIRRORS = ("growth_factor", "backoff_factor", "growth_interval", "_growth_track
 STATE_DICT_KEYS = ("policy", *STATE_FIELDS, *_MIRRORS)
 PICKLE_KEYS = ("enabled", "device", "policy", "state", "sync_found_inf", "process_group", "diagnose",
                "headroom_every")
+# Keys added later: a pickle of an earlier release lacks them and gets their defaults.
+OPTIONAL_PICKLE_KEYS = {"outcome_capacity": 64}
 
 
 def check_process_group(name: str, value: Any) -> Any:
@@ -133,11 +135,12 @@ def parse_pickle(state: Any) -> dict[str, Any]:
     source = "unpickling"
     if not isinstance(state, Mapping):
         raise ValueError(f"{source}: a LossScaler pickle holds a dict, got {type(state).__name__}")
-    check_known(source, state, PICKLE_KEYS)
+    check_known(source, state, (*PICKLE_KEYS, *OPTIONAL_PICKLE_KEYS))
     missing = [k for k in PICKLE_KEYS if k not in state]
     if missing:
         raise ValueError(f"{source}: the pickle lacks {missing}")
-    out = dict(state)
+    out = {**OPTIONAL_PICKLE_KEYS, **state}
+    check_int(f"{source}: outcome_capacity", out["outcome_capacity"])
     out["enabled"] = check_bool(f"{source}: enabled", state["enabled"])
     check_device_type(f"{source}: device", state["device"])
     check_process_group(f"{source}: process_group", state["process_group"])

@@ -176,6 +176,7 @@ class ScalerReader:
         else:
             state = self.scaler.get_state()
             self._steps = int(state.steps)
+            self.scaler.sync_held()  # the held schedulers' and EMAs' host side, at the same interval
         return with_ranks(state) if gather else state
 
     def read_forensics(self) -> IntervalForensics | None:

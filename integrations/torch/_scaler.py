@@ -17,6 +17,8 @@ Where the host synchronises (and nowhere else):
 * ``diagnose=True`` adds no host read to a step, and a bounded number of ops whatever the number of
   parameters (see :mod:`lossscale_callbacks.torch._forensics`).
 * ``update(new_scale=<tensor>)`` reads the tensor once to check it.
+* ``read_outcomes`` reads the device ring of step outcomes (one copy); ``update`` writes it with
+  device-side indexing (see :mod:`lossscale_callbacks.torch._outcome_ring`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,6 +40,7 @@ from lossscale_callbacks._policy import Policy, check_policy, is_policy
 from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._update import initial_state
 from lossscale_callbacks._validation import check_bool, check_choice, check_int, host_number, validate_state
+from lossscale_callbacks.skips._outcomes import IntervalOutcomes, decode_records, nonfinite_cause
 from lossscale_callbacks.torch._checkpoint import (
     SYNC_CHOICES,
     check_process_group,
@@ -46,8 +49,19 @@ from lossscale_callbacks.torch._checkpoint import (
 )
 from lossscale_callbacks.torch._forensics import GradForensics
 from lossscale_callbacks.torch._grad_scaler_compat import policy_from_grad_scaler_settings
+from lossscale_callbacks.torch._held import Holder
 from lossscale_callbacks.torch._ledger import LedgerCapture, check_replay
+from lossscale_callbacks.torch._outcome_ring import DEFAULT_CAPACITY, OutcomeRing
 from lossscale_callbacks.torch._update_paths import PathState, make_path
+
+
+class _OutcomeCursor(NamedTuple):
+    """What :meth:`LossScaler.read_outcomes` saw last: records written, counts per code, steps, skipped."""
+
+    written: int
+    counts: tuple[int, ...]
+    steps: int
+    skipped: int
 
 
 class _Stage(Enum):
@@ -134,6 +148,9 @@ class LossScaler(torch.amp.GradScaler):
             ``headroom_every`` steps; ``"every_step"`` samples every step. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
+        outcome_capacity: how many non-ordinary steps (skipped, or applied with non-finite
+            gradients) the device ring keeps between two :meth:`read_outcomes` (default 64); an
+            interval with more lists the newest ones and counts them all.
 
     Raises:
         ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.
@@ -165,6 +182,7 @@ class LossScaler(torch.amp.GradScaler):
         process_group: Any = None,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
+        outcome_capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         # GradScaler.__init__ is not called: it would set up GradScaler's own scale and tracker.
         if is_policy(device):
@@ -175,6 +193,7 @@ class LossScaler(torch.amp.GradScaler):
         check_process_group("process_group", process_group)
         check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
+        check_int("outcome_capacity", outcome_capacity)
         settings = {"init_scale": init_scale, "growth_factor": growth_factor,
                     "backoff_factor": backoff_factor, "growth_interval": growth_interval}
         if policy is not None:
@@ -197,11 +216,11 @@ class LossScaler(torch.amp.GradScaler):
             enabled = False
         self._assign(enabled=enabled, device=device_type, policy=policy, sync_found_inf=sync_found_inf,
                      process_group=process_group, diagnose=diagnose, headroom_every=headroom_every,
-                     state=None)
+                     state=None, outcome_capacity=outcome_capacity)
 
     def _assign(self, *, enabled: bool, device: str | None, policy: Policy, sync_found_inf: bool | str,
                 process_group: Any, diagnose: bool | str, headroom_every: int,
-                state: LossScaleState | None) -> None:
+                state: LossScaleState | None, outcome_capacity: int) -> None:
         """Set every attribute from checked values: the one place the constructor and unpickling meet."""
         self._device = device
         self._enabled = enabled
@@ -220,6 +239,14 @@ class LossScaler(torch.amp.GradScaler):
         self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
         self._watched: weakref.ref | None = None
         self._ledger: LedgerCapture | None = None
+        # The step outcomes (made with the path) and what the last read_outcomes saw: the ring's
+        # records written, its counts per code, the steps and the skipped steps.
+        self._outcome_capacity = outcome_capacity
+        self._ring: OutcomeRing | None = None
+        self._outcome_cursor = self._cursor_at(self._host_state() if enabled else None)
+        # What follows the optimizers (hold): LR schedulers and EMAs held on skipped steps.
+        self._holder = Holder()
+        self._stepped: weakref.WeakValueDictionary[int, torch.optim.Optimizer] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------------------- forensics
 
@@ -347,7 +374,10 @@ class LossScaler(torch.amp.GradScaler):
     def _lazy_init(self, device: torch.device) -> None:
         # torch.ones/full fill on the device: no host-to-device copy, no stream sync.
         self._one = torch.ones((), dtype=torch.float32, device=device)
-        self._path = make_path(self._policy, device, PathState.from_host(self._host_state()))
+        host = self._host_state()
+        self._path = make_path(self._policy, device, PathState.from_host(host))
+        self._ring = OutcomeRing(device, self._outcome_capacity, steps=host.steps)
+        self._path.recorder = self._ring
         self._pending = None
 
     def _require_state(self, funcname: str) -> Any:
@@ -372,6 +402,11 @@ class LossScaler(torch.amp.GradScaler):
             self._pending = host
         else:
             self._path = make_path(policy, self._path.device, PathState.from_host(host))
+            assert self._ring is not None
+            self._ring.clear()  # the records belong to the state this one replaces
+            self._ring.set_steps(host.steps)
+            self._path.recorder = self._ring
+        self._outcome_cursor = self._cursor_at(host)
         self._per_optimizer = defaultdict(_OptimizerState)
 
     def _replace_policy(self, policy: Policy) -> None:
@@ -383,6 +418,7 @@ class LossScaler(torch.amp.GradScaler):
         self._policy = policy
         if self._path is not None:
             self._path = make_path(policy, self._path.device, self._path.export())
+            self._path.recorder = self._ring
         elif self._pending is not None:
             cap = policy.constants.growth_interval - 1
             self._pending = self._pending._replace(growth_counter=min(self._pending.growth_counter, cap))
@@ -580,6 +616,7 @@ class LossScaler(torch.amp.GradScaler):
                 self._resolve_forensics(optimizer, None)
                 retval = optimizer.step(*args, **kwargs, grad_scaler=self)
                 opt_state.stage = _Stage.STEPPED
+                self._after_step(optimizer, opt_state.found_inf, None)
                 return retval
             if opt_state.stage is _Stage.READY:
                 # Only the check: the fused kernel unscales with grad_scale itself.
@@ -594,6 +631,7 @@ class LossScaler(torch.amp.GradScaler):
                 self._resolve_forensics(optimizer, opt_state.skipped_on_host)
                 if opt_state.skipped_on_host:
                     opt_state.stage = _Stage.STEPPED
+                    self._after_step(optimizer, None, True)
                     return None
             self._resolve_forensics(optimizer, None)  # the kernel decides on the device
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -604,6 +642,7 @@ class LossScaler(torch.amp.GradScaler):
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             opt_state.stage = _Stage.STEPPED
+            self._after_step(optimizer, opt_state.found_inf, opt_state.skipped_on_host)
             return retval
 
         if opt_state.stage is _Stage.READY:
@@ -617,7 +656,70 @@ class LossScaler(torch.amp.GradScaler):
         self._resolve_forensics(optimizer, skipped)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
+        self._after_step(optimizer, None, skipped)
         return retval
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor | None,
+                    host_skipped: bool | None) -> None:
+        """The step's flag for what follows the optimizer (one device op where a held object reads it)."""
+        self._stepped[id(optimizer)] = optimizer
+        self._holder.on_step(optimizer, skip=skip, host_skipped=host_skipped)
+
+    # ------------------------------------------------------------------------------------ hold
+
+    def hold(self, follower: Any, *, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Advance ``follower`` only on the steps its optimizer applied; returns it.
+
+        ``follower`` is an LR scheduler (any ``torch.optim.lr_scheduler`` one, Transformers'
+        ``get_*_schedule_with_warmup``, a ``SequentialLR`` chain) or an EMA
+        (``torch.optim.swa_utils.AveragedModel``). Keep calling ``scheduler.step()`` and
+        ``ema.update_parameters(model)`` every iteration, as the PyTorch recipe does: after a skipped
+        step they do nothing. No host read is added to the step: with an optimizer that decides on the
+        host (non-fused) the held call looks at that decision; with a fused one the learning rate and
+        the average's weight follow a device flag (see :mod:`lossscale_callbacks.torch._held`, which
+        also lists what needs one read per step: ``ReduceLROnPlateau``, ``cycle_momentum``, a custom
+        average). The scheduler object's own counters are brought up to date at each read
+        (:meth:`sync_held`; the monitors call it at the log interval).
+
+        Args:
+            follower: the scheduler or ``AveragedModel``.
+            optimizer: the optimizer an EMA follows (default: the one this scaler steps; required when
+                it steps several). A scheduler follows its own ``scheduler.optimizer``.
+
+        Raises:
+            ValueError: ``follower`` is neither, is held already, or the EMA's optimizer is ambiguous.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            >>> scaler = LossScaler(device="cpu")
+            >>> sched = scaler.hold(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+            >>> for step in range(3):
+            ...     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            ...     if step == 1:
+            ...         model.weight.grad[0, 0] = float("inf")
+            ...     _ = scaler.step(opt); scaler.update(); sched.step(); opt.zero_grad()
+            >>> sched.last_epoch, sched.get_last_lr()  # two applied steps of three
+            (2, [0.25])
+        """
+        if not self._enabled:
+            return follower
+        return self._holder.hold(follower, optimizer, known=list(self._stepped.values()))
+
+    def release(self, follower: Any = None) -> None:
+        """Stop holding ``follower`` (default: all): its stock methods and float learning rates back."""
+        self.sync_held()
+        self._holder.release(follower)
+
+    def sync_held(self) -> None:
+        """Bring the held schedulers' and EMAs' host side up to date: one read of their device counters.
+        Called by the monitors at the log interval; nothing to read when nothing is held on the device."""
+        self._holder.sync()
+
+    @property
+    def held(self) -> list[Any]:
+        """The held schedulers and EMAs (their follower records: ``obj``, ``mode``, ``steps_taken()``)."""
+        return list(self._holder.followers)
 
     def _resolve_forensics(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
         if self.forensics is not None:
@@ -696,6 +798,54 @@ class LossScaler(torch.amp.GradScaler):
         if self._last_found_inf is None:
             return None
         return bool(self._last_found_inf.item())
+
+    # -------------------------------------------------------------------------- step outcomes
+
+    @staticmethod
+    def _cursor_at(state: LossScaleState | None) -> _OutcomeCursor:
+        """Where the next :meth:`read_outcomes` starts: after ``state``'s steps, no record read yet."""
+        if state is None:
+            return _OutcomeCursor(0, (0, 0, 0, 0), 0, 0)
+        return _OutcomeCursor(0, (0, 0, 0, 0), int(state.steps), int(state.skipped_steps))
+
+    def read_outcomes(self) -> IntervalOutcomes:
+        """The optimizer steps since the previous call that were not ordinary applied steps. One host read.
+
+        Every step since the previous call (or since the scaler started, or loaded a state) that was
+        skipped, or applied with non-finite gradients, with its cause and the scale it used, oldest
+        first, and the exact counts per cause (see
+        :class:`~lossscale_callbacks.skips._outcomes.IntervalOutcomes`). The steps are written on the
+        device by :meth:`update` (no host read there); call this at the log interval. Beyond
+        ``outcome_capacity`` non-ordinary steps in one interval the oldest are not listed (``missed``),
+        and still counted.
+
+        Example:
+            >>> scaler = LossScaler(device="cpu", init_scale=1024.0)
+            >>> weight = torch.ones(2, requires_grad=True)
+            >>> opt = torch.optim.SGD([weight], lr=0.1)
+            >>> for step in range(1, 4):
+            ...     scaler.scale(weight.sum()).backward()
+            ...     if step == 2:
+            ...         weight.grad[0] = float("inf")
+            ...     _ = scaler.step(opt); scaler.update(); opt.zero_grad()
+            >>> outcomes = scaler.read_outcomes()
+            >>> outcomes.outcomes, outcomes.applied
+            ((StepOutcome(step=2, cause='overflow', scale=1024.0),), 2)
+        """
+        cursor = self._outcome_cursor
+        if not self._enabled or self._path is None or self._ring is None:
+            steps = cursor.steps
+            return IntervalOutcomes(steps + 1, steps)
+        rows, written, counts, _ = self._ring.read()
+        state = self._path.read()
+        outcomes, missed = decode_records(rows, written, cursor.written, self._outcome_capacity,
+                                          nonfinite_cause(self._policy))
+        new_counts = [now - before for now, before in zip(counts, cursor.counts, strict=True)]
+        skipped = state.skipped_steps - cursor.skipped
+        by_cause = {nonfinite_cause(self._policy): skipped, "spike": new_counts[2],
+                    "applied_nonfinite": new_counts[3]}
+        self._outcome_cursor = _OutcomeCursor(written, tuple(counts), state.steps, state.skipped_steps)
+        return IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
 
     # -------------------------------------------------------------------------- host reads
 
@@ -797,7 +947,7 @@ class LossScaler(torch.amp.GradScaler):
                 "state": self.get_state()._asdict() if self._enabled else None,
                 "sync_found_inf": self.sync_found_inf, "process_group": self.process_group,
                 "diagnose": self.forensics.mode if self.forensics is not None else False,
-                "headroom_every": self._headroom_every}
+                "headroom_every": self._headroom_every, "outcome_capacity": self._outcome_capacity}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`__getstate__`. A pickle is input from outside too: everything is checked

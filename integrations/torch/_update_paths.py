@@ -100,11 +100,21 @@ class _Path:
         self._recent: torch.Tensor | None = torch.zeros((), dtype=torch.float32, device=device)
         self._since_fold = 0
         self.scale: torch.Tensor  # 0-d float32, updated in place: the tensor the scaler multiplies by
+        # The step outcomes' ring (lossscale_callbacks.torch._outcome_ring), written before each update.
+        self.recorder: Any = None
 
-    def update(self, found_inf: torch.Tensor) -> None:
-        """Advance one optimizer step; ``found_inf`` is the step's float32 overflow flag. No host sync."""
-        self.device_step(found_inf)
+    def update(self, found_inf: torch.Tensor, code: torch.Tensor | None = None) -> None:
+        """Advance one optimizer step; ``found_inf`` is the step's float32 overflow flag (the rule's
+        input), ``code`` the step's outcome code for the recorder (default: ``found_inf``, a non-finite
+        skip). No host sync."""
+        self.recorded_step(found_inf, code)
         self.after_step()
+
+    def recorded_step(self, found_inf: torch.Tensor, code: torch.Tensor | None = None) -> None:
+        """The step's outcome recorded (with the scale it used), then the rule's device ops."""
+        if self.recorder is not None:
+            self.recorder.record(found_inf if code is None else code, self.scale)
+        self.device_step(found_inf)
 
     def after_step(self) -> None:
         """The host's part of a step (also after a CUDA graph replay): count it, fold every 2**20 steps."""
@@ -314,7 +324,9 @@ class CudaGraphPath:
         self.path = path
         self.scale = path.scale
         self._input = torch.zeros((), dtype=torch.float32, device=path.device)
+        self._code = torch.zeros((), dtype=torch.float32, device=path.device)
         self._graph: Any = None  # None: not captured yet; False: capture failed, run the ops
+        self._with_code = False  # whether the captured graph reads a code of its own (a third launch)
 
     # The scaler reads a path through these names whatever its class (tests/test_torch_update_paths.py
     # checks that the wrapper answers every public name a plain path has).
@@ -334,16 +346,28 @@ class CudaGraphPath:
     def name(self) -> str:
         return f"cuda_graph({self.path.name})"
 
-    def update(self, found_inf: torch.Tensor) -> None:
+    @property
+    def recorder(self) -> Any:
+        return self.path.recorder
+
+    @recorder.setter
+    def recorder(self, recorder: Any) -> None:
+        self.path.recorder = recorder
+        self._graph = None if self._graph is not False else False  # captured again with it
+
+    def update(self, found_inf: torch.Tensor, code: torch.Tensor | None = None) -> None:
         if self._graph is False or torch.cuda.is_current_stream_capturing():
-            self.path.update(found_inf)  # a graph being captured by the user takes the plain ops
+            self.path.update(found_inf, code)  # a graph being captured by the user takes the plain ops
             return
-        if self._graph is None:
+        if self._graph is None or self._with_code != (code is not None):
+            self._with_code = code is not None
             self._graph = self._capture()
             if self._graph is False:
-                self.path.update(found_inf)
+                self.path.update(found_inf, code)
                 return
         self._input.copy_(found_inf)
+        if code is not None:
+            self._code.copy_(code)
         self._graph.replay()
         self.path.after_step()
 
@@ -356,7 +380,7 @@ class CudaGraphPath:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self.path.device_step(self._input)
+                    self.path.recorded_step(self._input, self._code if self._with_code else None)
                 finally:
                     graph.capture_end()
         except RuntimeError as exc:
