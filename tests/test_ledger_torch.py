@@ -22,7 +22,7 @@ import ledger_scenario as sc  # noqa: E402
 from aten_ops import AtenOps  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.ledger._book import Ledger  # noqa: E402
+from lossscale_callbacks.ledger._book import Ledger, bad_steps  # noqa: E402
 from lossscale_callbacks.ledger._read import ledger_markdown, read_ledgers  # noqa: E402
 from lossscale_callbacks.ledger._skip import SKIP_BATCHES, SKIP_SAMPLES, skip_samples, write_skip_list  # noqa: E402
 from lossscale_callbacks.torch import LossScaler  # noqa: E402
@@ -30,8 +30,7 @@ from lossscale_callbacks.torch import LossScaler  # noqa: E402
 
 def _run(folder: Any = None, *, replay: Any = True, track: bool = True, skip: Any = None,
          log_every: int = 10, fused: bool = False) -> dict[str, Any]:
-    """The scenario's plain loop; the bad steps each interval are those the scaler's step read on the
-    host (a non-fused optimizer reads the skip decision anyway)."""
+    """The scenario's plain loop; each interval's bad steps come from the skip truth (``read_outcomes``)."""
     torch.manual_seed(0)
     model = sc.Net()
     loader = sc.loader(sc.dataset(), wrap=None if skip is None else (lambda s: skip_samples(s, skip)))
@@ -41,7 +40,7 @@ def _run(folder: Any = None, *, replay: Any = True, track: bool = True, skip: An
     if track:
         loader = scaler.track(loader, replay=replay, loss=lambda batch: sc.loss_fn(model, batch))
     book = Ledger(folder)
-    step, bad = 0, {}
+    step = 0
     for _ in range(sc.EPOCHS):
         for batch in loader:
             step += 1
@@ -53,11 +52,9 @@ def _run(folder: Any = None, *, replay: Any = True, track: bool = True, skip: An
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-            if not fused and scaler.last_step_skipped():
-                bad[step] = ("overflow", None, False)
             if track and step % log_every == 0:
+                bad = bad_steps(scaler.read_outcomes())  # the skip truth, read at the interval
                 book.record(bad, scaler._ledger.take(bad, step))
-                bad = {}
     book.close()
     return {"model": model, "opt": opt, "book": book, "steps": step, "rng": torch.get_rng_state(),
             "scaler": scaler}

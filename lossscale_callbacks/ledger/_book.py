@@ -27,10 +27,17 @@ from typing import IO, Any
 from lossscale_callbacks.ledger._entry import Entry, MicroBatch, Replay
 from lossscale_callbacks.ledger._words import group_sentences
 
-__all__ = ["FILE_PREFIX", "MAX_ENTRIES", "Ledger", "ledger_file", "read_ledger_file"]
+__all__ = ["FILE_PREFIX", "MAX_ENTRIES", "Ledger", "bad_steps", "ledger_file", "read_ledger_file"]
 
 MAX_ENTRIES = 10_000
 FILE_PREFIX = "bad_steps"
+
+
+def bad_steps(outcomes: Any) -> dict[int, tuple[str, float | None, bool]]:
+    """The bad steps of an interval from the skip truth (an ``IntervalOutcomes``): step -> (cause, the
+    scale the step used, whether it was applied anyway). Every listed step is one: skipped (overflow,
+    non-finite, spike) or applied with non-finite gradients."""
+    return {int(o.step): (str(o.cause), float(o.scale), not o.skipped) for o in outcomes.outcomes}
 
 
 def ledger_file(directory: str | os.PathLike[str], rank: int) -> Path:

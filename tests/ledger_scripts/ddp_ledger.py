@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ledger_scenario as sc
 
 from lossscale_callbacks import DynamicPolicy
-from lossscale_callbacks.ledger._book import Ledger
+from lossscale_callbacks.ledger._book import Ledger, bad_steps
 from lossscale_callbacks.torch import LossScaler
 
 WORLD = 2
@@ -39,7 +39,7 @@ def worker(rank: int, port: int, out: str) -> None:
                         sync_found_inf=True).watch(model)
     loader = scaler.track(loader, replay=True, loss=lambda batch: sc.loss_fn(model, batch))
     book = Ledger(out, rank=rank)
-    orders, step, bad = [], 0, {}
+    orders, step = [], 0
     for epoch in range(sc.EPOCHS):
         sampler.set_epoch(epoch)
         orders.append([int(i) for i in sampler])
@@ -53,11 +53,10 @@ def worker(rank: int, port: int, out: str) -> None:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-            if scaler.last_step_skipped():
-                bad[step] = ("overflow", None, False)
             if step % 10 == 0:
+                bad = bad_steps(scaler.read_outcomes())  # the skip truth, read at the interval
                 book.record(bad, scaler._ledger.take(bad, step))
-                bad = {}
+    bad = bad_steps(scaler.read_outcomes())
     book.record(bad, scaler._ledger.take(bad, step))
     book.close()
     with open(os.path.join(out, f"order_rank{rank}.json"), "w") as handle:
