@@ -42,7 +42,7 @@ assert main(["report", sys.argv[1]]) == 0
 
 READER = """
 import sys
-from lossscale_callbacks._engine_logs import read_run
+from lossscale_callbacks.report._engine_logs import read_run
 print(len(read_run(sys.argv[1])["loss_scale/scale"]))
 """
 

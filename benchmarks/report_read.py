@@ -142,8 +142,8 @@ def simulated_states(intervals: int, every: int, p_overflow: float, seed: int) -
 
 def write_sweep(root: str, runs: int, intervals: int) -> None:
     """``runs`` run folders below ``root``, each written by the real logging loop and TensorBoard sink."""
-    from lossscale_callbacks._logging_loop import LoggingLoop
     from lossscale_callbacks._policy import DynamicPolicy
+    from lossscale_callbacks.loop._logging_loop import LoggingLoop
     from lossscale_callbacks.tensorboard._sink import TensorBoardSink
 
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=2000)

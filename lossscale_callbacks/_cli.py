@@ -1,9 +1,10 @@
 """The ``lossscale-callbacks`` command line.
 
-Each subcommand lives in its own module and registers itself on the parser (``report`` in
-:mod:`lossscale_callbacks._report_cli`, ``check`` in :mod:`lossscale_callbacks._alignment_cli`, ``audit``
-in :mod:`lossscale_callbacks._audit_cli`); a
-command line that names one imports only that one (``report`` never loads the alignment checker).
+Each subcommand lives in the room of what it runs and registers itself on the parser (``report`` in
+:mod:`lossscale_callbacks.report._report_cli`, ``check`` in
+:mod:`lossscale_callbacks.alignment._alignment_cli`, ``audit`` in
+:mod:`lossscale_callbacks.alignment._audit_cli`); a command line that names one imports only that one
+(``report`` never loads the alignment checker).
 
     lossscale-callbacks report RUN [--json] [--png PATH] [--min-scale X] [--fail-unhealthy]
     lossscale-callbacks check MODEL.keras --batch-size N [--json] [--target GPU] [--fail-on LEVEL]
@@ -23,13 +24,12 @@ import contextlib
 import importlib
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
 from lossscale_callbacks._extras import MissingExtraError
-from lossscale_callbacks._version import __version__
+from lossscale_callbacks.report._printable import printable
 
 # ----------------------------------------
 # What the ``lossscale-callbacks`` commands share: their name, one-line errors, argument types that say why.
@@ -40,45 +40,11 @@ PROG = "lossscale-callbacks"
 EXIT_BAD_INPUT = 2
 
 
-# ---------------------------------------- printing what comes from the disk
-# A run folder's name, a tag, a layer name or a reader's message comes from the disk and may hold anything:
-# a newline would forge a row of the table, an escape sequence would drive the terminal, a byte that is not
-# UTF-8 (decoded by Python as a lone surrogate) would stop ``print``. Every line ``report`` prints, and
-# every error line, goes through :func:`printable`. JSON needs none of this: the encoder escapes them.
-
-# Control characters (C0, DEL, C1), the Unicode line and paragraph separators, the bidirectional
-# controls that reorder what a terminal shows, and lone surrogates (undecodable bytes of a file name).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape(match: re.Match[str]) -> str:
-    char = match.group()
-    if char in _NAMED:
-        return _NAMED[char]
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def printable(text: str) -> str:
-    """``text`` with every character a terminal would act on written as Python writes it in a string
-    literal (``\\n``, ``\\x1b``, ``\\u202e``, ``\\udcff``); only what it would never print itself, so
-    escaping twice changes nothing.
-
-    Example:
-        >>> printable("run\\n  b  999  OK")
-        'run\\\\n  b  999  OK'
-        >>> printable("\\x1b[2Jrun") == printable(printable("\\x1b[2Jrun"))
-        True
-    """
-    return _UNSAFE.sub(_escape, text)
-
-
 def fail(command: str, message: object, err: TextIO | None = None) -> int:
     """Print ``message`` as one line on ``err`` (stderr) and return the bad-input exit status, 2.
 
     One line, whatever the cause: these messages end up in CI logs and shell scripts (names in it are
-    escaped by :func:`~lossscale_callbacks._cli.printable`). ``command``
+    escaped by :func:`~lossscale_callbacks.report._printable.printable`). ``command``
     (``"report"``, ``"check"``, or ``""`` for the program itself) starts the line.
     """
     where = f"{PROG} {command}" if command else PROG
@@ -150,15 +116,30 @@ EXIT_OK = 0
 
 Handler = Callable[[argparse.Namespace], int]
 # subcommand -> (its module, the function that adds its parser); imported when the command line needs it.
-_COMMANDS = {"report": ("lossscale_callbacks._report_cli", "add_report_parser"),
-             "check": ("lossscale_callbacks._alignment_cli", "add_check_parser"),
-             "audit": ("lossscale_callbacks._audit_cli", "add_audit_parser")}
+_COMMANDS = {"report": ("lossscale_callbacks.report._report_cli", "add_report_parser"),
+             "check": ("lossscale_callbacks.alignment._alignment_cli", "add_check_parser"),
+             "audit": ("lossscale_callbacks.alignment._audit_cli", "add_audit_parser")}
+
+
+class _Version(argparse.Action):
+    """``--version``, as argparse's own action prints it, with the version read only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, nargs=0,
+                         help="show program's version number and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from lossscale_callbacks._version import __version__
+
+        print(f"{parser.prog} {__version__}")
+        parser.exit()
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser with every subcommand, or with ``command`` alone when it is one of them."""
     parser = argparse.ArgumentParser(prog=PROG, description="lossscale-callbacks command line tools.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=_Version)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in [command] if command in _COMMANDS else _COMMANDS:
         module, register = _COMMANDS[name]

@@ -11,14 +11,10 @@ import dataclasses
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from lossscale_callbacks._metrics import Snapshot
-from lossscale_callbacks._stacklevel import user_stacklevel
 from lossscale_callbacks._validation import INT64_MAX, check_choice, check_int, check_number
-
-if TYPE_CHECKING:
-    from lossscale_callbacks._rank_agreement import RankStates
 
 ACTIONS: tuple[str, ...] = ("warn", "raise", "stop")
 
@@ -335,40 +331,6 @@ class ScaleOnlyDecreases:
                 f"(the run has {steps})")
 
 
-@dataclasses.dataclass(frozen=True)
-class RanksDisagree:
-    """Fires when a rank's loss-scale state differs from rank 0's at a log-interval read.
-
-    Judged by the logging loop on the states gathered from every rank (never from the history of
-    one rank's snapshots), once per stretch of disagreement.
-
-    Args:
-        action: ``"warn"``, ``"raise"`` or ``"stop"``.
-    """
-
-    action: str = "warn"
-
-    def __post_init__(self) -> None:
-        check_choice("action", self.action, ACTIONS)
-
-    def describe(self) -> str:
-        return "every rank held the same loss-scale state at each read"
-
-    def judge(self, ranks: RankStates, step: int) -> Verdict | None:
-        """The verdict on one gathered read, or ``None`` when every rank agrees with rank 0."""
-        differing = ranks.differing()
-        if not differing:
-            return None
-        names = ", ".join(map(str, differing))
-        return Verdict(
-            "ranks_disagree", self.action, step,
-            f"The ranks hold different loss-scale states at step {step} (rank(s) {names} differ from "
-            f"rank 0): {ranks.describe()}. Each rank now scales and skips on its own, so the replicas "
-            "drift apart. Usual causes: the overflow flag is not reduced across the shards "
-            "(LossScaler(sync_found_inf=True)), a rank resumed from another checkpoint, or a rank "
-            "that skipped scaler.update().")
-
-
 def _last_growth(history: Sequence[Snapshot]) -> tuple[Snapshot | None, int]:
     """The snapshot the history's last growth started from (None if it never grew), and the backoffs
     after that growth. Newest first: a healthy run's last growth is found within a few snapshots."""
@@ -578,6 +540,9 @@ class HealthMonitor:
                 continue
             prefix = "stopping training: " if verdict.action == "stop" else ""
             if warn:
+                # Imported here: only a run that warns needs it (``report`` judges and never warns).
+                from lossscale_callbacks._stacklevel import user_stacklevel
+
                 warnings.warn(f"[lossscale-callbacks] {prefix}{verdict.message}", LossScaleHealthWarning,
                               stacklevel=user_stacklevel())
             if verdict.action == "stop":

@@ -41,8 +41,8 @@ SUMMARY_TAG = "loss_scale/summary"
 RESTART_TAG = "loss_scale/restart"
 ALIGNMENT_TAG = "loss_scale/alignment"
 COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)  # whole numbers
-# The forward trace and the precision advice (lossscale_callbacks._activations, ._advice): per layer the
-# log2 margin of its largest |output| below the compute dtype's max, the smallest of them, per layer the
+# The forward trace and the precision advice (lossscale_callbacks.forensics._activations, ._advice): per layer
+# the log2 margin of its largest |output| below the compute dtype's max, the smallest of them, per layer the
 # traced steps in which it produced the first non-finite value; the trace's table and the advice as text.
 ACTIVATION_HEADROOM_PREFIX = "loss_scale/activation_headroom/"
 MIN_ACTIVATION_HEADROOM = "loss_scale/min_activation_headroom"
@@ -56,8 +56,16 @@ MIN_SCALE = "loss_scale/min_scale"
 MAX_SCALE = "loss_scale/max_scale"
 # The policy's growth interval, read back from the policy a run wrote (a one-point series).
 GROWTH_INTERVAL = "loss_scale/growth_interval"
+# Rank agreement (lossscale_callbacks.loop._rank_agreement): the number of ranks whose state differs from
+# rank 0's (the rank that writes), 0 when they agree, written only by a run with more than one process;
+# and the text naming them.
+RANKS_DISAGREE = "loss_scale/ranks_disagree"
+RANKS_TAG = "loss_scale/ranks"
 # The overflow forensics (diagnose=True): skips per cause and per layer, headroom, histogram, text.
 CAUSE_METRIC_PREFIX = "loss_scale/skips/"
+# Why a step was skipped, one series per cause (what each means: lossscale_callbacks.forensics._gradients).
+CAUSES = ("loss_nonfinite", "grad_inf", "grad_nan", "grad_nonfinite")
+CAUSE_METRICS = {cause: f"{CAUSE_METRIC_PREFIX}{cause}" for cause in CAUSES}
 LAYER_METRIC_PREFIX = "loss_scale/layer_skips/"
 ORIGIN_METRIC_PREFIX = "loss_scale/layer_origins/"
 HEADROOM_METRIC = "loss_scale/min_log2_headroom"
@@ -327,3 +335,70 @@ class MetricsTracker:
         )
         self._last = snapshot
         return snapshot
+
+
+# ---------------------------------------- the policy table
+# Written once per run under POLICY_TAG by the sinks without a config channel, read back by the run readers:
+# the format lives here once, with the other names of what is written.
+
+
+def config_markdown(config: Mapping[str, object]) -> str:
+    """A policy config as a two-column markdown table (how sinks without a config channel show it).
+
+    Example:
+        >>> print(config_markdown({"type": "fixed", "scale": 128.0}))
+        | setting | value |
+        |---|---|
+        | type | fixed |
+        | scale | 128.0 |
+    """
+    # repr keeps every digit of a float (2**24 is 16777216.0, not :g's 1.67772e+07).
+    rows = [f"| {key} | {value!r} |" if isinstance(value, float) else f"| {key} | {value} |"
+            for key, value in config.items()]
+    return "\n".join(["| setting | value |", "|---|---|", *rows])
+
+
+def policy_values_from_markdown(markdown: str) -> dict[str, str]:
+    """The ``setting -> value`` rows of the policy table, as the text written.
+
+    Example:
+        >>> policy_values_from_markdown("| setting | value |\\n|---|---|\\n| type | fixed |")
+        {'type': 'fixed'}
+    """
+    values: dict[str, str] = {}
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0] not in ("setting", "---"):
+            values[cells[0]] = cells[1]
+    return values
+
+
+def policy_bounds_from_markdown(markdown: str) -> tuple[float, float] | None:
+    """``(min_scale, max_scale)`` from the policy table, or None when the table does not say.
+
+    A fixed policy's bounds are its one scale.
+
+    Example:
+        >>> policy_bounds_from_markdown(config_markdown({"type": "fixed", "scale": 8.0}))
+        (8.0, 8.0)
+    """
+    values = policy_values_from_markdown(markdown)
+    try:
+        if "min_scale" in values and "max_scale" in values:
+            return float(values["min_scale"]), float(values["max_scale"])
+        if values.get("type") == "fixed" and "scale" in values:
+            return float(values["scale"]), float(values["scale"])
+    except ValueError:
+        return None
+    return None
+
+
+# The examples of the sections above, run by doctest as the docstrings' are.
+__test__ = {
+    "policy_text": """
+    >>> text = config_markdown({"type": "dynamic", "min_scale": 1.0, "max_scale": 16777216.0,
+    ...                         "growth_interval": 2000})
+    >>> policy_bounds_from_markdown(text), policy_values_from_markdown(text)["growth_interval"]
+    ((1.0, 16777216.0), '2000')
+""",
+}

@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from lossscale_callbacks._extras import require
-from lossscale_callbacks._metrics import POLICY_TAG
+from lossscale_callbacks._metrics import POLICY_TAG, config_markdown
 from lossscale_callbacks._ranks import is_rank_zero
 
 
@@ -82,22 +82,6 @@ class InMemorySink:
         return [(step, metrics[name]) for step, metrics in self.records if name in metrics]
 
 
-
-
-def config_markdown(config: Mapping[str, object]) -> str:
-    """A policy config as a two-column markdown table (how sinks without a config channel show it).
-
-    Example:
-        >>> print(config_markdown({"type": "fixed", "scale": 128.0}))
-        | setting | value |
-        |---|---|
-        | type | fixed |
-        | scale | 128.0 |
-    """
-    # repr keeps every digit of a float (2**24 is 16777216.0, not :g's 1.67772e+07).
-    rows = [f"| {key} | {value!r} |" if isinstance(value, float) else f"| {key} | {value} |"
-            for key, value in config.items()]
-    return "\n".join(["| setting | value |", "|---|---|", *rows])
 
 
 class SinkFailureWarning(UserWarning):
@@ -487,42 +471,6 @@ def owned_sinks(tensorboard: Any, wandb: Any, named: Mapping[str, Any] | None = 
 # growth interval, so that ``lossscale-callbacks report`` judges a run against the policy it ran with.
 
 
-def policy_values_from_markdown(markdown: str) -> dict[str, str]:
-    """The ``setting -> value`` rows of the policy table, as the text written.
-
-    Example:
-        >>> policy_values_from_markdown("| setting | value |\\n|---|---|\\n| type | fixed |")
-        {'type': 'fixed'}
-    """
-    values: dict[str, str] = {}
-    for line in markdown.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 2 and cells[0] not in ("setting", "---"):
-            values[cells[0]] = cells[1]
-    return values
-
-
-def policy_bounds_from_markdown(markdown: str) -> tuple[float, float] | None:
-    """``(min_scale, max_scale)`` from the policy table, or None when the table does not say.
-
-    A fixed policy's bounds are its one scale.
-
-    Example:
-        >>> from lossscale_callbacks._sinks import config_markdown
-        >>> policy_bounds_from_markdown(config_markdown({"type": "fixed", "scale": 8.0}))
-        (8.0, 8.0)
-    """
-    values = policy_values_from_markdown(markdown)
-    try:
-        if "min_scale" in values and "max_scale" in values:
-            return float(values["min_scale"]), float(values["max_scale"])
-        if values.get("type") == "fixed" and "scale" in values:
-            return float(values["scale"]), float(values["scale"])
-    except ValueError:
-        return None
-    return None
-
-
 # The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "at_exit": """
@@ -538,12 +486,5 @@ __test__ = {
     ValueError: tensorboard must be None or a non-empty log directory path, got ''
     >>> owned_sinks(None, None)
     []
-""",
-    "policy_text": """
-    >>> from lossscale_callbacks._sinks import config_markdown
-    >>> text = config_markdown({"type": "dynamic", "min_scale": 1.0, "max_scale": 16777216.0,
-    ...                         "growth_interval": 2000})
-    >>> policy_bounds_from_markdown(text), policy_values_from_markdown(text)["growth_interval"]
-    ((1.0, 16777216.0), '2000')
 """,
 }

@@ -29,7 +29,6 @@ Example:
 from lossscale_callbacks._extras import MissingExtraError, require
 from lossscale_callbacks._health import (
     ConsecutiveSkips,
-    RanksDisagree,
     Rule,
     ScaleOnlyDecreases,
     SkipRate,
@@ -40,8 +39,9 @@ from lossscale_callbacks._health import (
 from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._ops import Ops
 from lossscale_callbacks._policy import Policy, policy_from_config
-from lossscale_callbacks._run_readers import Reader, RunReadError, Series
 from lossscale_callbacks._sinks import register_sink
+from lossscale_callbacks.loop._rank_agreement import RanksDisagree
+from lossscale_callbacks.report._run_readers import Reader, RunReadError, Series
 
 __all__ = [
     "ConsecutiveSkips",

@@ -32,10 +32,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lossscale_callbacks._forensics import FP16_MIN_SUBNORMAL, HISTOGRAM_EXPONENTS, LayerHeadroom
 from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, Policy
 from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks._update import initial_state, next_state
+from lossscale_callbacks.forensics._gradients import FP16_MIN_SUBNORMAL, HISTOGRAM_EXPONENTS, LayerHeadroom
 
 __all__ = [
     "ConformanceCase",

@@ -16,9 +16,9 @@ engine's source, cited beside it with the version:
 
 from __future__ import annotations
 
-from lossscale_callbacks._logging_loop import LoggingLoop
 from lossscale_callbacks._policy import DynamicPolicy
 from lossscale_callbacks._update import initial_state, next_state
+from lossscale_callbacks.loop._logging_loop import LoggingLoop
 
 # steps, scale after, skipped (cumulative), hysteresis left before the step, overflow
 Step = tuple[int, float, int, int, bool]

@@ -9,15 +9,6 @@ import numpy as np
 import pytest
 
 from lossscale_callbacks import DynamicPolicy, InMemorySink, LoggingLoop
-from lossscale_callbacks._activations import ActivationTrace, margin_log2
-from lossscale_callbacks._advice import (
-    FP16_SPAN_LOG2,
-    GradientRange,
-    advise,
-    fitting_scale,
-    smallest_keep_set,
-)
-from lossscale_callbacks._forensics import HISTOGRAM_EDGES, IntervalForensics, totals_from_series
 from lossscale_callbacks._metrics import (
     ACTIVATION_HEADROOM_PREFIX,
     ACTIVATION_PRODUCER_PREFIX,
@@ -25,6 +16,15 @@ from lossscale_callbacks._metrics import (
     ADVICE_TAG,
     MIN_ACTIVATION_HEADROOM,
 )
+from lossscale_callbacks.forensics._activations import ActivationTrace, margin_log2
+from lossscale_callbacks.forensics._advice import (
+    FP16_SPAN_LOG2,
+    GradientRange,
+    advise,
+    fitting_scale,
+    smallest_keep_set,
+)
+from lossscale_callbacks.forensics._gradients import HISTOGRAM_EDGES, IntervalForensics, totals_from_series
 
 
 def _t5_trace(step: int = 10) -> ActivationTrace:

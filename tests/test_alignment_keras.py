@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from alignment_models.expected import CASES, finding_keys, note_keys  # noqa: E402
 from alignment_models.reports import keras_report  # noqa: E402
 
-from lossscale_callbacks._alignment_cli import add_check_parser, run_check  # noqa: E402
+from lossscale_callbacks.alignment._alignment_cli import add_check_parser, run_check  # noqa: E402
 from lossscale_callbacks.alignment._records import Pass  # noqa: E402
 from lossscale_callbacks.keras._alignment import capture, check_alignment, check_model_file  # noqa: E402
 

@@ -47,9 +47,9 @@ USER_TESTS = textwrap.dedent('''
 
 def _load_plugin_args() -> list[str]:
     """What a user passes: nothing when the package is installed (pytest11 entry point), else ``-p``."""
-    installed = any(ep.value == "lossscale_callbacks._pytest_plugin"
+    installed = any(ep.value == "lossscale_callbacks.alignment._pytest_plugin"
                     for ep in importlib.metadata.entry_points(group="pytest11"))
-    return [] if installed else ["-p", "lossscale_callbacks._pytest_plugin"]
+    return [] if installed else ["-p", "lossscale_callbacks.alignment._pytest_plugin"]
 
 
 @pytest.mark.slow

@@ -18,8 +18,9 @@ import zipfile
 
 import pytest
 
-from lossscale_callbacks._alignment_cli import add_check_parser, run_check
-from lossscale_callbacks._check_limits import (
+from lossscale_callbacks._cli import build_parser
+from lossscale_callbacks.alignment._alignment_cli import add_check_parser, run_check
+from lossscale_callbacks.alignment._check_limits import (
     MAX_BATCH_SIZE,
     ArchiveTooLargeError,
     ModelTooDeepError,
@@ -27,7 +28,6 @@ from lossscale_callbacks._check_limits import (
     check_batch_size,
     run_deep,
 )
-from lossscale_callbacks._cli import build_parser
 
 PIP_KERAS = 'pip install "lossscale-callbacks[keras]" tensorflow'
 

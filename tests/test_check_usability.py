@@ -14,7 +14,7 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from lossscale_callbacks._alignment_cli import add_check_parser, run_check  # noqa: E402
+from lossscale_callbacks.alignment._alignment_cli import add_check_parser, run_check  # noqa: E402
 
 
 def _cli(argv):

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossscale_callbacks._forensics import check_diagnose
 from lossscale_callbacks._health import ConsecutiveSkips, HealthMonitor
 from lossscale_callbacks._metrics import MetricsTracker, Snapshot, observed_state
 from lossscale_callbacks._state import STATE_FIELDS
+from lossscale_callbacks.forensics._gradients import check_diagnose
 
 
 def _state(**changes):
@@ -135,9 +135,9 @@ GARBAGE = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
 @given(changes=st.dictionaries(st.sampled_from([*STATE_FIELDS, "extra"]), GARBAGE, max_size=3),
        removed=st.sets(st.sampled_from(STATE_FIELDS), max_size=2))
 def test_the_logging_loop_records_a_valid_read_or_refuses_it_and_stays_as_it_was(changes, removed):
-    from lossscale_callbacks._logging_loop import LoggingLoop
     from lossscale_callbacks._policy import DynamicPolicy
     from lossscale_callbacks._sinks import InMemorySink
+    from lossscale_callbacks.loop._logging_loop import LoggingLoop
 
     memory = InMemorySink()
     loop = LoggingLoop(DynamicPolicy(), sinks=[memory], echo=None, health="warn")

@@ -12,9 +12,9 @@ from lossscale_callbacks import (
     initial_state,
     next_state,
 )
-from lossscale_callbacks._forensics_words import summarize
 from lossscale_callbacks._health import ConsecutiveSkips, HealthMonitor, SkipRate, StuckAtMinScale, evaluate
 from lossscale_callbacks._metrics import MetricsTracker, Snapshot
+from lossscale_callbacks.forensics._words import summarize
 
 
 def run(policy, flags, tracker, every):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lossscale_callbacks._logging_loop import LoggingLoop
 from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, check_policy, is_policy
 from lossscale_callbacks._update import initial_state, next_state
+from lossscale_callbacks.loop._logging_loop import LoggingLoop
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 60
 SHARED = {"log_every", "tensorboard", "wandb", "sinks", "health", "echo"}
 # Where the shared arguments are written out in full.
-HOME = ("lossscale_callbacks/_logging_loop.py", "LoggingLoop")
+HOME = ("lossscale_callbacks/loop/_logging_loop.py", "LoggingLoop")
 ENTRY = re.compile(r"^(\s+)([\w, ]+?)(?: \([^)]*\))?: ")
 
 

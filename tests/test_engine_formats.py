@@ -1,6 +1,6 @@
 """Each line format of each engine, one literal line apiece (as the engine's source prints it, versions in
-``lossscale_callbacks/_engine_formats.py``), read by its parser: the variants the trajectory tests do not
-write. Runtime: well under a second."""
+``lossscale_callbacks/report/_engine_formats.py``), read by its parser: the variants the trajectory tests do
+not write. Runtime: well under a second."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale_callbacks._engine_logs import read_run
-from lossscale_callbacks._engine_parsers import ApexParser, DeepSpeedParser, FairseqParser, MegatronParser
-from lossscale_callbacks._run_readers import NoLossScaleError
+from lossscale_callbacks.report._engine_logs import read_run
+from lossscale_callbacks.report._engine_parsers import (
+    ApexParser,
+    DeepSpeedParser,
+    FairseqParser,
+    MegatronParser,
+)
+from lossscale_callbacks.report._run_readers import NoLossScaleError
 
 DS = "[2023-05-01 10:00:00,000] [INFO] "
 
@@ -123,7 +128,7 @@ def test_a_megatron_line_printed_twice_is_read_once():
 def test_two_megatron_logs_joined_count_each_runs_skips_from_its_start(tmp_path):
     """``cat run1.log run2.log``: the iteration goes back to 10, where the second run's count starts (it
     failed before: 6 skipped steps at step 10 of a run of 10 steps)."""
-    from lossscale_callbacks._run_report import build_report
+    from lossscale_callbacks.report._run_report import build_report
 
     line = " iteration {:8d}/     100 | loss scale: 1024.0 | number of skipped iterations: {:3d} |"
     lines = [line.format(step, 3) for step in (10, 20)] + [line.format(step, 1) for step in (10, 20, 30)]
@@ -169,8 +174,8 @@ def test_no_line_crashes_the_reader(tmp_path_factory, lines):
 
 @pytest.mark.parametrize("scale", ["1e400", "inf", "nan", "0.0", "-2.0"])
 def test_a_scale_that_is_no_loss_scale_is_refused_in_words(tmp_path, scale):
-    from lossscale_callbacks._report_cli import UNREADABLE, judge_run
-    from lossscale_callbacks._run_readers import discover_runs
+    from lossscale_callbacks.report._report_cli import UNREADABLE, judge_run
+    from lossscale_callbacks.report._run_readers import discover_runs
 
     log = tmp_path / "train.log"
     log.write_text("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 1024.0\n"

@@ -20,8 +20,8 @@ from engine_log_writers import apex_log, deepspeed_log, fairseq_log, loop_run, m
 from lossscale_callbacks._cli import main
 from lossscale_callbacks._metrics import MetricsTracker
 from lossscale_callbacks._policy import DynamicPolicy
-from lossscale_callbacks._report_cli import NO_LOSS_SCALE, READ, judge_run
-from lossscale_callbacks._run_readers import ENGINE_LOG, discover_runs
+from lossscale_callbacks.report._report_cli import NO_LOSS_SCALE, READ, judge_run
+from lossscale_callbacks.report._run_readers import ENGINE_LOG, discover_runs
 
 pytest.importorskip("tensorboard")
 
@@ -237,7 +237,7 @@ def _megatron_lines(count):
 
 def test_reading_grows_linearly_with_the_lines(tmp_path):
     """Four times the lines take about four times as long (well under 8x: no quadratic step)."""
-    from lossscale_callbacks._engine_logs import read_run
+    from lossscale_callbacks.report._engine_logs import read_run
 
     small, large = tmp_path / "small.log", tmp_path / "large.log"
     small.write_text(_megatron_lines(5_000))

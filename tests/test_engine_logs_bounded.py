@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks import _records, _series_thinning
-from lossscale_callbacks._engine_logs import read_run
-from lossscale_callbacks._records import Records
-from lossscale_callbacks._run_readers import GROWTH_INTERVAL, MIN_SCALE, ReplayedRun, RunReadError
-from lossscale_callbacks._run_report import build_report
-from lossscale_callbacks._series_thinning import ThinnedRun
+from lossscale_callbacks.report import _records, _series_thinning
+from lossscale_callbacks.report._engine_logs import read_run
+from lossscale_callbacks.report._records import Records
+from lossscale_callbacks.report._run_readers import GROWTH_INTERVAL, MIN_SCALE, ReplayedRun, RunReadError
+from lossscale_callbacks.report._run_report import build_report
+from lossscale_callbacks.report._series_thinning import ThinnedRun
 
 # ---------------------------------------------------------------------------------------------- records
 
@@ -317,8 +317,8 @@ def test_memory_does_not_grow_with_the_log_points(tmp_path, monkeypatch):
 
 def test_the_skip_rate_panel_draws_at_most_a_thousand_exact_steps():
     from lossscale_callbacks._metrics import MetricsTracker
-    from lossscale_callbacks._report_cli import _skip_rates
     from lossscale_callbacks._state import LossScaleState
+    from lossscale_callbacks.report._report_cli import _skip_rates
 
     tracker = MetricsTracker(min_scale=1.0)
     snaps = [tracker.observe(LossScaleState(8.0, 0, 0, step // 7, step)) for step in range(3, 30_000, 3)]

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossscale_callbacks import DynamicPolicy, InMemorySink, LoggingLoop
-from lossscale_callbacks._forensics import (
+from lossscale_callbacks.forensics._gradients import (
     FORENSICS_TAG,
     HISTOGRAM_TAG,
     ForensicsTotals,
@@ -28,7 +28,7 @@ from lossscale_callbacks._forensics import (
     LayerHeadroom,
     check_diagnose,
 )
-from lossscale_callbacks._forensics_words import FP16_MAX_LOG2, findings
+from lossscale_callbacks.forensics._words import FP16_MAX_LOG2, findings
 from lossscale_callbacks.testing import reference_headroom, reference_histogram
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +128,7 @@ def test_tensorboard_gets_no_single_point_layer_series_and_the_report_says_the_s
     """Issue 23: a layer flagged in one interval only was a one-point series, an empty TensorBoard chart."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lossscale_callbacks._forensics import totals_from_series
+    from lossscale_callbacks.forensics._gradients import totals_from_series
     from lossscale_callbacks.tensorboard._reader import read_run
 
     loop = LoggingLoop(DynamicPolicy(initial_scale=2.0**10), tensorboard=str(tmp_path / "tb"), log_every=8,

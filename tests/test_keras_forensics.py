@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from lossscale_callbacks._forensics import FORENSICS_TAG
+from lossscale_callbacks.forensics._gradients import FORENSICS_TAG
 
 pytest.importorskip("keras")
 pytest.importorskip("tensorboard")

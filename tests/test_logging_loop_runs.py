@@ -15,9 +15,9 @@ import pytest
 
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._extras import MissingExtraError
-from lossscale_callbacks._logging_loop import LoggingLoop
 from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy
 from lossscale_callbacks._sinks import InMemorySink
+from lossscale_callbacks.loop._logging_loop import LoggingLoop
 
 
 def _host(steps, skipped, scale=1024.0, growth=0):
@@ -58,7 +58,7 @@ class Refuse:
         if name.split('.')[0] == {package!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Refuse())
-from lossscale_callbacks._logging_loop import LoggingLoop
+from lossscale_callbacks.loop._logging_loop import LoggingLoop
 from lossscale_callbacks._extras import MissingExtraError
 try:
     LoggingLoop(**{kwargs!r})
@@ -291,7 +291,7 @@ def test_a_loop_that_has_not_written_holds_no_file_or_run_and_pickles(tmp_path):
 def test_a_restart_never_lands_on_written_steps_of_a_tensorboard_chart(tmp_path):
     """Issue 30: after a restart the new segment was written at steps 100..200 again, one chart drew both."""
     pytest.importorskip("tensorboard")
-    from lossscale_callbacks._run_report import build_report
+    from lossscale_callbacks.report._run_report import build_report
     from lossscale_callbacks.tensorboard._reader import read_run
 
     loop = LoggingLoop(DynamicPolicy(), tensorboard=str(tmp_path), echo=None, health=None)

@@ -159,9 +159,9 @@ def test_reader_refuses_what_has_no_grad_scaler():
 def test_the_logging_loop_logs_a_megatron_optimizers_scaler(tmp_path):
     """ScalerReader (what every monitor uses) on a Megatron optimizer, into LoggingLoop and TensorBoard."""
     pytest.importorskip("tensorboard")
-    from lossscale_callbacks._logging_loop import LoggingLoop
-    from lossscale_callbacks._report_cli import judge_run
-    from lossscale_callbacks._run_readers import discover_runs
+    from lossscale_callbacks.loop._logging_loop import LoggingLoop
+    from lossscale_callbacks.report._report_cli import judge_run
+    from lossscale_callbacks.report._run_readers import discover_runs
 
     optimizer = SimpleNamespace(grad_scaler=_recorded_scaler(0))
     optimizer.grad_scaler._hysteresis_tracker = SETTINGS["hysteresis"]

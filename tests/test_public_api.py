@@ -3,6 +3,7 @@
 Each package's ``__init__`` exports what users type: at most 40 names in all, no name in two faces, every
 one importable, and ``dir()`` of a face shows that face only. Behind the faces is a wall: every other
 module is private (a leading underscore) except the documented extension points pinned in ``EXTENSION``.
+The core's rooms (``ROOMS``: sub-folders for a family of private modules) are packages with an empty face.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ EXTENSION: dict[str, list[str]] = {
         "ConformanceCase", "assert_conforms", "conformance_cases", "reference_headroom",
         "reference_histogram", "reference_run", "stack_states"],
 }
+# The core's rooms: private sub-packages that hold a family of modules and export nothing.
+ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.ledger", "lossscale_callbacks.loop",
+         "lossscale_callbacks.report")
 FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
               "accelerate", "transformers", "ray")
 
@@ -78,8 +82,11 @@ def _source(face: str) -> Path:
 def _declared_all(face: str) -> list[str]:
     """``__all__`` as written in the face's source (read without importing its framework)."""
     tree = ast.parse(_source(face).read_text())
-    values = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-              and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)]
+    values = [ast.literal_eval(node.value) for node in tree.body
+              if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                       for t in node.targets))
+              or (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                  and node.target.id == "__all__")]
     assert len(values) == 1, f"{face} must assign __all__ exactly once"
     return list(values[0])
 
@@ -91,7 +98,19 @@ def test_every_face_exports_exactly_its_pinned_names(face):
 
 def test_every_package_has_a_pinned_face():
     packages, _ = _package_dirs()
-    assert set(packages) | {"lossscale_callbacks.lightning.fabric"} == set(FACES)
+    assert set(packages) | {"lossscale_callbacks.lightning.fabric"} == set(FACES) | set(ROOMS)
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_a_room_is_private_and_exports_nothing(room):
+    assert _declared_all(room) == []
+    module = importlib.import_module(room)
+    assert "private room" in module.__doc__
+    namespace: dict = {}
+    exec(f"from {room} import *", namespace)
+    assert set(namespace) == {"__builtins__"}
+    inside = [name for name in _modules() if name.startswith(room + ".")]
+    assert inside and all(name.rsplit(".", 1)[1].startswith("_") for name in inside)
 
 
 def test_at_most_40_public_names_and_none_in_two_faces():
@@ -133,7 +152,7 @@ def _modules() -> list[str]:
 
 
 def test_no_module_behind_the_faces_has_a_public_name():
-    public = set(FACES) | set(EXTENSION)
+    public = set(FACES) | set(EXTENSION) | set(ROOMS)
     leaked = [name for name in _modules() if name not in public
               and not name.split(".")[-1].startswith("_")]
     assert leaked == [], f"public module names that are neither a face nor an extension point: {leaked}"

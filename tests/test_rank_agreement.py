@@ -17,16 +17,15 @@ import pytest
 
 from lossscale_callbacks import DynamicPolicy, InMemorySink, LoggingLoop
 from lossscale_callbacks._health import LossScaleHealthError, LossScaleHealthWarning, SkipRate
-from lossscale_callbacks._rank_agreement import (
-    RANKS_DISAGREE,
-    RANKS_TAG,
+from lossscale_callbacks._metrics import RANKS_DISAGREE, RANKS_TAG
+from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks.loop._rank_agreement import (
     RankedState,
     RanksDisagree,
     RankStates,
     split_health,
 )
-from lossscale_callbacks._run_report import build_report
-from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks.report._run_report import build_report
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_scripts", "rank_agreement.py")
 

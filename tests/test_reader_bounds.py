@@ -21,7 +21,7 @@ from report_json import the_read_run
 
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._cli import main
-from lossscale_callbacks._run_readers import RunReadError
+from lossscale_callbacks.report._run_readers import RunReadError
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.tensorboard._reader import masked_crc32c_rows
 from lossscale_callbacks.tensorboard._reader import read_run as read_tensorboard

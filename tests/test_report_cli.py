@@ -18,9 +18,9 @@ from report_json import the_read_run
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._cli import main
-from lossscale_callbacks._report_cli import write_png
-from lossscale_callbacks._run_readers import READER_GROUP, load_reader
-from lossscale_callbacks._run_report import build_report
+from lossscale_callbacks.report._report_cli import write_png
+from lossscale_callbacks.report._run_readers import READER_GROUP, load_reader
+from lossscale_callbacks.report._run_report import build_report
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.wandb import WandbSink
 from lossscale_callbacks.wandb._reader import wait_until_finished

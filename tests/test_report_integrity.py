@@ -15,10 +15,10 @@ import wandb
 
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._cli import main
-from lossscale_callbacks._logging_loop import LoggingLoop
 from lossscale_callbacks._policy import DynamicPolicy
-from lossscale_callbacks._run_report import build_report, split_segments
 from lossscale_callbacks._update import initial_state, next_state
+from lossscale_callbacks.loop._logging_loop import LoggingLoop
+from lossscale_callbacks.report._run_report import build_report, split_segments
 from lossscale_callbacks.tensorboard._sink import TensorBoardSink
 from lossscale_callbacks.wandb._reader import wait_until_finished
 from lossscale_callbacks.wandb._sink import WandbSink

@@ -15,9 +15,9 @@ import sys
 import pytest
 
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks import _run_readers as run_readers
 from lossscale_callbacks._cli import main
-from lossscale_callbacks._forensics import CAUSE_METRICS
+from lossscale_callbacks.forensics._gradients import CAUSE_METRICS
+from lossscale_callbacks.report import _run_readers as run_readers
 from lossscale_callbacks.tensorboard import TensorBoardSink
 
 FORGED = "evil\nforged          9999       0          0.00%      1            OK"
@@ -134,8 +134,8 @@ def test_report_silences_what_a_reader_import_writes_to_stderr(tmp_path, capfd, 
 @pytest.mark.parametrize(("skipped", "said"), [(0.0, True), (3.0, False)])
 def test_the_skip_rate_panel_says_when_nothing_was_skipped(tmp_path, skipped, said):
     matplotlib = pytest.importorskip("matplotlib")
-    from lossscale_callbacks._report_cli import write_png
-    from lossscale_callbacks._run_report import build_report
+    from lossscale_callbacks.report._report_cli import write_png
+    from lossscale_callbacks.report._run_report import build_report
 
     series = {m.SCALE: [(100, 1024.0), (200, 2048.0)], m.SKIPPED_STEPS: [(100, 0.0), (200, skipped)]}
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, to be read back

@@ -1,9 +1,9 @@
-"""``lossscale-callbacks report RUN`` walks through at most 6 modules of the library beyond the core.
+"""``lossscale-callbacks report RUN`` on a TensorBoard run loads at most 15 modules of the library in all.
 
 Counted where it happens: the command runs in a fresh interpreter on a real TensorBoard run, and the
-library modules in ``sys.modules`` at exit are compared with those ``import lossscale_callbacks`` loads
-(the policy, metrics, health rules and sinks every command and integration shares). What is left is
-the report's own way from the command line to the printed table. About 10 s on 2 CPU cores.
+library modules in ``sys.modules`` at exit are counted, the package itself included. ``import
+lossscale_callbacks`` loads nothing behind the face (its names are imported when first used), so what is
+counted is the report's own way from the command line to the printed table. About 10 s on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("tensorboard")
 
-MAX_REPORT_MODULES = 6
+MAX_REPORT_MODULES = 15
 # Prints the library's modules in sys.modules (at exit, for the command line), on stderr.
 _LIST = ("def _library():\n"
          "    names = sorted(m for m in sys.modules if m.split('.')[0] == 'lossscale_callbacks')\n"
@@ -31,7 +31,7 @@ def _modules(code: str, *argv: str) -> tuple[subprocess.CompletedProcess, set[st
     return out, set(line.split()[1:])
 
 
-def test_report_runs_through_at_most_6_library_modules_beyond_the_core(tmp_path):
+def test_report_on_a_tensorboard_run_loads_at_most_15_library_modules(tmp_path):
     from lossscale_callbacks.tensorboard import TensorBoardSink
 
     sink = TensorBoardSink(str(tmp_path / "runs" / "fp16"))
@@ -41,8 +41,9 @@ def test_report_runs_through_at_most_6_library_modules_beyond_the_core(tmp_path)
     assert out.returncode == 0, out.stderr
     assert "Loss scale: final 32768" in out.stdout  # the printed table came out of this path
     _, core = _modules(_CORE)
-    assert core < report
-    own = sorted(report - core)
-    assert len(own) <= MAX_REPORT_MODULES, f"report runs through {len(own)} modules beyond the core: {own}"
-    # the check command's modules are not on the way
-    assert not [name for name in own if "alignment" in name or "check" in name]
+    assert core == {"lossscale_callbacks", "lossscale_callbacks._extras"}  # nothing behind the face until used
+    assert "lossscale_callbacks.tensorboard._reader" in report
+    assert len(report) <= MAX_REPORT_MODULES, f"report loads {len(report)} library modules: {sorted(report)}"
+    # neither the check command's modules, nor the loop, the sinks or the forensics are on the way
+    assert not [name for name in report if any(part in name for part in (
+        "alignment", "check", "loop", "_sinks", "forensics"))], sorted(report)

@@ -82,9 +82,8 @@ def test_a_disabled_sink_still_closes_its_backend_quietly(clean_env):
 def test_the_core_report_and_cli_import_no_framework_or_dashboard_package():
     code = (
         "import sys\n"
-        "import lossscale_callbacks._cli, lossscale_callbacks._report_cli, lossscale_callbacks._run_report\n"
-        "import lossscale_callbacks._run_readers, lossscale_callbacks._run_readers\n"
-        "import lossscale_callbacks._report_cli\n"
+        "import lossscale_callbacks._cli, lossscale_callbacks.report._report_cli\n"
+        "import lossscale_callbacks.report._run_report, lossscale_callbacks.report._run_readers\n"
         "import lossscale_callbacks._ranks, lossscale_callbacks._sinks, lossscale_callbacks._sinks\n"
         "heavy = ('tensorflow', 'torch', 'keras', 'lightning', 'pytorch_lightning', 'wandb', 'tensorboard',"
         " 'matplotlib')\n"

@@ -16,7 +16,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks._run_readers import RunReadError
+from lossscale_callbacks.report._run_readers import RunReadError
 from lossscale_callbacks.tensorboard._reader import (
     FileReading,
     iter_record_batches,
@@ -115,9 +115,9 @@ def test_records_of_one_layout_share_everything_but_their_numbers():
 
 @pytest.fixture
 def run(tmp_path):
-    from lossscale_callbacks._logging_loop import LoggingLoop
     from lossscale_callbacks._policy import DynamicPolicy
     from lossscale_callbacks._update import initial_state, next_state
+    from lossscale_callbacks.loop._logging_loop import LoggingLoop
 
     policy = DynamicPolicy(initial_scale=2.0**15, growth_interval=1000)
     loop = LoggingLoop(policy, sinks=[TensorBoardSink(tmp_path / "run")], health=None, echo=None)

@@ -22,6 +22,7 @@ Example (a Markdown page)::
 from __future__ import annotations
 
 import argparse
+import ast
 import builtins
 import importlib
 import importlib.metadata
@@ -45,8 +46,22 @@ NOT_DOCUMENTED = {"__version__"}  # the version is on the home page and the API 
 
 
 def package_faces(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
-    """The packages pyproject.toml installs: each one's ``__init__`` is a face."""
-    return list(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"])
+    """The packages pyproject.toml installs: each one's ``__init__`` is a face, except the core's rooms
+    (private sub-packages that hold a family of modules and export nothing: ``__all__ = []``)."""
+    packages = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"]
+    return [name for name in packages if not _is_room(name)]
+
+
+def _is_room(package: str) -> bool:
+    path = ROOT.joinpath(*package.split("."), "__init__.py")  # the core's sub-packages live in its folder
+    if not path.is_file():
+        return False
+    for node in ast.parse(path.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            return isinstance(node.value, ast.List) and not node.value.elts
+    return False
 
 
 def face_names(faces: Iterable[str]) -> dict[str, list[str]]:

@@ -43,13 +43,13 @@ except ImportError as exc:  # a JAX or torch install without TensorFlow
     raise ImportError("the Keras alignment check traces TensorFlow graphs and needs tensorflow, which is not "
                       "installed; the loss scaling itself runs on every Keras backend") from exc
 
-from lossscale_callbacks._check_limits import (
+from lossscale_callbacks.alignment._audit import LayerPrecision, OpPrecision, PrecisionInfo
+from lossscale_callbacks.alignment._check_limits import (
     DEFAULT_MAX_UNZIPPED_MIB,
     ModelTooDeepError,
     check_archive,
     check_batch_size,
 )
-from lossscale_callbacks.alignment._audit import LayerPrecision, OpPrecision, PrecisionInfo
 from lossscale_callbacks.alignment._gemm import einsum_gemm, matmul_gemm
 from lossscale_callbacks.alignment._records import (
     Capture,
@@ -566,11 +566,11 @@ def check_model_file(path: str, *, batch_size: int = 8, target: str | None = Non
                      progress: Callable[[str], None] | None = None) -> AlignmentReport:
     """Load a ``.keras`` file (without compiling) and check it: the ``lossscale-callbacks check`` command.
 
-    The file is looked at before Keras loads it (see :mod:`lossscale_callbacks._check_limits`): an
+    The file is looked at before Keras loads it (see :mod:`lossscale_callbacks.alignment._check_limits`): an
     archive that would inflate to more than ``max_unzipped_mib`` MiB is refused, and so is a batch
     size TensorFlow cannot trace. A model nested deeper than Python's recursion limit allows is a
-    :class:`~lossscale_callbacks._check_limits.ModelTooDeepError`; run the check through
-    :func:`~lossscale_callbacks._check_limits.run_deep` (as the command does) for a higher limit.
+    :class:`~lossscale_callbacks.alignment._check_limits.ModelTooDeepError`; run the check through
+    :func:`~lossscale_callbacks.alignment._check_limits.run_deep` (as the command does) for a higher limit.
     ``progress`` is called with a line as each stage (load, trace, rules) starts and ends; the seconds
     of each go into the report's ``context["seconds"]``.
 

@@ -8,11 +8,11 @@ start. Every Keras backend; also run by ``lossscale-callbacks audit`` on a saved
    weight, and the gradients' extent (the largest, and the 1% quantile of the non-zero ``|g|``);
 2. in float16 (``mixed_float16``) with the layers found so far kept in float32: the layer that produced
    the first non-finite activation (or whose input only overflowed when cast to float16), added to the
-   keep set until the passes are finite (:func:`lossscale_callbacks._advice.smallest_keep_set`);
+   keep set until the passes are finite (:func:`lossscale_callbacks.forensics._advice.smallest_keep_set`);
 3. with that set kept: the largest power-of-two loss scale at which every batch's float16 gradients are
    finite (a bisection over 2^0 to 2^24), the advised starting scale.
 
-The rules and the words are the core's (:func:`lossscale_callbacks._advice.advise`).
+The rules and the words are the core's (:func:`lossscale_callbacks.forensics._advice.advise`).
 :func:`keep_keras_layers_in_float32` applies a keep list: the layers (with their sublayers) get the
 ``float32`` dtype policy, so Keras casts their inputs to float32 and they compute in it; the weights are
 the same variables.
@@ -29,8 +29,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks._activations import ActivationTrace
-from lossscale_callbacks._advice import (
+from lossscale_callbacks.forensics._activations import ActivationTrace
+from lossscale_callbacks.forensics._advice import (
     AuditResult,
     GradientRange,
     advise,
@@ -231,8 +231,9 @@ def audit_keras_precision(model: keras.Model, batches: Iterable[Any],
         max_rounds: the most float16 runs spent finding the keep set.
 
     Returns:
-        An :class:`~lossscale_callbacks._advice.AuditResult`: ``.advice`` (``fits``, ``keep_float32``,
-        ``use_bfloat16``, ``initial_scale``, ``growth_interval``, the words), ``.markdown()``, ``.to_dict()``.
+        An :class:`~lossscale_callbacks.forensics._advice.AuditResult`: ``.advice`` (``fits``,
+        ``keep_float32``, ``use_bfloat16``, ``initial_scale``, ``growth_interval``, the words),
+        ``.markdown()``, ``.to_dict()``.
 
     Raises:
         ValueError: no batch, or no loss (the model is not compiled and no ``loss_fn`` was given).
@@ -301,8 +302,9 @@ def audit_model_file(path: str, *, data: str | None = None, batches: int = 2, ba
                      max_unzipped_mib: float = 1024.0) -> AuditResult:
     """Load a ``.keras`` file and audit it: the ``lossscale-callbacks audit`` command.
 
-    The archive is bounded before Keras reads it (:func:`~lossscale_callbacks._check_limits.check_archive`)
-    and loaded with Keras' ``safe_mode`` (no lambda deserialised). Sample batches come from ``data`` (an
+    The archive is bounded before Keras reads it
+    (:func:`~lossscale_callbacks.alignment._check_limits.check_archive`) and loaded with Keras'
+    ``safe_mode`` (no lambda deserialised). Sample batches come from ``data`` (an
     ``.npz`` with ``x`` and optionally ``y``) or are standard-normal inputs of the model's input shape;
     without targets the loss is the mean square of the outputs.
 
@@ -310,7 +312,7 @@ def audit_model_file(path: str, *, data: str | None = None, batches: int = 2, ba
         ValueError: the file is not a model, or ``data`` has no ``x``.
         ArchiveTooLargeError: the archive would inflate to more than ``max_unzipped_mib``.
     """
-    from lossscale_callbacks._check_limits import check_archive
+    from lossscale_callbacks.alignment._check_limits import check_archive
 
     check_archive(path, max_unzipped_mib)
     model = keras.saving.load_model(path, compile=True, safe_mode=True)

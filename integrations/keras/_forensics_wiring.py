@@ -31,15 +31,15 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks._forensics import (
+from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks._validation import check_int
+from lossscale_callbacks.forensics._gradients import (
     CAUSES,
     IntervalForensics,
     LayerHeadroom,
     check_diagnose,
     sampled_within,
 )
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import check_int
 from lossscale_callbacks.keras import _forensics_device as device
 from lossscale_callbacks.keras._forensics_layout import ForensicsLayout
 from lossscale_callbacks.keras._keras_ops import counter_dtype
@@ -68,7 +68,8 @@ class ForensicsWiring:
     """The forensics of one optimizer: what was asked for, which model names the layers, the tally.
 
     Args:
-        diagnose: ``False``, ``True`` or ``"every_step"`` (see :mod:`lossscale_callbacks._forensics`).
+        diagnose: ``False``, ``True`` or ``"every_step"`` (see
+            :mod:`lossscale_callbacks.forensics._gradients`).
         headroom_every: steps between float16 headroom samples.
 
     Example:

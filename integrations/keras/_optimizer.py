@@ -80,7 +80,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         policy: any core policy (hysteresis, min/max scale, factors) instead of the three
             seed arguments.
         name: the optimizer's name.
-        diagnose: overflow forensics, on every backend (see :mod:`lossscale_callbacks._forensics`
+        diagnose: overflow forensics, on every backend (see :mod:`lossscale_callbacks.forensics._gradients`
             and :mod:`~lossscale_callbacks.keras._forensics_wiring`): ``True`` records on the device
             why each skipped step was skipped, which layers' gradients were non-finite and in which
             layer the overflow started, and samples the float16 headroom every ``headroom_every``

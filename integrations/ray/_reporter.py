@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import ray.train
 import torch
 
-from lossscale_callbacks._logging_loop import LoggingArgs, logging_args
 from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._validation import check_bool
+from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
 from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
 
 if TYPE_CHECKING:

@@ -36,9 +36,14 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
+from lossscale_callbacks._metrics import (
+    POLICY_TAG,
+    TAG_PREFIX,
+    policy_bounds_from_markdown,
+    policy_values_from_markdown,
+)
 from lossscale_callbacks._metrics import SCALE as SCALE_TAG
-from lossscale_callbacks._metrics import TAG_PREFIX
-from lossscale_callbacks._run_readers import (
+from lossscale_callbacks.report._run_readers import (
     GROWTH_INTERVAL,
     MAX_SCALE,
     MIN_SCALE,
@@ -48,7 +53,6 @@ from lossscale_callbacks._run_readers import (
     is_event_file_name,
     is_regular_file,
 )
-from lossscale_callbacks._sinks import POLICY_TAG, policy_bounds_from_markdown, policy_values_from_markdown
 
 __all__ = [
     "FileReading",

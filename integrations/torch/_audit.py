@@ -9,12 +9,12 @@
 2. under float16 autocast, with the layers found so far kept in float32: the layer that produced the
    first non-finite activation (or, when the forward pass is finite, the layer nearest the loss whose
    gradients are non-finite at scale 1), added to the keep set until the runs are finite
-   (:func:`lossscale_callbacks._advice.smallest_keep_set`);
+   (:func:`lossscale_callbacks.forensics._advice.smallest_keep_set`);
 3. with that set kept: the largest power-of-two loss scale at which every sample batch's gradients are
    finite (a bisection over 2^0 to 2^24), the advised starting scale.
 
-The rules and the words are the core's (:func:`lossscale_callbacks._advice.advise`); this module only
-measures. :func:`keep_in_float32` applies a keep list to a module: autocast off inside those modules,
+The rules and the words are the core's (:func:`lossscale_callbacks.forensics._advice.advise`); this module
+only measures. :func:`keep_in_float32` applies a keep list to a module: autocast off inside those modules,
 their inputs cast to float32 and their parameters kept float32.
 
 The model's weights and gradients are left as they were; its modules are put back after each run.
@@ -31,15 +31,15 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from lossscale_callbacks._activations import ActivationTrace
-from lossscale_callbacks._advice import (
+from lossscale_callbacks.forensics._activations import ActivationTrace
+from lossscale_callbacks.forensics._advice import (
     AuditResult,
     GradientRange,
     advise,
     largest_finite_scale,
     smallest_keep_set,
 )
-from lossscale_callbacks._forensics import layer_of
+from lossscale_callbacks.forensics._gradients import layer_of
 from lossscale_callbacks.torch._forensics import unwrap
 from lossscale_callbacks.torch._tracing import ActivationTracer
 
@@ -243,8 +243,9 @@ def audit_precision(model: torch.nn.Module, batches: Iterable[Any],
         max_rounds: the most float16 runs spent finding the keep set.
 
     Returns:
-        An :class:`~lossscale_callbacks._advice.AuditResult`: ``.advice`` (``fits``, ``keep_float32``,
-        ``use_bfloat16``, ``initial_scale``, ``growth_interval``, the words), ``.markdown()``, ``.to_dict()``.
+        An :class:`~lossscale_callbacks.forensics._advice.AuditResult`: ``.advice`` (``fits``,
+        ``keep_float32``, ``use_bfloat16``, ``initial_scale``, ``growth_interval``, the words),
+        ``.markdown()``, ``.to_dict()``.
 
     Raises:
         ValueError: no batch, or the model's output is not a loss and no ``loss_fn`` was given.

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._forensics import check_diagnose
 from lossscale_callbacks._policy import Policy, policy_from_config
 from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
 from lossscale_callbacks._validation import (
@@ -26,6 +25,7 @@ from lossscale_callbacks._validation import (
     host_number,
     validate_state,
 )
+from lossscale_callbacks.forensics._gradients import check_diagnose
 from lossscale_callbacks.torch._grad_scaler_compat import (
     GRAD_SCALER_KEYS,
     from_grad_scaler_state_dict,

@@ -1,6 +1,6 @@
 """Overflow forensics for ``LossScaler(diagnose=...)``: device-side accumulators, read at the log interval.
 
-What each step costs (see :mod:`lossscale_callbacks._forensics` for what is measured). Every figure
+What each step costs (see :mod:`lossscale_callbacks.forensics._gradients` for what is measured). Every figure
 is a bounded number of dispatched ops, whatever the number of parameter tensors:
 
 * **Which layers** had non-finite gradients, and whether a skipped step's were **Inf or NaN**: one
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._forensics import (
+from lossscale_callbacks.forensics._gradients import (
     FP16_MIN_SUBNORMAL,
     HISTOGRAM_EXPONENTS,
     IntervalForensics,

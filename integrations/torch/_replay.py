@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from lossscale_callbacks._forensics import layer_of
+from lossscale_callbacks.forensics._gradients import layer_of
 from lossscale_callbacks.ledger._entry import Replay
 from lossscale_callbacks.torch._forensics import _parameter_names, unwrap
 

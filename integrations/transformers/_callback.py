@@ -9,10 +9,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
-from lossscale_callbacks._forensics import check_diagnose
-from lossscale_callbacks._logging_loop import LoggingArgs, LoggingLoop, logging_args
 from lossscale_callbacks._policy import Policy, check_policy
 from lossscale_callbacks.accelerate._install import install_loss_scaler
+from lossscale_callbacks.forensics._gradients import check_diagnose
+from lossscale_callbacks.loop._logging_loop import LoggingArgs, LoggingLoop, logging_args
 from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ the record contents to W&B's own protobuf classes. The file is read one block at
 record longer than 16 MiB is never held (it is left out, as damage): memory stays bounded whatever
 the file holds. A file that ends inside a record (a run still being written, or a copy cut short)
 is read up to there with a note, by the rule every reader shares
-(:func:`~lossscale_callbacks._run_readers.ended_inside_record`); so is a run without its exit record.
+(:func:`~lossscale_callbacks.report._run_readers.ended_inside_record`); so is a run without its exit record.
 
 History values are JSON (W&B stores ``1024.0`` as ``1024``); every number is returned as a
 float. A metric put on a custom axis with ``define_metric(..., step_metric=...)`` is returned
@@ -41,7 +41,7 @@ from typing import Any
 from wandb.proto import wandb_internal_pb2
 
 from lossscale_callbacks._metrics import SCALE
-from lossscale_callbacks._run_readers import (
+from lossscale_callbacks.report._run_readers import (
     GROWTH_INTERVAL,
     MAX_SCALE,
     MIN_SCALE,

@@ -5,8 +5,9 @@
 is checked): the GEMMs and convolutions of one forward and backward pass, handed to :func:`analyze`,
 the framework-free rules engine. Both return an :class:`AlignmentReport` of :class:`Finding` s.
 
-The records a capture hands over, the GPU targets, the audit and each framework's capture are private
-modules behind this face.
+The records a capture hands over, the GPU targets, the audit, the ``check`` and ``audit`` commands
+(with the limits they apply before a model is loaded), the pytest plugin and each framework's capture
+are private modules behind this face.
 
 Example:
     >>> import torch

@@ -1,6 +1,6 @@
 """A run's loss scale in plain words and numbers: what ``lossscale-callbacks report`` says about one run.
 
-From a run's series (see :mod:`lossscale_callbacks._run_readers`), :func:`build_report` rebuilds the
+From a run's series (see :mod:`lossscale_callbacks.report._run_readers`), :func:`build_report` rebuilds the
 :class:`~lossscale_callbacks.extend.Snapshot` s the training run saw at each log interval and runs
 the same health rules over them.
 
@@ -23,17 +23,11 @@ from typing import Any
 import numpy as np
 
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks._cli import printable
-from lossscale_callbacks._forensics import (
-    CAUSE_METRICS,
-    LAYER_METRIC_PREFIX,
-    ORIGIN_METRIC_PREFIX,
-    totals_from_series,
-)
 from lossscale_callbacks._health import HealthMonitor, Rule, Verdict, assess, default_rules
 from lossscale_callbacks._metrics import MetricsTracker, Snapshot
-from lossscale_callbacks._rank_agreement import RANKS_DISAGREE, RANKS_TAG
-from lossscale_callbacks._run_readers import (
+from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks.report._printable import printable
+from lossscale_callbacks.report._run_readers import (
     GROWTH_INTERVAL,
     MAX_SCALE,
     MIN_SCALE,
@@ -41,7 +35,6 @@ from lossscale_callbacks._run_readers import (
     ReplayedRun,
     RunReadError,
 )
-from lossscale_callbacks._state import LossScaleState
 
 __all__ = ["RunReport", "build_report", "snapshots_from_series"]
 
@@ -96,12 +89,18 @@ def _steps_of(points: Points) -> np.ndarray:
     return np.fromiter(map(operator.itemgetter(0), points), dtype=np.int64, count=len(points))
 
 
+def _restarted(previous: Any, step: Any, strict: bool = False) -> Any:
+    """The restart rule, written once: a point whose step does not increase on the one before starts a new
+    segment (``strict``: only one whose step goes down, for counts a sink may write twice at one step).
+    On two steps it says whether the second restarts; on two arrays of steps, where (element by element):
+    :func:`_splits` cuts series held in memory with it, :class:`_Restarts` a replayed run as it streams."""
+    return step < previous if strict else step <= previous
+
+
 def _splits(points: Points, strict: bool) -> list[int]:
-    """Where each segment of ``points`` starts: where the step does not increase (``strict``: where it
-    goes down, for counts a sink may write twice at one step)."""
+    """Where each segment of ``points`` starts: where :func:`_restarted` says the step went back."""
     steps = _steps_of(points)
-    back = np.diff(steps) < 0 if strict else np.diff(steps) <= 0
-    return [0, *(np.flatnonzero(back) + 1).tolist()]
+    return [0, *(np.flatnonzero(_restarted(steps[:-1], steps[1:], strict)) + 1).tolist()]
 
 
 def _scale_splits(series: Mapping[str, Points], prefix: str) -> list[int]:
@@ -179,8 +178,8 @@ def _drop_out_of_bounds(series: dict[str, Points], prefix: str, damage: list[str
 
 # Series whose values the report counts with: a NaN or an Inf in one is no count.
 _COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT,
-           *CAUSE_METRICS.values())
-_COUNT_PREFIXES = (LAYER_METRIC_PREFIX, ORIGIN_METRIC_PREFIX)
+           *m.CAUSE_METRICS.values())
+_COUNT_PREFIXES = (m.LAYER_METRIC_PREFIX, m.ORIGIN_METRIC_PREFIX)
 
 
 def _checked_scale(series: Mapping[str, Points], prefix: str) -> None:
@@ -393,8 +392,9 @@ class RunReport:
         return self.health or assess((), list(self.snapshots), self.verdicts)
 
     def text(self) -> str:
-        """The summary in plain words, each line escaped by :func:`~lossscale_callbacks._cli.printable`
-        (a name from the disk cannot add a line or drive the terminal)."""
+        """The summary in plain words, each line escaped by
+        :func:`~lossscale_callbacks.report._printable.printable` (a name from the disk cannot add a line or
+        drive the terminal)."""
         if self.steps == 0:
             return printable(f"{self.path}: the run logged its loss scale, but no optimizer step was taken.")
         at_min = (f"about {self.steps_at_min_scale}" if self.steps_at_min_scale else "none seen")
@@ -468,18 +468,28 @@ def _growth_interval_of(series: Mapping[str, Points], prefix: str) -> int | None
     return int(interval[-1][1]) if interval else None
 
 
+def _forensics_of(series: Mapping[str, Points]) -> Any:
+    """The run's logged forensics totals, or ``None`` when it logged none. The forensics room is loaded
+    only for a run that logged them: ``report`` on a plain run loads none of it."""
+    if not any(tag in series for tag in m.CAUSE_METRICS.values()):
+        return None
+    from lossscale_callbacks.forensics._gradients import totals_from_series
+
+    return totals_from_series(series)
+
+
 def _judge(segment: Mapping[str, Points], prefix: str, min_scale: float,
            rules: Sequence[Rule] | None) -> _Judged:
-    forensics = totals_from_series({tag[len(prefix):]: points for tag, points in segment.items()
-                                    if tag.startswith(prefix)})
+    forensics = _forensics_of({tag[len(prefix):]: points for tag, points in segment.items()
+                               if tag.startswith(prefix)})
     return _judge_snapshots(_iter_snapshots(segment, prefix, min_scale), _growth_interval_of(segment, prefix),
-                            rules, segment.get(prefix + RANKS_DISAGREE, ()), forensics,
+                            rules, segment.get(prefix + m.RANKS_DISAGREE, ()), forensics,
                             bool(segment.get(prefix + m.SKIPPED_STEPS)))
 
 
 class _Restarts:
-    """A key for :func:`itertools.groupby`: how often the step has gone back so far. A point whose step is
-    not above the last one starts a new segment, where :func:`split_segments` cuts a scale series."""
+    """A key for :func:`itertools.groupby`: how often the step has gone back so far, by
+    :func:`_restarted` (the rule :func:`split_segments` cuts a scale series by)."""
 
     def __init__(self) -> None:
         self.last: int | None = None
@@ -487,7 +497,7 @@ class _Restarts:
 
     def __call__(self, point: tuple[int, float, int]) -> int:
         step = point[0]
-        if self.last is not None and step <= self.last:
+        if self.last is not None and _restarted(self.last, step):
             self.number += 1
         self.last = step
         return self.number
@@ -531,7 +541,7 @@ def _ranks_verdicts(points: Points) -> list[Verdict]:
     return [Verdict("ranks_disagree", "warn", step,
                     f"The ranks held different loss-scale states at {len(differing)} of {len(points)} log "
                     f"interval(s), first at step {step} ({count} rank(s) differed from rank 0; the run's "
-                    f"{RANKS_TAG} text names them and their values). Each rank scaled and skipped on its "
+                    f"{m.RANKS_TAG} text names them and their values). Each rank scaled and skipped on its "
                     "own.")]
 
 

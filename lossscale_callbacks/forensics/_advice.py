@@ -13,8 +13,8 @@ API for an integration:
   the compute dtype with ``keep`` in float32 and returns the layer that produced the first non-finite
   value (``None`` when all was finite); the producer is added until the run is finite.
 * :func:`advise` turns what was seen (producers, layers over the dtype's range, gradient causes and
-  origins from :class:`~lossscale_callbacks._forensics.ForensicsTotals`, the gradient range, whether the
-  scale sits at its minimum, where it settled) into an :class:`Advice`: ``fits``, ``keep_float32``,
+  origins from :class:`~lossscale_callbacks.forensics._gradients.ForensicsTotals`, the gradient range, whether
+  the scale sits at its minimum, where it settled) into an :class:`Advice`: ``fits``, ``keep_float32``,
   ``use_bfloat16``, ``initial_scale``, ``growth_interval``, and its words (``findings``, ``actions``,
   :meth:`Advice.markdown`, :meth:`Advice.to_dict`). ``code`` turns the keep list into the user's code.
 
@@ -34,8 +34,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from lossscale_callbacks._activations import DTYPE_MAX, DTYPE_TEXT, ActivationTrace, check_dtype
-from lossscale_callbacks._forensics_words import pow2, times
+from lossscale_callbacks.forensics._activations import DTYPE_MAX, DTYPE_TEXT, ActivationTrace, check_dtype
+from lossscale_callbacks.forensics._words import pow2, times
 
 FP16_MIN_SUBNORMAL_LOG2 = -24.0
 # Binades float16 holds from its smallest subnormal to its largest value: any scale places the
@@ -215,7 +215,8 @@ def advise(*, producers: Mapping[str, int] | None = None, over_range: Mapping[st
             two); default: :func:`fitting_scale` of ``gradients.largest``.
 
     Raises:
-        ValueError: ``dtype`` is not one of :data:`~lossscale_callbacks._activations.DTYPE_MAX`'s keys.
+        ValueError: ``dtype`` is not one of
+            :data:`~lossscale_callbacks.forensics._activations.DTYPE_MAX`'s keys.
     """
     check_dtype(dtype)
     producers, over_range = dict(producers or {}), dict(over_range or {})

@@ -21,10 +21,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks import _run_readers as run_readers
-from lossscale_callbacks._cli import PROG, fail, positive_number, printable, quiet_native_stderr
+from lossscale_callbacks._cli import PROG, fail, positive_number, quiet_native_stderr
 from lossscale_callbacks._extras import MissingExtraError, install_hint, require
-from lossscale_callbacks._run_readers import (
+from lossscale_callbacks.report import _run_readers as run_readers
+from lossscale_callbacks.report._printable import printable
+from lossscale_callbacks.report._run_readers import (
     FoundRun,
     NoLossScaleError,
     RunReadError,
@@ -32,7 +33,7 @@ from lossscale_callbacks._run_readers import (
     discover_runs,
     read_series,
 )
-from lossscale_callbacks._run_report import RunReport, build_report
+from lossscale_callbacks.report._run_report import RunReport, build_report
 
 __all__ = [
     "NO_LOSS_SCALE",
@@ -553,14 +554,14 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
 # The examples of the sections above, run by doctest as the docstrings' are.
 __test__ = {
     "report_outcomes": """
-    >>> from lossscale_callbacks._run_readers import FoundRun
+    >>> from lossscale_callbacks.report._run_readers import FoundRun
     >>> outcome = judge_run(FoundRun("no/such/run", "tensorboard"))
     >>> outcome.status, outcome.reason
     ('unreadable', 'no/such/run: no such file or folder')
 """,
     "report_output": """
     >>> import io
-    >>> from lossscale_callbacks._report_cli import UNREADABLE, RunOutcome
+    >>> from lossscale_callbacks.report._report_cli import UNREADABLE, RunOutcome
     >>> out = io.StringIO()
     >>> writer = JsonWriter("runs", out)
     >>> writer.add(RunOutcome("runs/a", "wandb", UNREADABLE, reason="runs/a: bad header"))
@@ -569,7 +570,7 @@ __test__ = {
     'runs/a: bad header'
 """,
     "run_picture": """
-    >>> from lossscale_callbacks._run_report import build_report
+    >>> from lossscale_callbacks.report._run_report import build_report
     >>> report = build_report("run", {"loss_scale/scale": [(100, 1024.0), (200, 2048.0)]})
     >>> write_png(report, "scale.png")  # doctest: +SKIP
     'scale.png'

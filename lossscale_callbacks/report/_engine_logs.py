@@ -25,10 +25,10 @@ import math
 import os
 from typing import Any
 
-from lossscale_callbacks import _engine_formats as f
 from lossscale_callbacks import _metrics as m
-from lossscale_callbacks._engine_parsers import PARSERS, Trajectory
-from lossscale_callbacks._run_readers import (
+from lossscale_callbacks.report import _engine_formats as f
+from lossscale_callbacks.report._engine_parsers import PARSERS, Trajectory
+from lossscale_callbacks.report._run_readers import (
     ENGINE_LOG,
     GROWTH_INTERVAL,
     MIN_SCALE,
@@ -38,7 +38,7 @@ from lossscale_callbacks._run_readers import (
     RunSeries,
     looks_like_engine_log,
 )
-from lossscale_callbacks._series_thinning import ThinnedRun
+from lossscale_callbacks.report._series_thinning import ThinnedRun
 
 __all__ = ["ENGINE_LOG", "looks_like_engine_log", "read_run"]
 

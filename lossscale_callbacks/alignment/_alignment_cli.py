@@ -7,7 +7,7 @@ whole report as JSON). Exit status: 0 when nothing is at least as severe as ``--
 ``high``), 1 when something is, 2 when the file cannot be checked. TensorFlow's own start-up logging
 is silenced. Needs Keras and its TensorFlow backend (``pip install "lossscale-callbacks[keras]"
 tensorflow``); a missing one is named with that command before anything is loaded. What a file may
-cost is bounded first (:mod:`lossscale_callbacks._check_limits`): ``--max-unzipped-mib``,
+cost is bounded first (:mod:`lossscale_callbacks.alignment._check_limits`): ``--max-unzipped-mib``,
 ``--batch-size`` up to 2**31 - 1, and ``--recursion-limit`` for deeply nested models. Each stage
 (the import of TensorFlow, Keras' load, the trace, the rules) is said on stderr as it starts and
 ends (``--progress``; by default when stderr is a terminal), and a ``Time:`` line says the seconds
@@ -33,7 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from lossscale_callbacks._check_limits import (
+from lossscale_callbacks._cli import fail, integer, positive_number, quiet_native_stderr
+from lossscale_callbacks._extras import MissingExtraError, install_hint
+from lossscale_callbacks.alignment._check_limits import (
     DEFAULT_MAX_UNZIPPED_MIB,
     DEFAULT_RECURSION_LIMIT,
     MAX_BATCH_SIZE,
@@ -41,8 +43,6 @@ from lossscale_callbacks._check_limits import (
     ModelTooDeepError,
     run_deep,
 )
-from lossscale_callbacks._cli import fail, integer, positive_number, quiet_native_stderr
-from lossscale_callbacks._extras import MissingExtraError, install_hint
 from lossscale_callbacks.alignment._checkers import framework_of_file, load_checker
 from lossscale_callbacks.alignment._report import AlignmentReport
 from lossscale_callbacks.alignment._targets import TARGETS

@@ -2,8 +2,8 @@
 
 Framework-free. An integration gathers every rank's state at the log interval (torch: one
 ``all_gather`` of four float64 numbers per rank, see ``lossscale_callbacks.torch``) and hands it to
-the :class:`~lossscale_callbacks._logging_loop.LoggingLoop` as a :class:`RankedState`; the loop
-writes :data:`RANKS_DISAGREE`, applies :class:`RanksDisagree` and says it in the summary.
+the :class:`~lossscale_callbacks.loop._logging_loop.LoggingLoop` as a :class:`RankedState`; the loop
+writes ``loss_scale/ranks_disagree``, applies :class:`RanksDisagree` and says it in the summary.
 Ranks that disagree are the silent failure of sharded fp16 training: an overflow flag not
 reduced across the shards, a rank resumed from another checkpoint, a rank that skipped
 ``update()``; each rank then trains at its own scale and skips its own steps.
@@ -25,15 +25,12 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from lossscale_callbacks._health import ACTIONS, RanksDisagree
+from lossscale_callbacks._health import ACTIONS, Verdict
 from lossscale_callbacks._state import LossScaleState
+from lossscale_callbacks._validation import check_choice
 
-__all__ = ["RANKS_DISAGREE", "RANKS_TAG", "RankStates", "RankedState", "RanksDisagree", "split_health"]
+__all__ = ["RankStates", "RankedState", "RanksDisagree", "split_health"]
 
-# The number of ranks whose state differs from rank 0's (the rank that writes): 0 when they agree.
-# Written only by a run with more than one process.
-RANKS_DISAGREE = "loss_scale/ranks_disagree"
-RANKS_TAG = "loss_scale/ranks"
 # What each rank contributes to the gather, in this order.
 RANK_FIELDS = ("scale", "growth_counter", "skipped_steps", "steps")
 
@@ -104,6 +101,40 @@ class RankedState(LossScaleState):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RankedState, (tuple(self), self.ranks))
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksDisagree:
+    """Fires when a rank's loss-scale state differs from rank 0's at a log-interval read.
+
+    Judged by the logging loop on the states gathered from every rank (never from the history of
+    one rank's snapshots), once per stretch of disagreement.
+
+    Args:
+        action: ``"warn"``, ``"raise"`` or ``"stop"``.
+    """
+
+    action: str = "warn"
+
+    def __post_init__(self) -> None:
+        check_choice("action", self.action, ACTIONS)
+
+    def describe(self) -> str:
+        return "every rank held the same loss-scale state at each read"
+
+    def judge(self, ranks: RankStates, step: int) -> Verdict | None:
+        """The verdict on one gathered read, or ``None`` when every rank agrees with rank 0."""
+        differing = ranks.differing()
+        if not differing:
+            return None
+        names = ", ".join(map(str, differing))
+        return Verdict(
+            "ranks_disagree", self.action, step,
+            f"The ranks hold different loss-scale states at step {step} (rank(s) {names} differ from "
+            f"rank 0): {ranks.describe()}. Each rank now scales and skips on its own, so the replicas "
+            "drift apart. Usual causes: the overflow flag is not reduced across the shards "
+            "(LossScaler(sync_found_inf=True)), a rank resumed from another checkpoint, or a rank "
+            "that skipped scaler.update().")
 
 
 def split_health(spec: Any) -> tuple[Any, RanksDisagree | None]:

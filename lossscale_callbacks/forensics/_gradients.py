@@ -18,7 +18,7 @@ the step:
 
 At the log interval the integration reads that once (one host read, next to the state's) into an
 :class:`IntervalForensics`; :class:`~lossscale_callbacks.LoggingLoop` writes its metrics, a
-markdown report and the histogram to the sinks, puts its words (:mod:`~lossscale_callbacks._forensics_words`)
+markdown report and the histogram to the sinks, puts its words (:mod:`~lossscale_callbacks.forensics._words`)
 into the health verdicts and the end-of-run summary, and keeps the run's :class:`ForensicsTotals`;
 ``lossscale-callbacks report`` rebuilds the same totals, and so the same words, from the logged series
 (:func:`totals_from_series`).
@@ -48,9 +48,19 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lossscale_callbacks._activations import ActivationTrace
-from lossscale_callbacks._advice import Advice, GradientRange, advise
-from lossscale_callbacks._forensics_words import (
+from lossscale_callbacks._metrics import (
+    ACTIVATION_PRODUCER_PREFIX,
+    CAUSE_METRICS,
+    CAUSES,
+    FORENSICS_TAG,
+    HEADROOM_METRIC,
+    HISTOGRAM_TAG,
+    LAYER_METRIC_PREFIX,
+    ORIGIN_METRIC_PREFIX,
+)
+from lossscale_callbacks.forensics._activations import ActivationTrace
+from lossscale_callbacks.forensics._advice import Advice, GradientRange, advise
+from lossscale_callbacks.forensics._words import (
     FP16_MAX,
     FP16_MAX_LOG2,
     FP16_MAX_TEXT,
@@ -59,20 +69,9 @@ from lossscale_callbacks._forensics_words import (
     pow2,
     relation,
 )
-from lossscale_callbacks._metrics import (
-    ACTIVATION_PRODUCER_PREFIX,
-    CAUSE_METRIC_PREFIX,
-    FORENSICS_TAG,
-    HEADROOM_METRIC,
-    HISTOGRAM_TAG,
-    LAYER_METRIC_PREFIX,
-    ORIGIN_METRIC_PREFIX,
-)
 
 FP16_MIN_SUBNORMAL = 2.0**-24
 
-CAUSES = ("loss_nonfinite", "grad_inf", "grad_nan", "grad_nonfinite")
-CAUSE_METRICS = {cause: f"{CAUSE_METRIC_PREFIX}{cause}" for cause in CAUSES}
 # log2 |scaled gradient| bins: float16's subnormals start at -24, its normal range at -14, and it
 # overflows from 16 on; the first and the last bin collect everything beyond.
 HISTOGRAM_EXPONENTS = (-40, 20)  # the first edge and the last, as binary exponents
@@ -172,14 +171,14 @@ class IntervalForensics:
         layer_skips: per layer, the skipped steps (with a finite loss) in which its gradients were
             non-finite; layers never flagged may be left out.
         layer_origins: per layer, the skipped steps (with a finite loss) in which it was the origin:
-            the flagged layer nearest the loss (see :mod:`~lossscale_callbacks._forensics_words`).
+            the flagged layer nearest the loss (see :mod:`~lossscale_callbacks.forensics._words`).
         layer_order: every watched layer in forward order (the one nearest the loss is last).
         headroom: per layer, at the last sampled step of the interval (empty when none was sampled).
         histogram: the counts of ``log2 |scaled gradient|`` in :data:`HISTOGRAM_EDGES` bins at that
             step (``None`` when none was sampled).
         headroom_scale: the scale at that sampled step.
-        activations: the forward trace of the interval (:mod:`lossscale_callbacks._activations`), when
-            the integration traces the forward pass.
+        activations: the forward trace of the interval (:mod:`lossscale_callbacks.forensics._activations`),
+            when the integration traces the forward pass.
     """
 
     step: int
@@ -219,7 +218,7 @@ class IntervalForensics:
         return values
 
     def findings(self) -> Findings:
-        """This interval in words (see :mod:`~lossscale_callbacks._forensics_words`)."""
+        """This interval in words (see :mod:`~lossscale_callbacks.forensics._words`)."""
         return findings(self.causes, self.layer_skips, self.layer_origins, self.layer_order,
                         largest_log2(self.headroom), _underflow(self.headroom, self.headroom_scale))
 
@@ -320,7 +319,7 @@ class ForensicsTotals:
         return sum(self.causes.values())
 
     def findings(self) -> Findings:
-        """The whole run in words (see :mod:`~lossscale_callbacks._forensics_words`)."""
+        """The whole run in words (see :mod:`~lossscale_callbacks.forensics._words`)."""
         room = self.last_headroom
         underflow = _underflow(room.headroom, room.headroom_scale) if room is not None else None
         return findings(self.causes, self.layer_skips, self.layer_origins, self.layer_order,
@@ -331,8 +330,9 @@ class ForensicsTotals:
         return self.findings().sentences()
 
     def advice(self, at_min_scale: bool = False, min_scale: float = 1.0) -> Advice:
-        """The run's precision advice (:func:`lossscale_callbacks._advice.advise`) from these counts: the
-        forward producers, the causes, the backward origins and the last gradient histogram's spread."""
+        """The run's precision advice (:func:`lossscale_callbacks.forensics._advice.advise`) from these
+        counts: the forward producers, the causes, the backward origins and the last gradient
+        histogram's spread."""
         room = self.last_headroom
         gradients = None
         if room is not None and room.histogram is not None and room.headroom_scale:

@@ -29,8 +29,8 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-from lossscale_callbacks import _engine_formats as f
-from lossscale_callbacks._records import Records
+from lossscale_callbacks.report import _engine_formats as f
+from lossscale_callbacks.report._records import Records
 
 __all__ = ["PARSERS", "ApexParser", "DeepSpeedParser", "FairseqParser", "MegatronParser", "Trajectory"]
 

@@ -1,8 +1,8 @@
 """pytest plugin: assert in your own tests that a model has no Tensor Core alignment problem.
 
 An installed package loads it by itself (``pytest11`` entry point); from a source tree that is not
-installed, load it with ``-p lossscale_callbacks._pytest_plugin``. Use the ``assert_tensor_core_aligned``
-fixture; it works for Keras models and torch modules alike::
+installed, load it with ``-p lossscale_callbacks.alignment._pytest_plugin``. Use the
+``assert_tensor_core_aligned`` fixture; it works for Keras models and torch modules alike::
 
     def test_my_model_is_tensor_core_friendly(assert_tensor_core_aligned):
         model = build_model()

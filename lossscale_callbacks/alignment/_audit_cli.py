@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from lossscale_callbacks._check_limits import DEFAULT_MAX_UNZIPPED_MIB, ArchiveTooLargeError
 from lossscale_callbacks._cli import fail, integer, positive_number
 from lossscale_callbacks._extras import require
+from lossscale_callbacks.alignment._check_limits import DEFAULT_MAX_UNZIPPED_MIB, ArchiveTooLargeError
 
 
 def add_audit_parser(subparsers) -> argparse.ArgumentParser:

@@ -112,7 +112,7 @@ _BANNERS = ("DeepSpeed info: version=", "DeepSpeedEngine configuration",
 def _has_loss_scale_line(text: str) -> bool:
     # The parsers are imported here, when a file that is neither an event file nor a .wandb file is
     # looked at: a report of TensorBoard or W&B runs never loads them.
-    from lossscale_callbacks._engine_parsers import PARSERS
+    from lossscale_callbacks.report._engine_parsers import PARSERS
 
     parsers = [parser() for parser in PARSERS]
     for line in text.splitlines():
@@ -365,7 +365,7 @@ def _guess_order(path: str) -> list[str]:
 def read_series(path: str, kind: str | None = None) -> tuple[str, Series]:
     """Read the run at ``path``; return ``(reader name, series)``.
 
-    ``kind`` names the reader (as :func:`~lossscale_callbacks._run_readers.discover_runs` finds
+    ``kind`` names the reader (as :func:`~lossscale_callbacks.report._run_readers.discover_runs` finds
     it); ``None`` tries every installed reader, the likeliest first. Readers are imported only when
     used (reading a TensorBoard run never imports W&B).
 

@@ -17,20 +17,14 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypedDict
 
-from lossscale_callbacks._forensics import (
-    FORENSICS_TAG,
-    HISTOGRAM_EDGES,
-    HISTOGRAM_TAG,
-    ForensicsTotals,
-    IntervalForensics,
-)
-from lossscale_callbacks._forensics_words import summarize
 from lossscale_callbacks._health import HealthMonitor, HealthSpec, Verdict
 from lossscale_callbacks._metrics import (
     ACTIVATIONS_TAG,
     ADVICE_TAG,
     ALIGNMENT_TAG,
     INTERVAL_METRICS,
+    RANKS_DISAGREE,
+    RANKS_TAG,
     RESTART_TAG,
     SEGMENT,
     SUMMARY_TAG,
@@ -40,7 +34,6 @@ from lossscale_callbacks._metrics import (
     observed_state,
 )
 from lossscale_callbacks._policy import check_policy
-from lossscale_callbacks._rank_agreement import RANKS_DISAGREE, RANKS_TAG, RankStates, split_health
 from lossscale_callbacks._ranks import is_rank_zero
 from lossscale_callbacks._sinks import (
     GuardedSink,
@@ -54,6 +47,15 @@ from lossscale_callbacks._sinks import (
 )
 from lossscale_callbacks._stacklevel import user_stacklevel
 from lossscale_callbacks._validation import INT64_MAX, check_bool, check_int, check_number
+from lossscale_callbacks.forensics._gradients import (
+    FORENSICS_TAG,
+    HISTOGRAM_EDGES,
+    HISTOGRAM_TAG,
+    ForensicsTotals,
+    IntervalForensics,
+)
+from lossscale_callbacks.forensics._words import summarize
+from lossscale_callbacks.loop._rank_agreement import RankStates, split_health
 
 __all__ = ["LoggingLoop", "check_log_every"]
 
@@ -552,8 +554,9 @@ class LoggingLoop:
         return self._with_advice(verdicts, forensics, step)
 
     def _with_advice(self, verdicts: list[Verdict], forensics: IntervalForensics, step: int) -> list[Verdict]:
-        """The advice (:mod:`lossscale_callbacks._advice`) added to a collapse verdict, and its own verdicts
-        once a run: a layer named as the producer of a non-finite activation, recurring NaN gradients."""
+        """The advice (:mod:`lossscale_callbacks.forensics._advice`) added to a collapse verdict, and its own
+        verdicts once a run: a layer named as the producer of a non-finite activation, recurring NaN
+        gradients."""
         at_min = any(v.rule == "stuck_at_min_scale" for v in verdicts)
         advice = self.forensics.advice(at_min_scale=at_min, min_scale=self.tracker.min_scale)
         words = " ".join(advice.sentences())

@@ -4,7 +4,7 @@ An integration captures, on the device and without a host read in the step, per 
 layer the largest ``|output|`` (and whether the layer's inputs were finite), keeps a ring of the last
 few traced steps, and reads it once at the log interval into an :class:`ActivationTrace` (host
 numbers: NumPy arrays). This module turns that into series, words and a table; the advice built on it
-is in :mod:`lossscale_callbacks._advice`.
+is in :mod:`lossscale_callbacks.forensics._advice`.
 
 API for an integration (torch: ``lossscale_callbacks.torch._tracing``; Keras alike):
 
@@ -13,7 +13,7 @@ API for an integration (torch: ``lossscale_callbacks.torch._tracing``; Keras ali
   forward pass finished them, named as the gradient forensics name them (a parameter's owner module);
   ``maxima`` of shape ``(len(steps), len(layers))``, ``inf``/``nan`` where the output was non-finite;
   ``producer`` the first layer in that order whose inputs were finite and whose output was not.
-* Hand it to the logging loop inside :class:`~lossscale_callbacks._forensics.IntervalForensics`
+* Hand it to the logging loop inside :class:`~lossscale_callbacks.forensics._gradients.IntervalForensics`
   (``activations=``): its :meth:`ActivationTrace.metrics` go to the sinks (one series per layer,
   :data:`~lossscale_callbacks._metrics.ACTIVATION_HEADROOM_PREFIX`), its :meth:`ActivationTrace.to_markdown`
   to ``loss_scale/activations``, and the advice into the verdicts, the summary and ``report``.
@@ -42,12 +42,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lossscale_callbacks._forensics_words import times
 from lossscale_callbacks._metrics import (
     ACTIVATION_HEADROOM_PREFIX,
     ACTIVATION_PRODUCER_PREFIX,
     MIN_ACTIVATION_HEADROOM,
 )
+from lossscale_callbacks.forensics._words import times
 
 # The largest finite value of each compute dtype. float16 is the one loss scaling is for; bfloat16 and
 # the two fp8 formats are reference lines (what the same activations would leave in them).
