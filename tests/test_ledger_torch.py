@@ -22,7 +22,6 @@ import ledger_scenario as sc  # noqa: E402
 from aten_ops import AtenOps  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy  # noqa: E402
-from lossscale_callbacks.ledger._book import Ledger, bad_steps  # noqa: E402
 from lossscale_callbacks.ledger._read import ledger_markdown, read_ledgers  # noqa: E402
 from lossscale_callbacks.ledger._skip import SKIP_BATCHES, SKIP_SAMPLES, skip_samples, write_skip_list  # noqa: E402
 from lossscale_callbacks.torch import LossScaler  # noqa: E402
@@ -38,8 +37,8 @@ def _run(folder: Any = None, *, replay: Any = True, track: bool = True, skip: An
            else torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     scaler = LossScaler(policy=DynamicPolicy(initial_scale=1024.0, growth_interval=10_000)).watch(model)
     if track:
-        loader = scaler.track(loader, replay=replay, loss=lambda batch: sc.loss_fn(model, batch))
-    book = Ledger(folder)
+        loader = scaler.track(loader, ledger=folder, replay=replay,
+                              loss=lambda batch: sc.loss_fn(model, batch))
     step = 0
     for _ in range(sc.EPOCHS):
         for batch in loader:
@@ -53,9 +52,10 @@ def _run(folder: Any = None, *, replay: Any = True, track: bool = True, skip: An
             scaler.update()
             opt.zero_grad()
             if track and step % log_every == 0:
-                bad = bad_steps(scaler.read_outcomes())  # the skip truth, read at the interval
-                book.record(bad, scaler._ledger.take(bad, step))
-    book.close()
+                scaler.read_outcomes()  # the skip truth, read at the interval: the ledger takes its bad steps
+    book = scaler.ledger if track else None
+    if book is not None:
+        book.close()
     return {"model": model, "opt": opt, "book": book, "steps": step, "rng": torch.get_rng_state(),
             "scaler": scaler}
 

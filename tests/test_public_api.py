@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FACES: dict[str, list[str]] = {
     "lossscale_callbacks": [
         "METRIC_NAMES", "DynamicPolicy", "FixedPolicy", "InMemorySink", "LoggingLoop", "LossScaleHealthError",
-        "LossScaleHealthWarning", "LossScaleState", "Sink", "__version__", "initial_state", "next_state"],
+        "LossScaleHealthWarning", "LossScaleState", "Sink", "__version__", "initial_state", "next_state",
+        "skip_samples"],
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": [

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from lossscale_callbacks._ranks import process_rank
+from lossscale_callbacks.ledger._book import Ledger, bad_steps
 from lossscale_callbacks.ledger._entry import MicroBatch, Replay
 from lossscale_callbacks.ledger._samples import SampleTracker
 from lossscale_callbacks.torch._replay import MicroRecord, StepReplayer, capture_rng
@@ -133,8 +135,10 @@ class LedgerCapture:
 
     def __init__(self, *, replay: int = 0, loss_of: Callable[[Any], Any] | None = None,
                  ids: str | None = None, column: Any = None,
-                 autocast: tuple[str, torch.dtype] | None = None) -> None:
+                 autocast: tuple[str, torch.dtype] | None = None, directory: Any = None) -> None:
         self.tracker = SampleTracker()
+        self.directory = directory
+        self.book: Ledger | None = None  # made at the first interval read (the rank is known by then)
         self.replay_budget = replay
         self.loss_of = loss_of
         self.ids = ids
@@ -270,6 +274,14 @@ class LedgerCapture:
                 del table[step]
         self._left = self.replay_budget
         return out
+
+    def record(self, outcomes: Any) -> None:
+        """An interval's skip truth (``IntervalOutcomes``, read by whoever reads the scaler's outcomes at the
+        log interval) into the book: one entry per bad step, with its micro-batches and replay."""
+        if self.book is None:
+            self.book = Ledger(self.directory, rank=process_rank())
+        bad = bad_steps(outcomes)
+        self.book.record(bad, self.take(bad, outcomes.last_step))
 
     def _resolve(self, ids: Any) -> list[Any] | None:
         """Host values of kept identities (a device tensor is read here, for a bad step only)."""

@@ -279,7 +279,7 @@ class LossScaler(torch.amp.GradScaler):
         else:
             self.forensics.headroom_every = headroom_every
 
-    def track(self, loader: Any = None, *, replay: bool | int = False,
+    def track(self, loader: Any = None, *, ledger: Any = None, replay: bool | int = False,
               loss: Callable[[Any], Any] | None = None, ids: str | None = None) -> Any:
         """Record who is in each micro-batch (the ledger of bad steps) and, with ``replay``, replay bad steps.
 
@@ -288,9 +288,16 @@ class LossScaler(torch.amp.GradScaler):
         no copy from a device). Each batch it yields is one micro-batch of the coming optimizer step
         (gradient accumulation: every batch until ``update()`` is the same step's).
 
+        The bad steps become entries of the ledger (one JSON line each, ``bad_steps.rank<r>.jsonl``)
+        when the interval's outcomes are read (:meth:`read_outcomes`, which the monitors and the logging
+        loop call at the log interval): the step, the rank, the micro-batches with their samples, the
+        scale and the cause from the skip truth, the replay's verdict. :attr:`ledger` holds them.
+
         Args:
             loader: the training loader (``None``: only set the options, for a monitor that feeds the
                 batches itself).
+            ledger: the folder the ledger is written to (put it beside the dashboards, e.g. the
+                TensorBoard log directory); ``None``: kept in memory only.
             replay: replay a bad step's batch right after it, before the next batch, on the same weights
                 with the step's RNG state: ``True`` (at most 4 per log interval) or the most per interval.
                 See :mod:`lossscale_callbacks.torch._replay` for what it costs and leaves unchanged.
@@ -322,12 +329,19 @@ class LossScaler(torch.amp.GradScaler):
         if ids is not None and not isinstance(ids, str):
             raise ValueError(f"ids must be None or the name of the batch's id field, got {ids!r}")
         capture = self._ledger
-        if capture is None or (capture.replay_budget, capture.loss_of, capture.ids) != (budget, loss, ids):
-            capture = LedgerCapture(replay=budget, loss_of=loss, ids=ids)
+        if capture is None or (capture.replay_budget, capture.loss_of, capture.ids, capture.directory) != (
+                budget, loss, ids, ledger):
+            capture = LedgerCapture(replay=budget, loss_of=loss, ids=ids, directory=ledger)
             capture.rebase(self._host_state().steps if self._path is None else self.get_state().steps)
             capture.attach(self, self._watched() if self._watched is not None else None)
             self._ledger = capture
         return capture.track(loader) if loader is not None else None
+
+    @property
+    def ledger(self) -> Any:
+        """The ledger of bad steps (after :meth:`track` and a read of the outcomes): its ``entries`` and,
+        in words, ``sentences()``; ``None`` before."""
+        return self._ledger.book if self._ledger is not None else None
 
     @contextlib.contextmanager
     def _forensics_set_aside(self) -> Iterator[None]:
@@ -845,7 +859,10 @@ class LossScaler(torch.amp.GradScaler):
         by_cause = {nonfinite_cause(self._policy): skipped, "spike": new_counts[2],
                     "applied_nonfinite": new_counts[3]}
         self._outcome_cursor = _OutcomeCursor(written, tuple(counts), state.steps, state.skipped_steps)
-        return IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
+        result = IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
+        if self._ledger is not None:  # the ledger of bad steps takes the interval's from this one read
+            self._ledger.record(result)
+        return result
 
     # -------------------------------------------------------------------------- host reads
 

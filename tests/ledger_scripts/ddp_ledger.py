@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ledger_scenario as sc
 
 from lossscale_callbacks import DynamicPolicy
-from lossscale_callbacks.ledger._book import Ledger, bad_steps
 from lossscale_callbacks.torch import LossScaler
 
 WORLD = 2
@@ -37,8 +36,7 @@ def worker(rank: int, port: int, out: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     scaler = LossScaler(policy=DynamicPolicy(initial_scale=1024.0, growth_interval=10_000),
                         sync_found_inf=True).watch(model)
-    loader = scaler.track(loader, replay=True, loss=lambda batch: sc.loss_fn(model, batch))
-    book = Ledger(out, rank=rank)
+    loader = scaler.track(loader, ledger=out, replay=True, loss=lambda batch: sc.loss_fn(model, batch))
     orders, step = [], 0
     for epoch in range(sc.EPOCHS):
         sampler.set_epoch(epoch)
@@ -54,11 +52,9 @@ def worker(rank: int, port: int, out: str) -> None:
             scaler.update()
             opt.zero_grad()
             if step % 10 == 0:
-                bad = bad_steps(scaler.read_outcomes())  # the skip truth, read at the interval
-                book.record(bad, scaler._ledger.take(bad, step))
-    bad = bad_steps(scaler.read_outcomes())
-    book.record(bad, scaler._ledger.take(bad, step))
-    book.close()
+                scaler.read_outcomes()  # the skip truth, read at the interval: the ledger takes its bad steps
+    scaler.read_outcomes()
+    scaler.ledger.close()
     with open(os.path.join(out, f"order_rank{rank}.json"), "w") as handle:
         json.dump({"orders": orders, "steps": step}, handle)
     dist.destroy_process_group()
