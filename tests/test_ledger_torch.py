@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import ledger_scenario as sc  # noqa: E402
 from aten_ops import AtenOps  # noqa: E402
 
-from lossscale_callbacks import DynamicPolicy  # noqa: E402
+from lossscale_callbacks import DynamicPolicy, LoggingLoop  # noqa: E402
 from lossscale_callbacks.ledger._read import ledger_markdown, read_ledgers  # noqa: E402
 from lossscale_callbacks.ledger._skip import SKIP_BATCHES, SKIP_SAMPLES, skip_samples, write_skip_list  # noqa: E402
 from lossscale_callbacks.torch import LossScaler  # noqa: E402
@@ -39,6 +39,7 @@ def _run(folder: Any = None, *, replay: Any = True, track: bool = True, skip: An
     if track:
         loader = scaler.track(loader, ledger=folder, replay=replay,
                               loss=lambda batch: sc.loss_fn(model, batch))
+    loop = LoggingLoop(scaler.policy, log_every=log_every, tensorboard=folder, echo=None) if folder else None
     step = 0
     for _ in range(sc.EPOCHS):
         for batch in loader:
@@ -53,6 +54,10 @@ def _run(folder: Any = None, *, replay: Any = True, track: bool = True, skip: An
             opt.zero_grad()
             if track and step % log_every == 0:
                 scaler.read_outcomes()  # the skip truth, read at the interval: the ledger takes its bad steps
+            if loop is not None:
+                loop.maybe_observe(step, scaler.get_state)
+    if loop is not None:
+        loop.finish(scaler.get_state())
     book = scaler.ledger if track else None
     if book is not None:
         book.close()
@@ -92,6 +97,21 @@ def test_the_ledger_file_is_read_back_and_its_words_name_sample_and_layer(replay
     assert ("overflowed on sample 37 at any scale; finite in float32: layer `fc2` exceeds float16 on this "
             "sample") in words
     assert f"Step {sc.INJECT_AT} replayed finite at the same scale" in words
+
+
+def test_report_lists_the_bad_samples_beside_the_run_and_writes_the_skip_list(replayed, tmp_path):
+    folder, _ = replayed
+    cli = [sys.executable, "-m", "lossscale_callbacks._cli", "report", str(folder)]
+    done = subprocess.run([*cli, "--skip-list", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Ledger of bad steps:" in done.stdout
+    assert "| 37 | 34, 74 and 165 | 0 | at any scale, finite in float32 | `fc2` |" in done.stdout
+    assert "| 301 | 15, 92 and 175 | 0 |" in done.stdout
+    assert json.loads((tmp_path / SKIP_SAMPLES).read_text())["samples"] == [37, 301]
+    as_json = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=120)
+    run = json.loads(as_json.stdout)["runs"][0]
+    assert [b["sample"] for b in run["ledger"]["bad_samples"]] == [301, 37]
+    assert len(run["ledger"]["entries"]) == 7
 
 
 def test_replay_leaves_the_run_bit_identical():

@@ -140,6 +140,14 @@ class Ledger:
         self.entries = []
         self.dropped = 0
 
+    def write_skip_list(self, directory: str | os.PathLike[str],
+                        include: str = "reproduced") -> tuple[Path, Path]:
+        """Write ``skip_samples.json`` and Lightning's ``skip_batches.json`` for these entries into
+        ``directory`` (see :mod:`lossscale_callbacks.ledger._skip`); returns the two paths."""
+        from lossscale_callbacks.ledger._skip import write_skip_list
+
+        return write_skip_list(self.entries, directory, include)
+
     def sentences(self) -> list[str]:
         """The run's bad steps in words: grouped by verdict, samples and layer, and the cap if reached."""
         if not self.entries:
