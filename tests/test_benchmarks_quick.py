@@ -56,6 +56,11 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
             "ours + empty batch-end callback / ours", "ours + LossScaleCallback / ours + empty")),
         rf"^LossScaleCallback host work: {NUM} us per batch, \d+ us per log",
     ]),
+    "ledger_overhead.py": ([], [
+        *(rf"^{arm}\s+{NUM}\s+\d+$" for arm in ("off", "ledger", "replay")),
+        *(rf"^{arm} / off: {NUM} \(median of \d+ rounds; min {NUM}, max {NUM}\)$"
+          for arm in ("ledger", "replay")),
+    ]),
     "report_read.py": (["--dir", "{tmp}"], [
         r"^3000 events \(30 with loss_scale/\*\)",
         rf"^lossscale-callbacks report: {NUM} s, peak \d+ MiB$",
