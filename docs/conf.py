@@ -56,4 +56,5 @@ nitpick_ignore_regex = [
 # Faces that are modules inside a package rather than packages of their own (the packages are read
 # from pyproject.toml): every name in their __all__ must have an API entry too.
 lsc_extra_faces = ["lossscale_callbacks.lightning.fabric", "lossscale_callbacks.extend",
+                   "lossscale_callbacks.integration", "lossscale_callbacks.torch.integration",
                    "lossscale_callbacks.testing"]

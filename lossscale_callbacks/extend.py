@@ -14,6 +14,8 @@ these names, with the package faces, are the whole promise.
 * **An integration**: its framework's :class:`Ops` for the update rule, the :data:`Policy` it is
   given (:func:`policy_from_config` for a saved one), and :func:`require` for its outside package
   (a :class:`MissingExtraError` naming the pip extra); its monitor hands a ``LoggingLoop`` the step.
+  The rest of what an integration may use from the core is the contract,
+  :mod:`lossscale_callbacks.integration`.
 
 Example:
     >>> from lossscale_callbacks import LoggingLoop
@@ -26,22 +28,27 @@ Example:
     10
 """
 
-from lossscale_callbacks._extras import MissingExtraError, require
-from lossscale_callbacks._health import (
-    ConsecutiveSkips,
-    Rule,
-    ScaleOnlyDecreases,
-    SkipRate,
-    StuckAtMinScale,
-    Verdict,
-    default_rules,
-)
-from lossscale_callbacks._metrics import Snapshot
-from lossscale_callbacks._ops import Ops
-from lossscale_callbacks._policy import Policy, policy_from_config
-from lossscale_callbacks._sinks import register_sink
-from lossscale_callbacks.loop._rank_agreement import RanksDisagree
-from lossscale_callbacks.report._run_readers import Reader, RunReadError, Series
+from typing import TYPE_CHECKING
+
+from lossscale_callbacks._extras import lazy_attributes
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imported on first use
+    from lossscale_callbacks._extras import MissingExtraError, require
+    from lossscale_callbacks._health import (
+        ConsecutiveSkips,
+        Rule,
+        ScaleOnlyDecreases,
+        SkipRate,
+        StuckAtMinScale,
+        Verdict,
+        default_rules,
+    )
+    from lossscale_callbacks._metrics import Snapshot
+    from lossscale_callbacks._ops import Ops
+    from lossscale_callbacks._policy import Policy, policy_from_config
+    from lossscale_callbacks._sinks import register_sink
+    from lossscale_callbacks.loop._rank_agreement import RanksDisagree
+    from lossscale_callbacks.report._run_readers import Reader, RunReadError, Series
 
 __all__ = [
     "ConsecutiveSkips",
@@ -63,3 +70,31 @@ __all__ = [
     "register_sink",
     "require",
 ]
+
+# Each name is imported from its module when first used: a sink or a reader that needs one of them loads
+# only that corner of the core.
+__getattr__ = lazy_attributes(__name__, {
+    "ConsecutiveSkips": "lossscale_callbacks._health",
+    "MissingExtraError": "lossscale_callbacks._extras",
+    "Ops": "lossscale_callbacks._ops",
+    "Policy": "lossscale_callbacks._policy",
+    "RanksDisagree": "lossscale_callbacks.loop._rank_agreement",
+    "Reader": "lossscale_callbacks.report._run_readers",
+    "Rule": "lossscale_callbacks._health",
+    "RunReadError": "lossscale_callbacks.report._run_readers",
+    "ScaleOnlyDecreases": "lossscale_callbacks._health",
+    "Series": "lossscale_callbacks.report._run_readers",
+    "SkipRate": "lossscale_callbacks._health",
+    "Snapshot": "lossscale_callbacks._metrics",
+    "StuckAtMinScale": "lossscale_callbacks._health",
+    "Verdict": "lossscale_callbacks._health",
+    "default_rules": "lossscale_callbacks._health",
+    "policy_from_config": "lossscale_callbacks._policy",
+    "register_sink": "lossscale_callbacks._sinks",
+    "require": "lossscale_callbacks._extras",
+})
+
+
+def __dir__() -> list[str]:
+    """The extension points only: the modules behind them stay out of ``dir()``."""
+    return list(__all__)

@@ -53,6 +53,27 @@ EXTENSION: dict[str, list[str]] = {
         "ConsecutiveSkips", "MissingExtraError", "Ops", "Policy", "RanksDisagree", "Reader", "Rule",
         "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale", "Verdict",
         "default_rules", "policy_from_config", "register_sink", "require"],
+    # The contract between the core and the integrations (docs/adding_an_integration.md), and what an
+    # integration that builds on torch may use of the torch integration.
+    "lossscale_callbacks.integration": [
+        "CAUSES", "CODES", "COUNT_METRICS", "DASHBOARD_CHARTS", "DASHBOARD_SECTION",
+        "DEFAULT_MAX_UNZIPPED_MIB", "FINAL_SCALE", "FP16_MIN_SUBNORMAL", "GROWTH_INTERVAL",
+        "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE", "OVERALL_SKIP_RATE", "POLICY_TAG",
+        "SCALE", "SKIPPED_STEPS", "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX", "TOTAL_SKIPPED_STEPS",
+        "ActivationTrace", "AuditResult", "Capture", "FrameworkAdvice", "GradientRange", "GuardedSink",
+        "IntervalForensics", "IntervalOutcomes", "LayerHeadroom", "LayerInfo", "LayerPrecision", "Ledger",
+        "LoggingArgs", "ManagedSink", "MicroBatch", "MissingExtraError", "ModelDim", "ModelTooDeepError",
+        "OpPrecision", "OpRecord", "Pass", "Policy", "PrecisionInfo", "RankStates", "RankedState", "Replay",
+        "Role", "RunReadError", "RunSeries", "SampleTracker", "Snapshot", "Verdict", "advise", "bad_steps",
+        "check_archive", "check_batch_size", "check_bool", "check_choice", "check_diagnose", "check_int",
+        "check_known", "check_log_every", "check_number", "check_policy", "decode_records", "einsum_gemm",
+        "ended_inside_record", "get_target", "host_number", "is_event_file_name", "is_policy",
+        "is_regular_file", "largest_finite_scale", "layer_of", "lazy_attributes", "logging_args",
+        "matmul_gemm", "nonfinite_cause", "observed_state", "policy_bounds_from_markdown",
+        "policy_from_config", "policy_values_from_markdown", "process_rank", "require", "sampled_within",
+        "smallest_keep_set", "user_stacklevel", "validate_state", "warn_if_nothing_checked"],
+    "lossscale_callbacks.torch.integration": [
+        "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "has_deepspeed_scaler", "warn_no_scaler"],
     "lossscale_callbacks.testing": [
         "ConformanceCase", "assert_conforms", "conformance_cases", "reference_headroom",
         "reference_histogram", "reference_run", "stack_states"],
@@ -138,6 +159,8 @@ def test_every_public_name_is_importable(face):
 @pytest.mark.parametrize("module_name", sorted(EXTENSION))
 def test_every_extension_point_exports_exactly_its_pinned_names(module_name):
     assert _declared_all(module_name) == EXTENSION[module_name]
+    if module_name.startswith("lossscale_callbacks.torch."):
+        pytest.importorskip("torch")
     module = importlib.import_module(module_name)
     assert [name for name in module.__all__ if not hasattr(module, name)] == []
 

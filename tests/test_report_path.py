@@ -41,7 +41,7 @@ def test_report_on_a_tensorboard_run_loads_at_most_15_library_modules(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "Loss scale: final 32768" in out.stdout  # the printed table came out of this path
     _, core = _modules(_CORE)
-    assert core == {"lossscale_callbacks", "lossscale_callbacks._extras"}  # nothing behind the face until used
+    assert core == {"lossscale_callbacks", "lossscale_callbacks._extras"}  # nothing behind the face yet
     assert "lossscale_callbacks.tensorboard._reader" in report
     assert len(report) <= MAX_REPORT_MODULES, f"report loads {len(report)} library modules: {sorted(report)}"
     # neither the check command's modules, nor the loop, the sinks or the forensics are on the way

@@ -8,6 +8,8 @@
   reference to another importable name of ours or a builtin renders as code; anything else stays a
   nitpicky warning, so a misspelt or removed name fails the build.
 - ``lsc-argparse``: the reference of a command line, generated from its parser builder function.
+- ``lsc-contract``: the names of an integration contract module (``lossscale_callbacks.integration``), one
+  entry per name with its one line, generated from the module's ``_CONTRACT`` table.
 - **Generated pages**: a face that no page under ``docs/api/`` documents (a new integration) gets one of its
   own in ``docs/api/_generated/`` at the start of the build (an orphan page: its names are linked from
   every reference to them), so a new integration needs no edit here; a hand-written page
@@ -26,6 +28,7 @@ import ast
 import builtins
 import importlib
 import importlib.metadata
+import inspect
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -112,9 +115,30 @@ def generate_missing_pages(app: Sphinx) -> None:
             page.write_text(text)
 
 
+def reexported_from(value: Any, name: str, faces: Iterable[str]) -> str | None:
+    """The face among ``faces`` that exports ``value`` under ``name`` too (a re-export on purpose, such as
+    the integration contract's ``require``, which is ``extend``'s), or None.
+
+    Example:
+        >>> from lossscale_callbacks.extend import require
+        >>> reexported_from(require, "require", ["lossscale_callbacks.extend"])
+        'lossscale_callbacks.extend'
+    """
+    for face in faces:
+        module = importlib.import_module(face)
+        if name in getattr(module, "__all__", ()) and getattr(module, name, None) is value:
+            return face
+    return None
+
+
 def check_faces(app: Sphinx, env: Any) -> None:
     documented = env.get_domain("py").objects
     for name in missing_entries(face_names(_faces(app)), documented):
+        face, attr = name.rsplit(".", 1)
+        elsewhere = reexported_from(getattr(importlib.import_module(face), attr), attr,
+                                    [other for other in _faces(app) if other != face])
+        if elsewhere is not None and f"{elsewhere}.{attr}" in documented:
+            continue  # a re-export on purpose: documented where it is exported first
         LOGGER.warning("face name %s has no API reference entry: add it to a page under docs/api/", name,
                        type="lsc", subtype="face")
 
@@ -243,10 +267,61 @@ class ArgparseDirective(SphinxDirective):
         return container.children
 
 
+def contract_entries(module_name: str) -> dict[str, dict[str, str]]:
+    """``{section: {name: one line}}`` of a contract module, in its order: what ``lsc-contract`` lists.
+
+    Example:
+        >>> entries = contract_entries("lossscale_callbacks.integration")
+        >>> "check_int" in {name for section in entries.values() for name in section}
+        True
+    """
+    module = importlib.import_module(module_name)
+    return {section: {name: line for name, (_, line) in names.items()}
+            for section, names in module._CONTRACT.items()}
+
+
+def _rst_text(text: str) -> str:
+    """Plain text as reStructuredText (``**logging`` is no emphasis, ``|`` no substitution)."""
+    return "".join("\\" + char if char in "*`|_\\" else char for char in text)
+
+
+def _kind(value: Any) -> str:
+    return "class" if isinstance(value, type) else "function" if inspect.isroutine(value) else "data"
+
+
+class ContractDirective(SphinxDirective):
+    """``lsc-contract module``: a rubric per section of the module's contract, an entry per name with its one
+    line. A name the module re-exports from another face (``require`` from ``extend``) is listed without an
+    index entry: its entry is that face's, so a reference to it has one target."""
+
+    required_arguments = 1
+
+    def run(self) -> list[nodes.Node]:
+        module_name = self.arguments[0]
+        module = importlib.import_module(module_name)
+        faces = [face for face in _faces(self.env.app) if face != module_name]
+        lines: list[str] = []
+        for section, names in contract_entries(module_name).items():
+            lines += [f".. rubric:: {_rst_text(section)}", ""]
+            for name, line in names.items():
+                value = getattr(module, name)
+                options = [f"   :module: {module_name}"]
+                if reexported_from(value, name, faces):
+                    options.append("   :no-index:")
+                lines += [f".. py:{_kind(value)}:: {name}", *options, "", f"   {_rst_text(line)}", ""]
+        # The pages are Markdown (MyST parses a directive's nested content as Markdown): the entries go in
+        # as one reStructuredText block.
+        block = ["```{eval-rst}", *lines, "```"]
+        container = nodes.container()
+        self.state.nested_parse(StringList(block), self.content_offset, container)
+        return container.children
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     GoogleDocstring._parse_attribute_docstring = _attribute_docstring  # type: ignore[method-assign]
     app.add_config_value("lsc_extra_faces", [], "env")
     app.add_directive("lsc-argparse", ArgparseDirective)
+    app.add_directive("lsc-contract", ContractDirective)
     app.connect("builder-inited", generate_missing_pages)
     app.connect("env-check-consistency", check_faces)
     app.connect("missing-reference", resolve_reference)

@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from lossscale_callbacks._extras import require
+from lossscale_callbacks.integration import require
 
 require("accelerate", "accelerate", feature="lossscale_callbacks.accelerate")
 

@@ -25,9 +25,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from lossscale_callbacks._policy import Policy, check_policy
-from lossscale_callbacks.forensics._gradients import check_diagnose
-from lossscale_callbacks.torch._scaler import LossScaler
+from lossscale_callbacks.integration import Policy, check_diagnose, check_policy
+from lossscale_callbacks.torch import LossScaler
 
 __all__ = ["check_accelerator", "install_loss_scaler"]
 

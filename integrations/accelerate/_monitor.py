@@ -11,13 +11,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate import Accelerator
 
-from lossscale_callbacks._metrics import Snapshot, observed_state
-from lossscale_callbacks._sinks import GuardedSink
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import check_bool, check_int
+from lossscale_callbacks import LossScaleState
 from lossscale_callbacks.accelerate._install import check_accelerator
-from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
-from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
+from lossscale_callbacks.integration import (
+    GuardedSink,
+    LoggingArgs,
+    Snapshot,
+    check_bool,
+    check_int,
+    logging_args,
+    observed_state,
+)
+from lossscale_callbacks.torch.integration import ScalerStepMonitor
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11

@@ -14,7 +14,7 @@ Example:
 import importlib
 from typing import Any
 
-from lossscale_callbacks._extras import MissingExtraError, require
+from lossscale_callbacks.integration import MissingExtraError, require
 
 _BACKENDS = ("Keras 3 runs on a backend you install yourself: tensorflow (or tensorflow-cpu), jax or torch; "
              "choose it with the KERAS_BACKEND environment variable (tensorflow, jax or torch; Keras' "

@@ -43,26 +43,27 @@ except ImportError as exc:  # a JAX or torch install without TensorFlow
     raise ImportError("the Keras alignment check traces TensorFlow graphs and needs tensorflow, which is not "
                       "installed; the loss scaling itself runs on every Keras backend") from exc
 
-from lossscale_callbacks.alignment._audit import LayerPrecision, OpPrecision, PrecisionInfo
-from lossscale_callbacks.alignment._check_limits import (
+from lossscale_callbacks.alignment import AlignmentReport, analyze
+from lossscale_callbacks.integration import (
     DEFAULT_MAX_UNZIPPED_MIB,
-    ModelTooDeepError,
-    check_archive,
-    check_batch_size,
-)
-from lossscale_callbacks.alignment._gemm import einsum_gemm, matmul_gemm
-from lossscale_callbacks.alignment._records import (
     Capture,
     FrameworkAdvice,
     LayerInfo,
+    LayerPrecision,
     ModelDim,
+    ModelTooDeepError,
+    OpPrecision,
     OpRecord,
     Pass,
+    PrecisionInfo,
     Role,
+    check_archive,
+    check_batch_size,
+    einsum_gemm,
+    get_target,
+    matmul_gemm,
+    warn_if_nothing_checked,
 )
-from lossscale_callbacks.alignment._report import AlignmentReport
-from lossscale_callbacks.alignment._rules import analyze, warn_if_nothing_checked
-from lossscale_callbacks.alignment._targets import get_target
 
 _ONLY_TENSORFLOW = (
     "the Keras alignment check traces TensorFlow graphs and supports KERAS_BACKEND='tensorflow' only. "

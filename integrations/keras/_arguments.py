@@ -14,8 +14,8 @@ from typing import Any
 
 import keras
 
-from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, Policy, check_policy
-from lossscale_callbacks._validation import check_int, check_number
+from lossscale_callbacks import DynamicPolicy, FixedPolicy
+from lossscale_callbacks.integration import Policy, check_int, check_number, check_policy
 
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000

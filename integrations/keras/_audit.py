@@ -29,8 +29,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks.forensics._activations import ActivationTrace
-from lossscale_callbacks.forensics._advice import (
+from lossscale_callbacks.integration import (
+    ActivationTrace,
     AuditResult,
     GradientRange,
     advise,
@@ -312,7 +312,7 @@ def audit_model_file(path: str, *, data: str | None = None, batches: int = 2, ba
         ValueError: the file is not a model, or ``data`` has no ``x``.
         ArchiveTooLargeError: the archive would inflate to more than ``max_unzipped_mib``.
     """
-    from lossscale_callbacks.alignment._check_limits import check_archive
+    from lossscale_callbacks.integration import check_archive
 
     check_archive(path, max_unzipped_mib)
     model = keras.saving.load_model(path, compile=True, safe_mode=True)

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import keras
 from keras import ops
 
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._update import next_state
+from lossscale_callbacks import LossScaleState, next_state
 from lossscale_callbacks.keras import _keras_ops as keras_ops
 from lossscale_callbacks.keras._forensics_device import Packed
 
 if TYPE_CHECKING:  # the optimizer's modules import this one
-    from lossscale_callbacks._policy import Policy
+    from lossscale_callbacks.integration import Policy
     from lossscale_callbacks.keras._forensics_wiring import ForensicsWiring
     from lossscale_callbacks.keras._state_variables import LossScaleVariables
 
@@ -485,7 +484,7 @@ class TorchStep(_KerasOpsStep):
     def _ops_on(self, device: Any) -> Any:
         # torch's own ops: 5x fewer Python calls than keras.ops per step, the same bits.
         if self._rule_ops is None or self._rule_ops.device != device:
-            from lossscale_callbacks.torch._ops import TorchOps
+            from lossscale_callbacks.torch.integration import TorchOps
 
             self._rule_ops = TorchOps(device)
         return self._rule_ops

@@ -16,16 +16,27 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
-from lossscale_callbacks._metrics import COUNT_METRICS, METRIC_NAMES, SCALE, SKIPPED_STEPS, Snapshot
-from lossscale_callbacks._policy import DynamicPolicy, Policy, check_policy
-from lossscale_callbacks._validation import check_bool, check_int, check_known
-from lossscale_callbacks.forensics._activations import ActivationTrace
-from lossscale_callbacks.forensics._gradients import check_diagnose
+from lossscale_callbacks import METRIC_NAMES, DynamicPolicy, LoggingLoop
+from lossscale_callbacks.integration import (
+    COUNT_METRICS,
+    SCALE,
+    SKIPPED_STEPS,
+    ActivationTrace,
+    LoggingArgs,
+    Policy,
+    Snapshot,
+    check_bool,
+    check_diagnose,
+    check_int,
+    check_known,
+    check_log_every,
+    check_policy,
+    logging_args,
+)
 from lossscale_callbacks.keras._arguments import release_inner_optimizer
 from lossscale_callbacks.keras._config import record_in_compile_config
 from lossscale_callbacks.keras._forward_trace import activation_arguments
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
-from lossscale_callbacks.loop._logging_loop import LoggingArgs, LoggingLoop, check_log_every, logging_args
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11

@@ -18,7 +18,8 @@ from typing import Any
 
 import keras
 
-from lossscale_callbacks._policy import DynamicPolicy, Policy, policy_from_config
+from lossscale_callbacks import DynamicPolicy
+from lossscale_callbacks.integration import Policy, policy_from_config
 from lossscale_callbacks.keras._arguments import resolve_policy
 
 KERAS_NAME = "LossScaleOptimizer"

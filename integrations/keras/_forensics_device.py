@@ -32,7 +32,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks.forensics._gradients import FP16_MIN_SUBNORMAL, HISTOGRAM_EXPONENTS
+from lossscale_callbacks.integration import FP16_MIN_SUBNORMAL, HISTOGRAM_EXPONENTS
 from lossscale_callbacks.keras._keras_ops import counter_dtype
 
 _LO, _HI = HISTOGRAM_EXPONENTS

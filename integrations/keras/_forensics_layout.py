@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from lossscale_callbacks.forensics._gradients import layer_of
+from lossscale_callbacks.integration import layer_of
 
 
 def _default_key(variable: Any) -> int:

@@ -31,13 +31,13 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import check_int
-from lossscale_callbacks.forensics._gradients import (
+from lossscale_callbacks import LossScaleState
+from lossscale_callbacks.integration import (
     CAUSES,
     IntervalForensics,
     LayerHeadroom,
     check_diagnose,
+    check_int,
     sampled_within,
 )
 from lossscale_callbacks.keras import _forensics_device as device

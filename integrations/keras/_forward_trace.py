@@ -37,8 +37,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks._validation import check_int
-from lossscale_callbacks.forensics._gradients import sampled_within
+from lossscale_callbacks.integration import check_int, sampled_within
 from lossscale_callbacks.keras import _forward_device as device
 
 

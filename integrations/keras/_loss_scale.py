@@ -7,10 +7,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from lossscale_callbacks._policy import DynamicPolicy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._update import initial_state, next_state
-from lossscale_callbacks._validation import check_int, check_number
+from lossscale_callbacks import DynamicPolicy, LossScaleState, initial_state, next_state
+from lossscale_callbacks.integration import check_int, check_number
 from lossscale_callbacks.keras._tf_ops import TF_OPS, all_finite, replicas_agree_finite
 
 

@@ -23,9 +23,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
-from lossscale_callbacks._validation import check_known, validate_state
+from lossscale_callbacks import LossScaleState
+from lossscale_callbacks.integration import STATE_FIELDS, Policy, check_known, validate_state
 from lossscale_callbacks.keras import _config as config
 from lossscale_callbacks.keras._arguments import (
     check_base_optimizer_kwargs,

@@ -24,10 +24,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._update import next_state
-from lossscale_callbacks._validation import validate_state
+from lossscale_callbacks import LossScaleState, next_state
+from lossscale_callbacks.integration import Policy, validate_state
 from lossscale_callbacks.keras._keras_ops import counter_dtype
 
 

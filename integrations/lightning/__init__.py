@@ -11,7 +11,7 @@ Example:
     65536.0
 """
 
-from lossscale_callbacks._extras import MissingExtraError, require
+from lossscale_callbacks.integration import MissingExtraError, require
 
 _FEATURE = "lossscale_callbacks.lightning"
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lossscale_callbacks._metrics import DASHBOARD_CHARTS, DASHBOARD_SECTION
-from lossscale_callbacks._sinks import Sink
+from lossscale_callbacks import Sink
+from lossscale_callbacks.integration import DASHBOARD_CHARTS, DASHBOARD_SECTION
 
 
 def _is(obj: Any, class_name: str) -> bool:

@@ -8,15 +8,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lossscale_callbacks._metrics import SCALE, SKIPPED_STEPS, Snapshot
-from lossscale_callbacks._validation import check_bool
-from lossscale_callbacks.forensics._gradients import check_diagnose
+from lossscale_callbacks import LoggingLoop
+from lossscale_callbacks.integration import (
+    SCALE,
+    SKIPPED_STEPS,
+    LoggingArgs,
+    Snapshot,
+    check_bool,
+    check_diagnose,
+    check_log_every,
+    logging_args,
+)
 from lossscale_callbacks.lightning._compat import bases
 from lossscale_callbacks.lightning._loggers import logger_sink
-from lossscale_callbacks.loop._logging_loop import LoggingArgs, LoggingLoop, check_log_every, logging_args
-from lossscale_callbacks.torch._deepspeed_reader import has_deepspeed_scaler
-from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
-from lossscale_callbacks.torch._scaler import LossScaler
+from lossscale_callbacks.torch import LossScaler, ScalerReader
+from lossscale_callbacks.torch.integration import has_deepspeed_scaler, warn_no_scaler
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11

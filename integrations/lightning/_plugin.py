@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch.optim import LBFGS
 
-from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._validation import INT64_MAX, check_bool, check_int
+from lossscale_callbacks.integration import INT64_MAX, Policy, check_bool, check_int
 from lossscale_callbacks.lightning import _held_schedulers as held_schedulers
 from lossscale_callbacks.lightning._compat import bases, lightning_module_in, namespace_of, precision_base
 from lossscale_callbacks.lightning._settings import (
@@ -20,8 +19,8 @@ from lossscale_callbacks.lightning._settings import (
     resolve_scaling,
     split_plugin_state,
 )
-from lossscale_callbacks.torch._grad_scaler_compat import GRAD_SCALER_KEYS
-from lossscale_callbacks.torch._scaler import LossScaler
+from lossscale_callbacks.torch import LossScaler
+from lossscale_callbacks.torch.integration import GRAD_SCALER_KEYS
 
 _SHARDED_STRATEGIES = ("ModelParallelStrategy",)
 

@@ -7,11 +7,18 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._policy import FixedPolicy, Policy, check_policy, is_policy, policy_from_config
-from lossscale_callbacks._state import STATE_FIELDS
-from lossscale_callbacks._validation import check_choice, check_known
-from lossscale_callbacks.torch._grad_scaler_compat import GRAD_SCALER_KEYS
-from lossscale_callbacks.torch._scaler import LossScaler
+from lossscale_callbacks import FixedPolicy
+from lossscale_callbacks.integration import (
+    STATE_FIELDS,
+    Policy,
+    check_choice,
+    check_known,
+    check_policy,
+    is_policy,
+    policy_from_config,
+)
+from lossscale_callbacks.torch import LossScaler
+from lossscale_callbacks.torch.integration import GRAD_SCALER_KEYS
 
 PRECISIONS = ("16-mixed", "bf16-mixed")
 BF16_POLICY = FixedPolicy(1.0)

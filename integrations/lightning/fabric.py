@@ -14,13 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lossscale_callbacks._metrics import Snapshot
-from lossscale_callbacks._policy import Policy
+from lossscale_callbacks.integration import LoggingArgs, Policy, Snapshot, logging_args
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.lightning._settings import default_device, resolve_scaling, split_plugin_state
-from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
-from lossscale_callbacks.torch._scaler import LossScaler
-from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
+from lossscale_callbacks.torch import LossScaler
+from lossscale_callbacks.torch.integration import ScalerStepMonitor
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11

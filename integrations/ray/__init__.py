@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from lossscale_callbacks._extras import require
+from lossscale_callbacks.integration import require
 
 require("ray.train", "ray", feature="lossscale_callbacks.ray")
 require("torch", "ray", feature="lossscale_callbacks.ray")

@@ -15,10 +15,8 @@ from typing import TYPE_CHECKING, Any
 import ray.train
 import torch
 
-from lossscale_callbacks._metrics import Snapshot
-from lossscale_callbacks._validation import check_bool
-from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
-from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
+from lossscale_callbacks.integration import LoggingArgs, Snapshot, check_bool, logging_args
+from lossscale_callbacks.torch.integration import ScalerStepMonitor
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11

@@ -10,7 +10,7 @@ Example:
     >>> sink.write(100, {"loss_scale/scale": 32768.0}); sink.close()  # doctest: +SKIP
 """
 
-from lossscale_callbacks._extras import lazy_attributes, require
+from lossscale_callbacks.integration import lazy_attributes, require
 
 # The event-file protos: TensorBoard installed without protobuf is reported here too, naming the extra.
 require("tensorboard.compat.proto.event_pb2", "tensorboard", feature="lossscale_callbacks.tensorboard")

@@ -36,23 +36,21 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 
-from lossscale_callbacks._metrics import (
-    POLICY_TAG,
-    TAG_PREFIX,
-    policy_bounds_from_markdown,
-    policy_values_from_markdown,
-)
-from lossscale_callbacks._metrics import SCALE as SCALE_TAG
-from lossscale_callbacks.report._run_readers import (
+from lossscale_callbacks.integration import (
     GROWTH_INTERVAL,
     MAX_SCALE,
     MIN_SCALE,
+    POLICY_TAG,
+    TAG_PREFIX,
     RunReadError,
     RunSeries,
     ended_inside_record,
     is_event_file_name,
     is_regular_file,
+    policy_bounds_from_markdown,
+    policy_values_from_markdown,
 )
+from lossscale_callbacks.integration import SCALE as SCALE_TAG
 
 __all__ = [
     "FileReading",

@@ -23,14 +23,18 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-from lossscale_callbacks import _metrics as m
-from lossscale_callbacks._sinks import POLICY_TAG, ManagedSink
-from lossscale_callbacks._stacklevel import user_stacklevel
-from lossscale_callbacks._validation import check_number
+from lossscale_callbacks.integration import (
+    DASHBOARD_CHARTS,
+    DASHBOARD_SECTION,
+    POLICY_TAG,
+    ManagedSink,
+    check_number,
+    user_stacklevel,
+)
 
 __all__ = ["LAYOUT_CATEGORY", "LogDirRemovedWarning", "TensorBoardSink", "loss_scale_layout"]
 
-LAYOUT_CATEGORY = m.DASHBOARD_SECTION
+LAYOUT_CATEGORY = DASHBOARD_SECTION
 _SCALAR_SHAPE = tensor_shape_pb2.TensorShapeProto()
 _file_ids = itertools.count()
 
@@ -42,7 +46,7 @@ class LogDirRemovedWarning(UserWarning):
 def loss_scale_layout() -> layout_pb2.Layout:
     """The Custom Scalars layout: one "Loss scale" section with a chart per metric, log2 scale first."""
     charts = [layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[f"^{tag}$"]))
-              for title, tag in m.DASHBOARD_CHARTS]
+              for title, tag in DASHBOARD_CHARTS]
     return layout_pb2.Layout(category=[layout_pb2.Category(title=LAYOUT_CATEGORY, chart=charts)])
 
 

@@ -13,7 +13,7 @@ Example:
     65536.0
 """
 
-from lossscale_callbacks._extras import require
+from lossscale_callbacks.integration import require
 
 require("torch", "torch", feature="lossscale_callbacks.torch")
 

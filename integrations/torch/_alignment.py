@@ -39,19 +39,21 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lossscale_callbacks.alignment._audit import LayerPrecision, OpPrecision, PrecisionInfo
-from lossscale_callbacks.alignment._records import (
+from lossscale_callbacks.alignment import AlignmentReport, analyze
+from lossscale_callbacks.integration import (
     Capture,
     FrameworkAdvice,
     LayerInfo,
+    LayerPrecision,
     ModelDim,
+    OpPrecision,
     OpRecord,
     Pass,
+    PrecisionInfo,
     Role,
+    get_target,
+    warn_if_nothing_checked,
 )
-from lossscale_callbacks.alignment._report import AlignmentReport
-from lossscale_callbacks.alignment._rules import analyze, warn_if_nothing_checked
-from lossscale_callbacks.alignment._targets import get_target
 
 __all__ = ["capture", "check_alignment"]
 

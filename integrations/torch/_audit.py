@@ -31,15 +31,15 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from lossscale_callbacks.forensics._activations import ActivationTrace
-from lossscale_callbacks.forensics._advice import (
+from lossscale_callbacks.integration import (
+    ActivationTrace,
     AuditResult,
     GradientRange,
     advise,
     largest_finite_scale,
+    layer_of,
     smallest_keep_set,
 )
-from lossscale_callbacks.forensics._gradients import layer_of
 from lossscale_callbacks.torch._forensics import unwrap
 from lossscale_callbacks.torch._tracing import ActivationTracer
 

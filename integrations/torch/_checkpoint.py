@@ -15,17 +15,19 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._policy import Policy, policy_from_config
-from lossscale_callbacks._state import STATE_FIELDS, LossScaleState
-from lossscale_callbacks._validation import (
+from lossscale_callbacks import LossScaleState
+from lossscale_callbacks.integration import (
+    STATE_FIELDS,
+    Policy,
     check_bool,
     check_choice,
+    check_diagnose,
     check_int,
     check_known,
     host_number,
+    policy_from_config,
     validate_state,
 )
-from lossscale_callbacks.forensics._gradients import check_diagnose
 from lossscale_callbacks.torch._grad_scaler_compat import (
     GRAD_SCALER_KEYS,
     from_grad_scaler_state_dict,

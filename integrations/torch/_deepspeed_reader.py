@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, Policy
+from lossscale_callbacks import DynamicPolicy, FixedPolicy
+from lossscale_callbacks.integration import Policy
 
 _MAX_SCALE = 2.0**24  # DeepSpeed has no ceiling; ours is only the nominal top of the dashboard bounds
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks.forensics._gradients import (
+from lossscale_callbacks.integration import (
     FP16_MIN_SUBNORMAL,
     HISTOGRAM_EXPONENTS,
     IntervalForensics,

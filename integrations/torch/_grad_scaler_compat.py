@@ -12,9 +12,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from lossscale_callbacks._policy import DynamicPolicy, Policy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import check_int, check_number, host_number, validate_state
+from lossscale_callbacks import DynamicPolicy, LossScaleState
+from lossscale_callbacks.integration import Policy, check_int, check_number, host_number, validate_state
 
 GRAD_SCALER_DEFAULTS: dict[str, Any] = {
     "init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,

@@ -26,10 +26,7 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._ranks import process_rank
-from lossscale_callbacks.ledger._book import Ledger, bad_steps
-from lossscale_callbacks.ledger._entry import MicroBatch, Replay
-from lossscale_callbacks.ledger._samples import SampleTracker
+from lossscale_callbacks.integration import Ledger, MicroBatch, Replay, SampleTracker, bad_steps, process_rank
 from lossscale_callbacks.torch._replay import MicroRecord, StepReplayer, capture_rng
 
 __all__ = ["DEFAULT_REPLAYS", "LedgerCapture", "check_replay"]

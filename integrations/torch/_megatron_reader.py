@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lossscale_callbacks._policy import DynamicPolicy, FixedPolicy, Policy
+from lossscale_callbacks import DynamicPolicy, FixedPolicy
+from lossscale_callbacks.integration import Policy
 
 __all__ = ["MegatronScalerReader", "has_megatron_scaler"]
 

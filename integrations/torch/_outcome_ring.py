@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lossscale_callbacks.skips._outcomes import CODES
+from lossscale_callbacks.integration import CODES
 
 DEFAULT_CAPACITY = 64
 

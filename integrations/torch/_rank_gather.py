@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
+from lossscale_callbacks import LossScaleState
+from lossscale_callbacks.integration import RankedState, RankStates
 
 __all__ = ["gather_states", "with_ranks"]
 

@@ -17,10 +17,8 @@ from typing import Any
 
 import torch
 
-from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import INT64_MAX, check_int
-from lossscale_callbacks.forensics._gradients import IntervalForensics
+from lossscale_callbacks import LossScaleState
+from lossscale_callbacks.integration import INT64_MAX, IntervalForensics, Policy, check_int
 from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
 from lossscale_callbacks.torch._megatron_reader import MegatronScalerReader, has_megatron_scaler
 from lossscale_callbacks.torch._rank_gather import with_ranks

@@ -39,8 +39,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from lossscale_callbacks.forensics._gradients import layer_of
-from lossscale_callbacks.ledger._entry import Replay
+from lossscale_callbacks.integration import Replay, layer_of
 from lossscale_callbacks.torch._forensics import _parameter_names, unwrap
 
 __all__ = ["MicroRecord", "StepReplayer", "capture_rng", "loss_of_output"]

@@ -35,12 +35,22 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lossscale_callbacks._policy import Policy, check_policy, is_policy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._update import initial_state
-from lossscale_callbacks._validation import check_bool, check_choice, check_int, host_number, validate_state
-from lossscale_callbacks.forensics._gradients import IntervalForensics, check_diagnose
-from lossscale_callbacks.skips._outcomes import IntervalOutcomes, decode_records, nonfinite_cause
+from lossscale_callbacks import LossScaleState, initial_state
+from lossscale_callbacks.integration import (
+    IntervalForensics,
+    IntervalOutcomes,
+    Policy,
+    check_bool,
+    check_choice,
+    check_diagnose,
+    check_int,
+    check_policy,
+    decode_records,
+    host_number,
+    is_policy,
+    nonfinite_cause,
+    validate_state,
+)
 from lossscale_callbacks.torch._checkpoint import (
     SYNC_CHOICES,
     check_process_group,

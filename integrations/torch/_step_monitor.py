@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from lossscale_callbacks._metrics import Snapshot
-from lossscale_callbacks._sinks import Sink
-from lossscale_callbacks.loop._logging_loop import LoggingArgs, LoggingLoop, check_log_every, logging_args
+from lossscale_callbacks import LoggingLoop, Sink
+from lossscale_callbacks.integration import LoggingArgs, Snapshot, check_log_every, logging_args
 from lossscale_callbacks.torch._reader import ScalerReader
 
 if TYPE_CHECKING:

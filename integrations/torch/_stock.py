@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lossscale_callbacks._policy import DynamicPolicy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._validation import INT64_MAX, check_int, validate_state
+from lossscale_callbacks import DynamicPolicy, LossScaleState
+from lossscale_callbacks.integration import INT64_MAX, check_int, validate_state
 from lossscale_callbacks.torch._grad_scaler_compat import GRAD_SCALER_KEYS
 
 __all__ = ["GRAD_SCALER_STATE_KEYS", "StockSkipCounter", "check_stock_state"]

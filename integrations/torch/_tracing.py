@@ -34,8 +34,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from lossscale_callbacks.forensics._activations import ActivationTrace
-from lossscale_callbacks.forensics._gradients import layer_of
+from lossscale_callbacks.integration import ActivationTrace, layer_of
 from lossscale_callbacks.torch._forensics import _fill_index, unwrap
 
 RING = 4  # traced steps kept per interval

@@ -37,9 +37,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lossscale_callbacks._policy import Policy
-from lossscale_callbacks._state import LossScaleState
-from lossscale_callbacks._update import next_state
+from lossscale_callbacks import LossScaleState, next_state
+from lossscale_callbacks.integration import Policy
 from lossscale_callbacks.torch._ops import TorchOps
 
 _FOLD_EVERY = 2**20  # float32 counts integers exactly up to 2**24

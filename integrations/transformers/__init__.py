@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from lossscale_callbacks._extras import require
+from lossscale_callbacks.integration import require
 
 require("transformers", "transformers", feature="lossscale_callbacks.transformers")
 require("accelerate", "transformers", feature="lossscale_callbacks.transformers")  # the Trainer runs on it

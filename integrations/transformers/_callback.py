@@ -9,11 +9,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
-from lossscale_callbacks._policy import Policy, check_policy
-from lossscale_callbacks.accelerate._install import install_loss_scaler
-from lossscale_callbacks.forensics._gradients import check_diagnose
-from lossscale_callbacks.loop._logging_loop import LoggingArgs, LoggingLoop, logging_args
-from lossscale_callbacks.torch._reader import ScalerReader, warn_no_scaler
+from lossscale_callbacks import LoggingLoop
+from lossscale_callbacks.accelerate import install_loss_scaler
+from lossscale_callbacks.integration import LoggingArgs, Policy, check_diagnose, check_policy, logging_args
+from lossscale_callbacks.torch import ScalerReader
+from lossscale_callbacks.torch.integration import warn_no_scaler
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11

@@ -10,7 +10,7 @@ Example:
     >>> sink.write(100, {"loss_scale/scale": 32768.0}); sink.close()   # doctest: +SKIP
 """
 
-from lossscale_callbacks._extras import lazy_attributes, require
+from lossscale_callbacks.integration import lazy_attributes, require
 
 require("wandb", "wandb", feature="lossscale_callbacks.wandb")
 

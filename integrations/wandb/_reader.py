@@ -40,11 +40,11 @@ from typing import Any
 
 from wandb.proto import wandb_internal_pb2
 
-from lossscale_callbacks._metrics import SCALE
-from lossscale_callbacks.report._run_readers import (
+from lossscale_callbacks.integration import (
     GROWTH_INTERVAL,
     MAX_SCALE,
     MIN_SCALE,
+    SCALE,
     RunReadError,
     RunSeries,
     ended_inside_record,

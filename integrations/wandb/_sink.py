@@ -21,18 +21,19 @@ from urllib.parse import urlparse
 
 import wandb
 
-from lossscale_callbacks import _metrics as m
-from lossscale_callbacks._health import Verdict
-from lossscale_callbacks._metrics import (
+from lossscale_callbacks.integration import (
     FINAL_SCALE,
     OVERALL_SKIP_RATE,
+    SCALE,
+    SKIPPED_STEPS,
     STEP_METRIC,
     TAG_PREFIX,
     TOTAL_SKIPPED_STEPS,
+    ManagedSink,
+    Verdict,
+    check_number,
+    user_stacklevel,
 )
-from lossscale_callbacks._sinks import ManagedSink
-from lossscale_callbacks._stacklevel import user_stacklevel
-from lossscale_callbacks._validation import check_number
 
 __all__ = [
     "FINAL_SCALE",
@@ -186,11 +187,11 @@ class _WandbBackend:
         row[STEP_METRIC] = int(step)
         self._last_step = int(step)
         run.log(row)
-        if m.SCALE in row:
-            self._summary[FINAL_SCALE] = row[m.SCALE]
-        if m.SKIPPED_STEPS in row:
-            self._summary[TOTAL_SKIPPED_STEPS] = row[m.SKIPPED_STEPS]
-            self._summary[OVERALL_SKIP_RATE] = row[m.SKIPPED_STEPS] / step if step > 0 else 0.0
+        if SCALE in row:
+            self._summary[FINAL_SCALE] = row[SCALE]
+        if SKIPPED_STEPS in row:
+            self._summary[TOTAL_SKIPPED_STEPS] = row[SKIPPED_STEPS]
+            self._summary[OVERALL_SKIP_RATE] = row[SKIPPED_STEPS] / step if step > 0 else 0.0
         # A summary update costs more than the log call itself; send it at most every
         # summary_secs, and always on flush() and close() (which also runs at exit).
         if time.monotonic() - self._summary_sent >= self.summary_secs:

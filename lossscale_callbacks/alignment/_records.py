@@ -253,8 +253,9 @@ class FrameworkAdvice:
 class Capture:
     """Everything one capture recorded: ops, layers, model-wide dimensions (vocabularies).
 
-    ``precision`` holds the mixed-precision audit's inputs (see :mod:`.audit`); ``output_layers`` the
-    layers whose output is the model's output (a classifier head: its size is the number of classes);
+    ``precision`` holds the mixed-precision audit's inputs (a
+    :class:`~lossscale_callbacks.integration.PrecisionInfo`); ``output_layers`` the layers whose output is
+    the model's output (a classifier head: its size is the number of classes);
     ``advice`` how the capture's framework fixes a finding (none by default).
     """
 

@@ -296,7 +296,7 @@ def ended_inside_record(path: str, offset: int, records_before: int) -> str:
     """The one rule every reader applies to a file that ends inside a record (TensorBoard, W&B).
 
     A file cut inside a record looks like a run still being written, or a copy cut short: what came
-    before is kept, and the returned note (for :attr:`RunSeries.notes`) says where the file ends.
+    before is kept, and the returned note (for ``RunSeries.notes``) says where the file ends.
     A file that ends before its first record is whole (an empty one too) holds nothing to read: that
     is an error. A reader of a run of several files leaves such a file out as damage.
 
