@@ -89,6 +89,34 @@ def build(arm: str, width: int, depth: int, batch: int, samples: int, device: to
     return step, scaler
 
 
+def host_work(batch: int, samples: int, width: int, repeats: int) -> dict[str, float]:
+    """The ledger's own host work per step, alone: a pass over the loader with and without ``track``
+    (and the scaler's end-of-step bookkeeping), best of ``repeats``, in microseconds per batch."""
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(samples, width, generator=g), torch.randn(samples, 1))
+    out = {}
+    for arm in ARMS:
+        loader: Any = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True,
+                                                  generator=torch.Generator().manual_seed(0))
+        model = torch.nn.Linear(1, 1)  # held: the scaler watches it weakly
+        scaler = LossScaler(device="cpu").watch(model)
+        capture = None
+        if arm != "off":
+            loader = scaler.track(loader, replay=arm == "replay", loss=lambda b: b[0].sum())
+            capture = scaler._ledger
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            count = 0
+            for _ in loader:
+                if capture is not None:
+                    capture.end_step(False, None, None)  # what update() adds: an ordinary step
+                count += 1
+            best = min(best, (time.perf_counter() - start) / count)
+        out[arm] = best * 1e6
+    return out
+
+
 def time_arm(step: Callable[[], None], n: int, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -134,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for arm in ARMS:
         print(f"{arm:<8} {statistics.median(per_step[arm]):9.3f} {reads[arm]:16d}")
     out: dict[str, Any] = {"reads": reads}
+    work = host_work(args.batch, 64 * args.batch, args.width, 7)
+    step_us = statistics.median(per_step["off"]) * 1e3
+    for arm in ("ledger", "replay"):
+        added = work[arm] - work["off"]
+        out[f"{arm}_host_us"] = added
+        print(f"{arm} host work: {added:.2f} us per step ({added / step_us:.5f} of this step)")
     for arm, values in ratios.items():
         median = statistics.median(values)
         out[arm] = median

@@ -60,6 +60,8 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         *(rf"^{arm}\s+{NUM}\s+\d+$" for arm in ("off", "ledger", "replay")),
         *(rf"^{arm} / off: {NUM} \(median of \d+ rounds; min {NUM}, max {NUM}\)$"
           for arm in ("ledger", "replay")),
+        *(rf"^{arm} host work: -?{NUM} us per step \(-?{NUM} of this step\)$"
+          for arm in ("ledger", "replay")),
     ]),
     "report_read.py": (["--dir", "{tmp}"], [
         r"^3000 events \(30 with loss_scale/\*\)",
