@@ -123,7 +123,15 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         is_event_file_name,
         is_regular_file,
     )
-    from lossscale_callbacks.skips._outcomes import CODES, IntervalOutcomes, decode_records, nonfinite_cause
+    from lossscale_callbacks.skips._outcomes import (
+        APPLIED_NONFINITE_CODE,
+        CODES,
+        SPIKE_CODE,
+        IntervalOutcomes,
+        decode_records,
+        nonfinite_cause,
+    )
+    from lossscale_callbacks.skips._spike import SpikeRule, check_spike
 
 # section -> {name: (the module that defines it, what an integration uses it for: one line)}.
 _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
@@ -268,6 +276,11 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "nonfinite_cause": ("skips._outcomes",
             "What a skipped non-finite step is called in a run of a policy (overflow or nonfinite)."),
         "CODES": ("skips._outcomes", "The device codes of a step's outcome (applied, skipped...)."),
+        "SPIKE_CODE": ("skips._outcomes", "The device code of a step the spike rule skipped."),
+        "APPLIED_NONFINITE_CODE": ("skips._outcomes",
+            "The device code of a step applied although a gradient was non-finite (monitoring)."),
+        "SpikeRule": ("skips._spike", "The spike rule's settings: skip a step whose loss or norm spikes."),
+        "check_spike": ("skips._spike", "The spike argument checked: None, True or a SpikeRule."),
         "Ledger": ("ledger._book",
             "One rank's bad steps: bounded, written as JSON lines beside the dashboards, told in words."),
         "bad_steps": ("ledger._book",
@@ -295,6 +308,7 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
 }
 
 __all__ = [
+    "APPLIED_NONFINITE_CODE",
     "CAUSES",
     "CODES",
     "COUNT_METRICS",
@@ -312,6 +326,7 @@ __all__ = [
     "POLICY_TAG",
     "SCALE",
     "SKIPPED_STEPS",
+    "SPIKE_CODE",
     "STATE_FIELDS",
     "STEP_METRIC",
     "TAG_PREFIX",
@@ -347,6 +362,7 @@ __all__ = [
     "RunSeries",
     "SampleTracker",
     "Snapshot",
+    "SpikeRule",
     "Verdict",
     "advise",
     "bad_steps",
@@ -360,6 +376,7 @@ __all__ = [
     "check_log_every",
     "check_number",
     "check_policy",
+    "check_spike",
     "decode_records",
     "einsum_gemm",
     "ended_inside_record",

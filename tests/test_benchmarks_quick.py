@@ -69,7 +69,11 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         rf"^TensorBoard EventAccumulator \(all scalars\): {NUM} s, peak \d+ MiB$",
         rf"^ours / TensorBoard's: {NUM} \(time\)$",
     ]),
-    "sink_write.py": ([], [
+    "skip_overhead.py": ([], [
+        rf"^{row}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
+        for row in ("mlp_foreach", "mlp_fused", "launch_bound_foreach", "launch_bound_fused")
+    ]),
+    "sink_write.py": ([
         rf"^{re.escape(sink)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for sink in ("InMemorySink", "GuardedSink(InMemorySink)", "TensorBoardSink", "WandbSink (offline)")
     ]),

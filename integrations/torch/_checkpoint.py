@@ -19,6 +19,7 @@ from lossscale_callbacks import LossScaleState
 from lossscale_callbacks.integration import (
     STATE_FIELDS,
     Policy,
+    SpikeRule,
     check_bool,
     check_choice,
     check_diagnose,
@@ -42,7 +43,7 @@ STATE_DICT_KEYS = ("policy", *STATE_FIELDS, *_MIRRORS)
 PICKLE_KEYS = ("enabled", "device", "policy", "state", "sync_found_inf", "process_group", "diagnose",
                "headroom_every")
 # Keys added later: a pickle of an earlier release lacks them and gets their defaults.
-OPTIONAL_PICKLE_KEYS = {"outcome_capacity": 64}
+OPTIONAL_PICKLE_KEYS = {"outcome_capacity": 64, "spike": None, "skip_nonfinite": True}
 
 
 def check_process_group(name: str, value: Any) -> Any:
@@ -143,6 +144,11 @@ def parse_pickle(state: Any) -> dict[str, Any]:
         raise ValueError(f"{source}: the pickle lacks {missing}")
     out = {**OPTIONAL_PICKLE_KEYS, **state}
     check_int(f"{source}: outcome_capacity", out["outcome_capacity"])
+    try:
+        out["spike"] = None if out["spike"] is None else SpikeRule.from_config(out["spike"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: spike: {exc}") from None
+    check_bool(f"{source}: skip_nonfinite", out["skip_nonfinite"])
     out["enabled"] = check_bool(f"{source}: enabled", state["enabled"])
     check_device_type(f"{source}: device", state["device"])
     check_process_group(f"{source}: process_group", state["process_group"])

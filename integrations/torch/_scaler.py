@@ -37,14 +37,18 @@ import torch
 
 from lossscale_callbacks import LossScaleState, initial_state
 from lossscale_callbacks.integration import (
+    APPLIED_NONFINITE_CODE,
+    SPIKE_CODE,
     IntervalForensics,
     IntervalOutcomes,
     Policy,
+    SpikeRule,
     check_bool,
     check_choice,
     check_diagnose,
     check_int,
     check_policy,
+    check_spike,
     decode_records,
     host_number,
     is_policy,
@@ -62,6 +66,7 @@ from lossscale_callbacks.torch._grad_scaler_compat import policy_from_grad_scale
 from lossscale_callbacks.torch._held import Holder
 from lossscale_callbacks.torch._ledger import LedgerCapture, check_replay
 from lossscale_callbacks.torch._outcome_ring import DEFAULT_CAPACITY, OutcomeRing
+from lossscale_callbacks.torch._spike import SpikeWindow
 from lossscale_callbacks.torch._update_paths import PathState, make_path
 
 
@@ -85,6 +90,9 @@ class _OptimizerState:
     stage: _Stage = _Stage.READY
     # One float32 0-d tensor on the scaler's device: 1.0 when any gradient was Inf/NaN, else 0.0.
     found_inf: torch.Tensor | None = None
+    # The flag the optimizer was given: the overflow flag, merged with the spike rule's (or the spike
+    # rule's alone when non-finite steps are applied); None when nothing can skip the step.
+    skip: torch.Tensor | None = None
     # Host copy of the decision, only where ``step`` already had to read it.
     skipped_on_host: bool | None = None
     # Whether the optimizer had any gradient to check (GradScaler refuses to step or update without).
@@ -161,6 +169,15 @@ class LossScaler(torch.amp.GradScaler):
         outcome_capacity: how many non-ordinary steps (skipped, or applied with non-finite
             gradients) the device ring keeps between two :meth:`read_outcomes` (default 64); an
             interval with more lists the newest ones and counts them all.
+        spike: the opt-in loss-spike rule (:class:`~lossscale_callbacks.skips._spike.SpikeRule`, or
+            ``True`` for its defaults: 6σ over 128 applied steps): a step whose loss (the one given to
+            :meth:`scale`; with ``grad_norm`` also its gradient norm) is far above its window is skipped
+            on the device, with its own cause ``"spike"``. Not an overflow: the scale treats the step as
+            a clean one and ``skipped_steps`` does not count it (``read_outcomes`` does). The window is
+            not checkpointed: after a resume it fills again.
+        skip_nonfinite: ``True`` (default) skips a step with an Inf/NaN gradient. ``False`` (monitoring
+            only, with a scale fixed at 1: bf16 or fp32) applies it and records it as
+            ``"applied_nonfinite"``; no host read at all then, on any optimizer.
 
     Raises:
         ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.
@@ -193,6 +210,8 @@ class LossScaler(torch.amp.GradScaler):
         diagnose: bool | str = False,
         headroom_every: int = 1000,
         outcome_capacity: int = DEFAULT_CAPACITY,
+        spike: SpikeRule | bool | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         # GradScaler.__init__ is not called: it would set up GradScaler's own scale and tracker.
         if is_policy(device):
@@ -204,6 +223,8 @@ class LossScaler(torch.amp.GradScaler):
         check_diagnose(diagnose)
         check_int("headroom_every", headroom_every)
         check_int("outcome_capacity", outcome_capacity)
+        spike = check_spike("spike", spike)
+        check_bool("skip_nonfinite", skip_nonfinite)
         settings = {"init_scale": init_scale, "growth_factor": growth_factor,
                     "backoff_factor": backoff_factor, "growth_interval": growth_interval}
         if policy is not None:
@@ -214,6 +235,9 @@ class LossScaler(torch.amp.GradScaler):
                                  f"policy={policy!r} and {', '.join(given)}")
         else:
             policy = policy_from_grad_scaler_settings(**settings)
+        if not skip_nonfinite and nonfinite_cause(policy) != "nonfinite":
+            raise ValueError(f"skip_nonfinite=False (apply non-finite steps, monitoring only) needs a scale "
+                             f"fixed at 1 (policy=FixedPolicy(1.0): bf16 or fp32); got policy={policy!r}")
         device_type = None
         if device is not None:
             try:
@@ -226,11 +250,13 @@ class LossScaler(torch.amp.GradScaler):
             enabled = False
         self._assign(enabled=enabled, device=device_type, policy=policy, sync_found_inf=sync_found_inf,
                      process_group=process_group, diagnose=diagnose, headroom_every=headroom_every,
-                     state=None, outcome_capacity=outcome_capacity)
+                     state=None, outcome_capacity=outcome_capacity, spike=spike,
+                     skip_nonfinite=skip_nonfinite)
 
     def _assign(self, *, enabled: bool, device: str | None, policy: Policy, sync_found_inf: bool | str,
                 process_group: Any, diagnose: bool | str, headroom_every: int,
-                state: LossScaleState | None, outcome_capacity: int) -> None:
+                state: LossScaleState | None, outcome_capacity: int, spike: SpikeRule | None,
+                skip_nonfinite: bool) -> None:
         """Set every attribute from checked values: the one place the constructor and unpickling meet."""
         self._device = device
         self._enabled = enabled
@@ -253,6 +279,9 @@ class LossScaler(torch.amp.GradScaler):
         # records written, its counts per code, the steps and the skipped steps.
         self._outcome_capacity = outcome_capacity
         self._ring: OutcomeRing | None = None
+        self.spike_rule = spike
+        self._spike: SpikeWindow | None = None
+        self.skip_nonfinite = skip_nonfinite
         self._outcome_cursor = self._cursor_at(self._host_state() if enabled else None)
         # What follows the optimizers (hold): LR schedulers and EMAs held on skipped steps.
         self._holder = Holder()
@@ -400,8 +429,13 @@ class LossScaler(torch.amp.GradScaler):
         self._one = torch.ones((), dtype=torch.float32, device=device)
         host = self._host_state()
         self._path = make_path(self._policy, device, PathState.from_host(host))
-        self._ring = OutcomeRing(device, self._outcome_capacity, steps=host.steps)
+        self._ring = OutcomeRing(device, self._outcome_capacity, steps=host.steps,
+                                 count_codes=self.spike_rule is not None or not self.skip_nonfinite)
         self._path.recorder = self._ring
+        if self.spike_rule is not None:
+            self._spike = SpikeWindow(self.spike_rule, device)
+        if not self.skip_nonfinite:
+            self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._pending = None
 
     def _require_state(self, funcname: str) -> Any:
@@ -484,6 +518,8 @@ class LossScaler(torch.amp.GradScaler):
                 self._lazy_init(outputs.device)
             if self.forensics is not None:
                 self.forensics.on_scale([outputs])
+            if self._spike is not None:
+                self._spike.note_loss(outputs)
             return outputs * self._path.scale.to(device=outputs.device, non_blocking=True)
         copies: dict[torch.device, torch.Tensor] = {}
 
@@ -648,10 +684,10 @@ class LossScaler(torch.amp.GradScaler):
                 grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
+            skip = self._skip_flag(optimizer, opt_state, grad_scale)
             if _fused_sgd_first_step(optimizer):
-                assert opt_state.found_inf is not None
                 # One read, until the first update is applied (the buffers exist from then on).
-                opt_state.skipped_on_host = bool(opt_state.found_inf.item())
+                opt_state.skipped_on_host = skip is not None and bool(skip.item())
                 self._resolve_forensics(optimizer, opt_state.skipped_on_host)
                 if opt_state.skipped_on_host:
                     opt_state.stage = _Stage.STEPPED
@@ -659,14 +695,14 @@ class LossScaler(torch.amp.GradScaler):
                     return None
             self._resolve_forensics(optimizer, None)  # the kernel decides on the device
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = opt_state.found_inf  # type: ignore[attr-defined]
+            optimizer.found_inf = skip  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             opt_state.stage = _Stage.STEPPED
-            self._after_step(optimizer, opt_state.found_inf, opt_state.skipped_on_host)
+            self._after_step(optimizer, skip, opt_state.skipped_on_host if skip is not None else False)
             return retval
 
         if opt_state.stage is _Stage.READY:
@@ -674,14 +710,35 @@ class LossScaler(torch.amp.GradScaler):
         if not opt_state.checked:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         assert opt_state.found_inf is not None
-        # The one host read of a non-fused step: Python must decide whether to call step().
-        skipped = bool(opt_state.found_inf.item())
+        skip = self._skip_flag(optimizer, opt_state, None)
+        # The one host read of a non-fused step: Python must decide whether to call step() (none when
+        # nothing can skip it: non-finite steps applied and no spike rule).
+        skipped = skip is not None and bool(skip.item())
         opt_state.skipped_on_host = skipped
         self._resolve_forensics(optimizer, skipped)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         opt_state.stage = _Stage.STEPPED
         self._after_step(optimizer, None, skipped)
         return retval
+
+    def _skip_flag(self, optimizer: torch.optim.Optimizer, opt_state: _OptimizerState,
+                   grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The flag that skips the step: the overflow flag, the spike rule's, both merged, or ``None``."""
+        skip = opt_state.found_inf if self.skip_nonfinite else None
+        if self._spike is not None:
+            assert self.spike_rule is not None
+            norm = self._grad_norm(optimizer, grad_scale) if self.spike_rule.grad_norm else None
+            spike = self._spike.decide(norm)
+            skip = spike if skip is None else torch.maximum(skip, spike)
+        opt_state.skip = skip
+        return skip
+
+    @staticmethod
+    def _grad_norm(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> torch.Tensor:
+        """The step's gradient norm, unscaled (a fused optimizer's gradients are still scaled here)."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).to(torch.float64)
+        return norm if grad_scale is None else norm / grad_scale
 
     def _after_step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor | None,
                     host_skipped: bool | None) -> None:
@@ -787,14 +844,45 @@ class LossScaler(torch.amp.GradScaler):
             if self._ledger is not None:  # host bookkeeping; a replay of a bad step, before the scale moves
                 with self._forensics_set_aside():
                     self._ledger.end_step(on_host, found_inf, path.scale)
-            path.update(found_inf)
-            self._last_found_inf = found_inf
+            rule_flag, code = self._step_code(found_inf)
+            path.update(rule_flag, code)
+            self._last_found_inf = self._last_skip(found_inf, code)
             self._last_skipped_on_host = on_host
             if self.forensics is not None:
                 self.forensics.on_update(found_inf)
         if new_scale is not None:
             path.scale.fill_(replacement)
         self._per_optimizer = defaultdict(_OptimizerState)
+
+    def _step_code(self, found_inf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rule's input and the step's outcome code (``None``: the code is the overflow flag itself).
+
+        The code is :func:`~lossscale_callbacks.skips._outcomes.step_code` in arithmetic (tested equal):
+        the rule sees whether the gradients were finite (or nothing, when non-finite steps are applied),
+        never the spike rule's decision. The spike window takes the step's values only when it was an
+        ordinary applied step."""
+        spike = self._spike.decide() if self._spike is not None else None
+        if self.skip_nonfinite:
+            rule_flag = found_inf
+            code = None
+            if spike is not None:  # f + 2s(1 - f): an overflow wins over a spike
+                code = torch.addcmul(found_inf, spike, 1.0 - found_inf, value=SPIKE_CODE)
+        else:
+            rule_flag = self._zero
+            code = found_inf * APPLIED_NONFINITE_CODE
+            if spike is not None:  # 3f + s(2 - 3f): a spike skip wins over an applied non-finite step
+                code = torch.addcmul(code, spike, SPIKE_CODE - code)
+        if self._spike is not None:
+            assert code is not None
+            self._spike.commit(code == 0)
+        return rule_flag, code
+
+    def _last_skip(self, found_inf: torch.Tensor, code: torch.Tensor | None) -> torch.Tensor:
+        """The last update's "skipped" flag on the device (for ``last_step_skipped(sync=True)``)."""
+        if code is None:
+            return found_inf
+        # codes 1 and 2 are skips; 3 (applied non-finite) is not
+        return torch.logical_and(code > 0, code < APPLIED_NONFINITE_CODE).to(torch.float32)
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
         if isinstance(new_scale, torch.Tensor):
@@ -974,7 +1062,9 @@ class LossScaler(torch.amp.GradScaler):
                 "state": self.get_state()._asdict() if self._enabled else None,
                 "sync_found_inf": self.sync_found_inf, "process_group": self.process_group,
                 "diagnose": self.forensics.mode if self.forensics is not None else False,
-                "headroom_every": self._headroom_every, "outcome_capacity": self._outcome_capacity}
+                "headroom_every": self._headroom_every, "outcome_capacity": self._outcome_capacity,
+                "spike": self.spike_rule.to_config() if self.spike_rule is not None else None,
+                "skip_nonfinite": self.skip_nonfinite}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`__getstate__`. A pickle is input from outside too: everything is checked

@@ -1,0 +1,161 @@
+"""Skip truth beyond fp16 overflows: the opt-in loss-spike rule, and bf16 runs (skip, or monitoring only)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import skip_runs as sr  # noqa: E402
+from aten_ops import AtenOps  # noqa: E402
+
+from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
+from lossscale_callbacks.skips._spike import SpikeRule, check_spike, spike_decisions  # noqa: E402
+from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
+
+SPIKE_AT = 60
+CLEAN_STEPS = 500
+
+
+def _problem(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 4, generator=g)
+    return x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.3 * torch.randn(32, 1, generator=g)
+
+
+def _spike_run(scaler: LossScaler, optimizer: str, spikes=(SPIKE_AT,), norm_spikes=(), inject=(),
+               steps: int = CLEAN_STEPS):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{optimizer: True})
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = _problem(step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y) * (10.0 if step in spikes else 1.0)
+        if step in norm_spikes:  # the gradient 1000x, the loss value unchanged
+            loss = loss + 1000.0 * (model.weight - model.weight.detach()).sum()
+        losses.append(float(loss.detach()))
+        scaler.scale(loss).backward()
+        if step in inject:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return model, opt, losses
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+def test_a_tenfold_loss_is_skipped_as_a_spike_and_nothing_else_of_500_steps_is(optimizer):
+    scaler = LossScaler(device="cpu", init_scale=2.0**10, spike=SpikeRule(sigma=6.0, window=128, warmup=20))
+    _, opt, losses = _spike_run(scaler, optimizer)
+    got = scaler.read_outcomes()
+    assert [(o.step, o.cause) for o in got.outcomes] == [(SPIKE_AT, "spike")]
+    assert got.counts == {"overflow": 0, "nonfinite": 0, "spike": 1, "applied_nonfinite": 0}
+    assert got.applied == CLEAN_STEPS - 1
+    assert {int(s["step"]) for s in opt.state.values()} == {CLEAN_STEPS - 1}
+    # Not an overflow: nothing counted as skipped for the scale, which never backed off.
+    state = scaler.get_state()
+    assert state.skipped_steps == 0 and state.scale == 2.0**10
+    # The device decisions are the NumPy reference's, step by step (skipped values out of the window).
+    assert spike_decisions(losses, scaler.spike_rule) == [s == SPIKE_AT for s in range(1, CLEAN_STEPS + 1)]
+
+
+def test_without_the_rule_the_tenfold_loss_is_applied():
+    scaler = LossScaler(device="cpu", init_scale=2.0**10)
+    _, opt, _ = _spike_run(scaler, "fused")
+    assert scaler.read_outcomes().outcomes == () and {int(s["step"]) for s in opt.state.values()} == {500}
+
+
+def test_the_gradient_norm_window_and_an_overflow_at_a_spike():
+    rule = SpikeRule(window=64, warmup=20, grad_norm=True)
+    scaler = LossScaler(device="cpu", init_scale=2.0**10, spike=rule)
+    model, opt, _ = _spike_run(scaler, "fused", spikes=(90,), norm_spikes=(150,), inject=(90, 200), steps=250)
+    got = scaler.read_outcomes()
+    # Step 90: a spike and an Inf: the overflow is the cause; 150: the norm alone; 200: an overflow.
+    assert [(o.step, o.cause) for o in got.outcomes] == [(90, "overflow"), (150, "spike"), (200, "overflow")]
+    assert got.counts["spike"] == 1 and got.counts["overflow"] == 2 and scaler.get_state().skipped_steps == 2
+    assert opt.state[model.weight]["step"] == 247
+
+
+def test_a_spike_is_a_clean_step_for_the_scale():
+    """The scale rule sees the gradients: a spike skip grows the scale like an applied step."""
+    policy = DynamicPolicy(initial_scale=2.0**10, growth_interval=30)
+    with_rule = LossScaler(device="cpu", policy=policy, spike=SpikeRule(window=16, warmup=8))
+    without = LossScaler(device="cpu", policy=policy)
+    _spike_run(with_rule, "fused", spikes=(25,), steps=40)
+    _spike_run(without, "fused", spikes=(25,), steps=40)
+    assert with_rule.get_state() == without.get_state()
+    assert with_rule.read_outcomes().skipped_steps == (25,)
+
+
+def test_spike_rule_arguments_and_pickles():
+    assert check_spike("spike", True) == SpikeRule() and check_spike("spike", None) is None
+    with pytest.raises(ValueError, match="spike must be"):
+        check_spike("spike", 6)
+    with pytest.raises(ValueError, match="warmup"):
+        SpikeRule(window=10, warmup=11)
+    with pytest.raises(ValueError, match="sigma"):
+        SpikeRule(sigma=0)
+    scaler = pickle.loads(pickle.dumps(LossScaler(device="cpu", spike=SpikeRule(window=9, warmup=3))))
+    assert scaler.spike_rule == SpikeRule(window=9, warmup=3)
+    with pytest.raises(ValueError, match="spike"):
+        SpikeRule.from_config({"sigma": 1, "bogus": 2})
+
+
+# ------------------------------------------------------------------------------------------------ bf16
+
+
+def _bf16_run(scaler: LossScaler, optimizer: str):
+    """100 bf16 steps; an Inf gradient at 3, 17, 42 on a parameter the forward pass does not use (so an
+    applied Inf poisons that parameter only, and the other steps stay finite)."""
+    model = sr.make_model()
+    dead = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([*model.parameters(), dead], lr=1e-3, **{optimizer: True})
+    for step in range(1, sr.STEPS + 1):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(sr.batch(step)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if step in sr.INJECTED:
+            dead.grad = torch.tensor([float("inf"), 0.0, 0.0])
+        scaler.step(opt)
+        scaler.update()
+    return opt, dead
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+def test_bf16_at_a_fixed_scale_of_one_skips_the_nonfinite_steps(optimizer):
+    scaler = LossScaler(device="cpu", policy=FixedPolicy(1.0))
+    _, dead = _bf16_run(scaler, optimizer)
+    got = scaler.read_outcomes()
+    assert got.skipped_steps == sr.INJECTED and got.applied == sr.APPLIED
+    assert {o.cause for o in got.outcomes} == {"nonfinite"} and got.counts["nonfinite"] == 3
+    assert torch.isfinite(dead).all()
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+def test_bf16_monitoring_only_applies_and_reports_the_nonfinite_steps(optimizer):
+    scaler = LossScaler(device="cpu", policy=FixedPolicy(1.0), skip_nonfinite=False)
+    _, dead = _bf16_run(scaler, optimizer)
+    got = scaler.read_outcomes()
+    assert [(o.step, o.cause) for o in got.outcomes] == [(s, "applied_nonfinite") for s in sr.INJECTED]
+    assert got.counts["applied_nonfinite"] == 3 and got.skipped == 0 and got.applied == sr.STEPS
+    assert not torch.isfinite(dead).all()  # applied: the Inf went in, as monitoring only means
+    assert scaler.get_state().skipped_steps == 0
+
+
+def test_monitoring_only_reads_nothing_in_the_step_and_needs_a_scale_of_one():
+    scaler = LossScaler(device="cpu", policy=FixedPolicy(1.0), skip_nonfinite=False)
+    model = sr.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # non-fused: a skipping scaler would read
+    for _ in range(3):
+        scaler.scale(model(sr.batch(1)).sum()).backward()
+        with AtenOps() as ops:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        assert "_local_scalar_dense" not in ops.names
+    with pytest.raises(ValueError, match="skip_nonfinite=False"):
+        LossScaler(skip_nonfinite=False)
