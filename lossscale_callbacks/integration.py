@@ -114,7 +114,8 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks.ledger._book import Ledger, bad_steps
     from lossscale_callbacks.ledger._entry import MicroBatch, Replay
     from lossscale_callbacks.ledger._samples import SampleTracker
-    from lossscale_callbacks.loop._logging_loop import LoggingArgs, check_log_every, logging_args
+    from lossscale_callbacks.loop._clock import check_log_every
+    from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
     from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
     from lossscale_callbacks.report._run_readers import (
         RunReadError,
@@ -167,7 +168,7 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "logging_args": ("loop._logging_loop",
             "An integration's **logging checked against LoggingArgs, refused as Python refuses an unknown "
             "keyword."),
-        "check_log_every": ("loop._logging_loop",
+        "check_log_every": ("loop._clock",
             "log_every checked: an integer >= 1, or None where another interval rule applies."),
         "user_stacklevel": ("_stacklevel",
             "The stacklevel that points a warning at the user's line, not at the framework's."),

@@ -26,10 +26,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lossscale_callbacks._health import ACTIONS, Verdict
+from lossscale_callbacks._metrics import RANKS_DISAGREE, RANKS_TAG
+from lossscale_callbacks._sinks import SinkGroup
 from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks._validation import check_choice
 
-__all__ = ["RankStates", "RankedState", "RanksDisagree", "split_health"]
+__all__ = ["RankAgreement", "RankStates", "RankedState", "RanksDisagree", "split_health"]
 
 # What each rank contributes to the gather, in this order.
 RANK_FIELDS = ("scale", "growth_counter", "skipped_steps", "steps")
@@ -160,3 +162,68 @@ def split_health(spec: Any) -> tuple[Any, RanksDisagree | None]:
         return spec, None
     ours = [r for r in rules if isinstance(r, RanksDisagree)]
     return [r for r in rules if not isinstance(r, RanksDisagree)], (ours[-1] if ours else None)
+
+
+class RankAgreement:
+    """The logging loop's rank agreement over one run: each gathered read compared, a disagreement said
+    once per stretch of reads that disagree (a verdict when the :class:`RanksDisagree` rule is on, a
+    text to the sinks either way), the count for the metrics and a sentence for the summary.
+
+    Example:
+        >>> agreement = RankAgreement(RanksDisagree())
+        >>> agreement.metrics(RankStates.from_rows([[8.0, 0, 0, 10], [8.0, 0, 0, 10]]))
+        {'loss_scale/ranks_disagree': 0}
+        >>> ranks = RankStates.from_rows([[8.0, 0, 0, 20], [4.0, 0, 1, 20]])
+        >>> from lossscale_callbacks._health import HealthMonitor
+        >>> health = HealthMonitor.from_spec("warn")
+        >>> [v.rule for v in agreement.judge(ranks, 20, SinkGroup(), health)]
+        ['ranks_disagree']
+        >>> agreement.judge(ranks, 30, SinkGroup(), health)  # the same stretch: said once
+        []
+    """
+
+    def __init__(self, rule: RanksDisagree | None) -> None:
+        self.rule = rule
+        self.reads = 0  # reads that gathered every rank's state (none with one process)
+        self.disagreements: list[tuple[int, str]] = []  # (step, the ranks' states in words)
+        self.differing: int | None = None  # ranks that differ from rank 0 at the last gathered read
+        self._in_stretch = False  # inside a stretch of reads where the ranks disagree
+
+    def metrics(self, ranks: RankStates | None) -> dict[str, int]:
+        """The read's ``loss_scale/ranks_disagree`` (none for a read of one process)."""
+        return {} if ranks is None else {RANKS_DISAGREE: len(ranks.differing())}
+
+    def judge(self, ranks: RankStates | None, step: int, out: SinkGroup, health: Any = None) -> list[Verdict]:
+        """The verdict of one gathered read when a stretch of disagreement begins (the words go to ``out``
+        either way), joined to ``health``'s verdicts; ``[]`` for an agreeing read, a read of one process,
+        or with the rule or the health rules off."""
+        if ranks is None:
+            return []
+        self.reads += 1
+        self.differing = len(ranks.differing())
+        differ = bool(self.differing)
+        began, self._in_stretch = differ and not self._in_stretch, differ
+        if not began:
+            return []
+        self.disagreements.append((step, ranks.describe()))
+        verdict = self.rule.judge(ranks, step) if self.rule is not None else None
+        out.write_text(RANKS_TAG, verdict.message if verdict else f"Step {step}: {ranks.describe()}")
+        if verdict is None or health is None:
+            return []
+        health.verdicts.append(verdict)
+        return [verdict]
+
+    def last_metrics(self) -> dict[str, int]:
+        """``loss_scale/ranks_disagree`` of the last gathered read, ``{}`` with one process."""
+        return {} if self.differing is None else {RANKS_DISAGREE: self.differing}
+
+    def sentence(self) -> str:
+        """The ranks in the run's summary ("" when no read gathered them)."""
+        if not self.reads:
+            return ""
+        if not self.disagreements:
+            return (f" The ranks' loss-scale states were compared at {self.reads} read(s) and "
+                    "always agreed.")
+        step, words = self.disagreements[0]
+        return (f" The ranks' loss-scale states disagreed {len(self.disagreements)} time(s) in "
+                f"{self.reads} compared read(s), first at step {step} ({words}).")
