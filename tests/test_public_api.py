@@ -74,7 +74,8 @@ EXTENSION: dict[str, list[str]] = {
         "policy_from_config", "policy_values_from_markdown", "process_rank", "require", "sampled_within",
         "smallest_keep_set", "user_stacklevel", "validate_state", "warn_if_nothing_checked"],
     "lossscale_callbacks.torch.integration": [
-        "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "has_deepspeed_scaler", "warn_no_scaler"],
+        "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "check_replay", "has_deepspeed_scaler",
+        "ledger_capture", "loss_of_output", "warn_no_scaler"],
     "lossscale_callbacks.testing": [
         "ConformanceCase", "assert_conforms", "conformance_cases", "reference_headroom",
         "reference_histogram", "reference_run", "stack_states"],

@@ -29,7 +29,7 @@ import torch
 from lossscale_callbacks.integration import Ledger, MicroBatch, Replay, SampleTracker, bad_steps, process_rank
 from lossscale_callbacks.torch._replay import MicroRecord, StepReplayer, capture_rng
 
-__all__ = ["DEFAULT_REPLAYS", "LedgerCapture", "check_replay"]
+__all__ = ["DEFAULT_REPLAYS", "LedgerCapture", "check_replay", "ledger_capture"]
 
 DEFAULT_REPLAYS = 4  # replays per log interval with replay=True
 _QUEUE: Any = object()
@@ -177,6 +177,18 @@ class LedgerCapture:
             self._hook.remove()
         self._hook = model.register_forward_pre_hook(pre_hook)
 
+    def set_autocast(self, device_type: str, dtype: torch.dtype) -> None:
+        """The step's autocast, where the integration knows it (a precision plugin's): the replay runs
+        under it, then with it off."""
+        self.autocast = (device_type, dtype)
+        if self._replayer is not None:
+            self._replayer.autocast = self.autocast
+
+    @property
+    def replaying(self) -> bool:
+        """Whether a replay is running now (a monitor's hooks ignore its forward passes)."""
+        return self._replayer is not None and self._replayer.replaying
+
     def track(self, loader: Any) -> Any:
         """``loader``, yielding the same batches, its sampler's indices recorded (a new pass each epoch)."""
         self.watch_sampler(loader)
@@ -304,3 +316,8 @@ def _map_column(column: Any, positions: list[Any]) -> list[Any]:
         dataset, name = column
         return list(dataset[positions][name])
     return [column[p] for p in positions]
+
+
+def ledger_capture(scaler: Any) -> LedgerCapture | None:
+    """The ledger capture of a ``LossScaler`` (made by ``scaler.track(...)``), or ``None``."""
+    return getattr(scaler, "_ledger", None)
