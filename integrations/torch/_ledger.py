@@ -82,10 +82,14 @@ class _RecordingIndexSampler:
 
 
 def _innermost_loader(loader: Any) -> torch.utils.data.DataLoader | None:
-    """The ``DataLoader`` inside framework wrappers (Fabric's ``_FabricDataLoader``...)."""
+    """The ``DataLoader`` that iterates the batch sampler, inside framework wrappers (Fabric's
+    ``_FabricDataLoader``, Accelerate's ``DataLoaderShard`` around its ``base_dataloader``...)."""
     seen = 0
-    while not isinstance(loader, torch.utils.data.DataLoader) and seen < 8:
-        inner = getattr(loader, "_dataloader", None) or getattr(loader, "dataloader", None)
+    while seen < 8:
+        base = loader.__dict__.get("base_dataloader") if hasattr(loader, "__dict__") else None
+        if isinstance(loader, torch.utils.data.DataLoader) and base is None:
+            break
+        inner = base or getattr(loader, "_dataloader", None) or getattr(loader, "dataloader", None)
         if inner is None:
             return None
         loader, seen = inner, seen + 1
@@ -314,7 +318,8 @@ def _map_column(column: Any, positions: list[Any]) -> list[Any]:
     column name as a pair), read for a bad step only."""
     if isinstance(column, tuple) and len(column) == 2:
         dataset, name = column
-        return list(dataset[positions][name])
+        values = dataset[positions][name]
+        return values.tolist() if hasattr(values, "tolist") else list(values)  # a torch-formatted column
     return [column[p] for p in positions]
 
 

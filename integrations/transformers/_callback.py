@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.accelerate import install_loss_scaler
 from lossscale_callbacks.integration import LoggingArgs, Policy, check_diagnose, check_policy, logging_args
 from lossscale_callbacks.torch import ScalerReader
-from lossscale_callbacks.torch.integration import warn_no_scaler
+from lossscale_callbacks.torch.integration import check_replay, ledger_capture, loss_of_output, warn_no_scaler
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -66,6 +67,16 @@ class LossScaleTrainerCallback(TrainerCallback):
         scaler: install this scaler instead (a ``LossScaler`` or a ``torch.amp.GradScaler``).
         log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop` in optimizer steps: also
             asks the Trainer to log then (``None``: its ``logging_steps`` alone decide).
+        ledger: the ledger of bad steps (installs a ``LossScaler``): ``True`` writes
+            ``bad_steps.rank<r>.jsonl`` into ``output_dir``, a folder writes there; each bad step with the
+            train sampler's indices (or ``ids``'s column); its words join the summary. No host read is
+            added to a step.
+        replay: replay each bad step's inputs (the model's forward and its ``loss``) on the same weights
+            with its RNG state, at the same scale, the policy's minimum and in float32: ``True`` (at most
+            4 per log interval) or the most per interval. See the "Which batch" page.
+        ids: a column of the train dataset (a ``datasets`` index column) that identifies the samples,
+            read at the sampler's indices for the bad steps only (the Trainer drops the column from the
+            batches: ``remove_unused_columns``).
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
             ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
             its Args); ``health="stop"`` sets ``should_training_stop``; the default ``echo`` writes
@@ -90,8 +101,19 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def __init__(self, *, policy: Policy | None = None, diagnose: bool | str = False,
                  scaler: torch.amp.GradScaler | None = None, log_every: int | None = None,
+                 ledger: Any = False, replay: bool | int = False, ids: str | None = None,
                  **logging: Unpack[LoggingArgs]) -> None:
         self.diagnose = check_diagnose(diagnose)
+        if not (ledger is None or isinstance(ledger, (bool, str, os.PathLike))):
+            raise ValueError(f"ledger must be True, False or a folder, got {ledger!r}")
+        self.ledger = ledger or False
+        self.replay = check_replay(replay)
+        if self.replay and not self.ledger:
+            raise ValueError("replay needs the ledger: LossScaleTrainerCallback(ledger=True, replay=True)")
+        if ids is not None and not isinstance(ids, str):
+            raise ValueError(f"ids must be None or the name of the train dataset's id column, got {ids!r}")
+        self.ids = ids
+        self._batch_hook: Any = None
         if policy is not None:
             check_policy("policy", policy)
         self.policy = policy
@@ -115,7 +137,8 @@ class LossScaleTrainerCallback(TrainerCallback):
     @property
     def installs(self) -> bool:
         """Whether :meth:`attach` installs a scaler (``policy``, ``diagnose`` or ``scaler`` given)."""
-        return self.policy is not None or bool(self.diagnose) or self._given_scaler is not None
+        return (self.policy is not None or bool(self.diagnose) or self._given_scaler is not None
+                or bool(self.ledger))
 
     def attach(self, trainer: Trainer) -> LossScaleTrainerCallback:
         """Add this callback to ``trainer`` (before ``trainer.train()``), installing the scaler if asked.
@@ -140,8 +163,10 @@ class LossScaleTrainerCallback(TrainerCallback):
                                  "loss scaler: it needs TrainingArguments(fp16=True)")
             self.installed = install_loss_scaler(trainer.accelerator, self._given_scaler, policy=self.policy,
                                                  diagnose=self.diagnose)
-            if self.diagnose:
+            if self.diagnose or self.ledger:
                 self.installed.watch(trainer.model)
+            if self.ledger:
+                self._track(trainer)
         callbacks = trainer.callback_handler.callbacks
         if self in callbacks:
             callbacks.remove(self)
@@ -149,6 +174,35 @@ class LossScaleTrainerCallback(TrainerCallback):
         callbacks.insert(flow[-1] + 1 if flow else 0, self)
         self._trainer = weakref.ref(trainer)
         return self
+
+    def _track(self, trainer: Trainer) -> None:
+        """The ledger on the installed scaler: each training forward of the model is a received micro-batch
+        (its inputs kept for replay); the sampler's indices name its samples."""
+        model, scaler = trainer.model, self.installed
+        folder = trainer.args.output_dir if self.ledger is True else self.ledger
+
+        def loss(batch: dict[str, Any]) -> Any:
+            # Accelerate wraps the prepared model's forward in its autocast: the replay calls the forward
+            # it wrapped (kept as _original_forward), under the replay's own autocast (or none: float32).
+            forward = getattr(model, "_original_forward", None) or model
+            return loss_of_output(forward(**batch))
+
+        scaler.track(None, ledger=folder, replay=self.replay, loss=loss if self.replay else None)
+        capture = ledger_capture(scaler)
+        capture.set_autocast(trainer.args.device.type, torch.float16)  # fp16=True: what an install needs
+        if self.ids is not None:
+            if self.ids not in getattr(trainer.train_dataset, "column_names", ()):
+                raise ValueError(f"ids={self.ids!r}: the train dataset has no such column (a "
+                                 "datasets.Dataset with an index column is needed)")
+            capture.column = (trainer.train_dataset, self.ids)
+
+        def received(module: Any, args: Any, kwargs: Any) -> None:
+            if module.training and torch.is_grad_enabled() and not args and not capture.replaying:
+                capture.on_batch(dict(kwargs))
+
+        if self._batch_hook is not None:
+            self._batch_hook.remove()
+        self._batch_hook = model.register_forward_pre_hook(received, with_kwargs=True, prepend=True)
 
     # ------------------------------------------------------------------------------ training
 
@@ -165,6 +219,9 @@ class LossScaleTrainerCallback(TrainerCallback):
             self._warn_no_scaler(args, state)
             return
         self.reader = ScalerReader(scaler)
+        capture = ledger_capture(scaler) if self.ledger else None
+        if capture is not None:
+            capture.watch_sampler(trainer.callback_handler.train_dataloader)
         self.reader.count_from(state.global_step)  # a stock GradScaler checkpoints no count: from here
         self._read_at = state.global_step
         self._stop_requested = False
@@ -215,6 +272,11 @@ class LossScaleTrainerCallback(TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_counts(state, control)  # save_strategy="epoch"
 
+    def _read_ledger(self) -> None:
+        """The skip truth's read of the interval, which gives the ledger its bad steps."""
+        if self.ledger and self.installed is not None:
+            self.installed.read_outcomes()
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
         if self.reader is None or logs is None or state.global_step <= self._read_at:
@@ -224,6 +286,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
+        self._read_ledger()
         added = {**snapshot.metrics(), **self.loop.rank_metrics(),
                  **(forensics.metrics() if forensics is not None else {})}
         _add_to_history(state, logs, added)
@@ -239,4 +302,10 @@ class LossScaleTrainerCallback(TrainerCallback):
             self._read_at = state.global_step
             self.loop.observe(self.reader.read(), sink_step=state.global_step,
                               forensics=self.reader.read_forensics())
-        self.loop.finish()  # prints the summary on the main process, closes the sinks it opened
+            self._read_ledger()
+        book = self.installed.ledger if self.ledger and self.installed is not None else None
+        note = ""
+        if book is not None:
+            book.close()
+            note = "\n".join(book.sentences())
+        self.loop.finish(note=note)  # prints the summary on the main process, closes the sinks it opened
