@@ -62,6 +62,8 @@ class ScalerStepMonitor:
                  run_sinks: Iterable[Sink] = (), **logging: Unpack[LoggingArgs]) -> None:
         check_log_every(log_every, optional=False)  # a step monitor has no other interval rule
         self.reader = ScalerReader(scaler)
+        self._tensorboard = logging.get("tensorboard")
+        self._ledger = False
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
                                 **logging_args(type(self).__name__, logging))
         self.loop.start(sinks=run_sinks)
@@ -96,9 +98,33 @@ class ScalerStepMonitor:
         return self.loop.maybe_observe(self._ticks, self._read, sink_step=log_step,
                                        read_forensics=self.reader.read_forensics)
 
+    def track(self, loader: Any, *, ledger: Any = True, replay: bool | int = False, loss: Any = None,
+              ids: str | None = None, model: Any = None) -> Any:
+        """The ledger of bad steps on this loop (our ``LossScaler`` only): ``loader`` comes back yielding
+        the same batches, its sampler's indices recorded on the host; the bad steps are written at each
+        interval's read (``bad_steps.rank<r>.jsonl`` beside the dashboards: ``tensorboard=``, else
+        ``ledger``'s folder), and told in the summary. ``replay``, ``loss`` and ``ids`` as in
+        :meth:`LossScaler.track`; ``model`` is the model whose gradients a replay checks (else the
+        scaler's watched one).
+
+        Raises:
+            ValueError: a stock scaler (no ledger), or a bad argument.
+        """
+        scaler = self.reader.scaler
+        if self.reader.kind != "ours":
+            raise ValueError("the ledger of bad steps needs the lossscale-callbacks scaler (its outcomes and "
+                             "replay): a stock GradScaler has neither")
+        if model is not None:
+            scaler.watch(model)
+        folder = (self._tensorboard or None) if ledger is True else (ledger or None)
+        self._ledger = True
+        return scaler.track(loader, ledger=folder, replay=replay, loss=loss, ids=ids)
+
     def _read(self) -> Any:
         """The interval's read (every rank's state too, under torch.distributed); re-bases the count."""
         state = self.reader.read()
+        if self._ledger:
+            self.reader.scaler.read_outcomes()  # the skip truth's read: the ledger takes its bad steps
         ranks = getattr(state, "ranks", None)
         self._ticks = ranks.rows[0][3] if ranks is not None else int(state.steps)
         return state
@@ -109,7 +135,11 @@ class ScalerStepMonitor:
         Closes the sinks made from ``tensorboard=``/``wandb=``; the framework's loggers are its own
         to close.
         """
-        return self.loop.finish(self._read())
+        state = self._read()
+        book = self.reader.scaler.ledger if self._ledger else None
+        if book is not None:
+            book.close()
+        return self.loop.finish(state, note="\n".join(book.sentences()) if book is not None else "")
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the step count (and a stock scaler's skipped steps, which
