@@ -57,22 +57,23 @@ EXTENSION: dict[str, list[str]] = {
     # integration that builds on torch may use of the torch integration.
     "lossscale_callbacks.integration": [
         "APPLIED_NONFINITE_CODE", "CAUSES", "CODES", "COUNT_METRICS", "DASHBOARD_CHARTS",
-        "DASHBOARD_SECTION", "DEFAULT_MAX_UNZIPPED_MIB", "FINAL_SCALE", "FP16_MIN_SUBNORMAL",
+        "DASHBOARD_SECTION", "DEFAULT_MAX_UNZIPPED_MIB", "EMA", "FINAL_SCALE", "FP16_MIN_SUBNORMAL",
         "GROWTH_INTERVAL", "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE",
-        "OVERALL_SKIP_RATE", "POLICY_TAG", "SCALE", "SKIPPED_STEPS", "SPIKE_CODE", "STATE_FIELDS",
-        "STEP_METRIC", "TAG_PREFIX", "TOTAL_SKIPPED_STEPS", "ActivationTrace", "AuditResult", "Capture",
-        "FrameworkAdvice", "GradientRange", "GuardedSink", "IntervalForensics", "IntervalOutcomes",
-        "LayerHeadroom", "LayerInfo", "LayerPrecision", "Ledger", "LoggingArgs", "ManagedSink",
-        "MicroBatch", "MissingExtraError", "ModelDim", "ModelTooDeepError", "OpPrecision", "OpRecord",
-        "Pass", "Policy", "PrecisionInfo", "RankStates", "RankedState", "Replay", "Role", "RunReadError",
-        "RunSeries", "SampleTracker", "Snapshot", "SpikeRule", "Verdict", "advise", "bad_steps",
-        "check_archive", "check_batch_size", "check_bool", "check_choice", "check_diagnose", "check_int",
-        "check_known", "check_log_every", "check_number", "check_policy", "check_spike", "decode_records",
-        "einsum_gemm", "ended_inside_record", "get_target", "host_number", "is_event_file_name",
-        "is_policy", "is_regular_file", "largest_finite_scale", "layer_of", "lazy_attributes",
-        "logging_args", "matmul_gemm", "nonfinite_cause", "observed_state", "policy_bounds_from_markdown",
-        "policy_from_config", "policy_values_from_markdown", "process_rank", "require", "sampled_within",
-        "smallest_keep_set", "user_stacklevel", "validate_state", "warn_if_nothing_checked"],
+        "OVERALL_SKIP_RATE", "POLICY_TAG", "SCALE", "SCHEDULER", "SKIPPED_STEPS", "SPIKE_CODE",
+        "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX", "TOTAL_SKIPPED_STEPS", "ActivationTrace",
+        "AuditResult", "Capture", "FollowerCount", "FrameworkAdvice", "GradientRange", "GuardedSink",
+        "IntervalForensics", "IntervalOutcomes", "LayerHeadroom", "LayerInfo", "LayerPrecision", "Ledger",
+        "LoggingArgs", "ManagedSink", "MicroBatch", "MissingExtraError", "ModelDim", "ModelTooDeepError",
+        "OpPrecision", "OpRecord", "Pass", "Policy", "PrecisionInfo", "RankStates", "RankedState", "Replay",
+        "Role", "RunReadError", "RunSeries", "SampleTracker", "Snapshot", "SpikeRule", "Verdict", "advise",
+        "bad_steps", "carry", "check_archive", "check_batch_size", "check_bool", "check_choice",
+        "check_diagnose", "check_int", "check_known", "check_log_every", "check_number", "check_policy",
+        "check_spike", "decode_records", "einsum_gemm", "ended_inside_record", "get_target", "host_number",
+        "is_event_file_name", "is_policy", "is_regular_file", "largest_finite_scale", "layer_of",
+        "lazy_attributes", "logging_args", "matmul_gemm", "nonfinite_cause", "observed_state",
+        "policy_bounds_from_markdown", "policy_from_config", "policy_values_from_markdown", "process_rank",
+        "require", "sampled_within", "smallest_keep_set", "user_stacklevel", "validate_state",
+        "warn_if_nothing_checked"],
     "lossscale_callbacks.torch.integration": [
         "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "check_replay", "has_deepspeed_scaler",
         "ledger_capture", "loss_of_output", "warn_no_scaler"],
@@ -82,7 +83,7 @@ EXTENSION: dict[str, list[str]] = {
 }
 # The core's rooms: private sub-packages that hold a family of modules and export nothing.
 ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.ledger", "lossscale_callbacks.loop",
-         "lossscale_callbacks.report")
+         "lossscale_callbacks.report", "lossscale_callbacks.skips")
 FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
               "accelerate", "transformers", "ray")
 

@@ -135,10 +135,8 @@ class LightningLedger:
         capture.on_batch(batch, epoch=trainer.current_epoch, batch_idx=batch_idx)
 
     def read(self, scaler: Any) -> None:
-        """At the log interval: the skip truth's read, which gives the ledger the interval's bad steps."""
-        if ledger_capture(scaler) is not None:
-            scaler.read_outcomes()
-            self._batch_idx.clear()
+        """After the log interval's read (which carried the skip truth's outcomes into the ledger)."""
+        self._batch_idx.clear()
 
     def sentences(self, scaler: Any) -> str:
         book = scaler.ledger if isinstance(scaler, LossScaler) else None

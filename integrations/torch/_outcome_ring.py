@@ -82,14 +82,21 @@ class OutcomeRing:
         if self.count_codes:
             self._counts.add_(self._code_ids == code)
 
-    def read(self) -> tuple[list[list[float]], int, list[int], int]:
-        """``(rows, written, counts per code, step)`` as host numbers: one device-to-host copy."""
-        flat = torch.cat([self._rows.flatten(), self._written.to(torch.float64),
-                          self._counts.to(torch.float64), self._step.view(1)]).cpu().tolist()
+    def flat(self) -> torch.Tensor:
+        """Everything a read needs, as one flat float64 device tensor (to copy with the state: one copy)."""
+        counters = [self._written.to(torch.float64), self._counts.to(torch.float64), self._step.view(1)]
+        return torch.cat([self._rows.flatten(), *counters])
+
+    def parse(self, flat: list[float]) -> tuple[list[list[float]], int, list[int], int]:
+        """``(rows, written, counts per code, step)`` from :meth:`flat`'s values on the host."""
         n = (self.capacity + 1) * 3
         rows = [flat[i:i + 3] for i in range(0, n, 3)]
         counts = [int(v) for v in flat[n + 1:n + 1 + len(CODES)]]
         return rows, int(flat[n]), counts, int(flat[-1])
+
+    def read(self) -> tuple[list[list[float]], int, list[int], int]:
+        """``(rows, written, counts per code, step)`` as host numbers: one device-to-host copy."""
+        return self.parse(self.flat().cpu().tolist())
 
 
 __all__ = ["DEFAULT_CAPACITY", "OutcomeRing"]

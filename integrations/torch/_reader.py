@@ -18,8 +18,16 @@ from typing import Any
 import torch
 
 from lossscale_callbacks import LossScaleState
-from lossscale_callbacks.integration import INT64_MAX, IntervalForensics, Policy, check_int
+from lossscale_callbacks.integration import (
+    INT64_MAX,
+    IntervalForensics,
+    IntervalOutcomes,
+    Policy,
+    carry,
+    check_int,
+)
 from lossscale_callbacks.torch._deepspeed_reader import DeepSpeedScalerReader, has_deepspeed_scaler
+from lossscale_callbacks.torch._followers import Followers
 from lossscale_callbacks.torch._megatron_reader import MegatronScalerReader, has_megatron_scaler
 from lossscale_callbacks.torch._rank_gather import with_ranks
 from lossscale_callbacks.torch._scaler import LossScaler
@@ -44,10 +52,20 @@ class ScalerReader:
     a checkpoint whose counts disagree with the scaler's is refused. DeepSpeed's engine counts its
     own steps.
 
+    Skip truth: each :meth:`read` also carries what happened to the interval's steps (``outcomes``, an
+    :class:`~lossscale_callbacks.skips._outcomes.IntervalOutcomes`: our scaler lists every non-ordinary
+    step; a stock one gives the counts) and every LR scheduler's and EMA's own step count
+    (``followers``, see :mod:`lossscale_callbacks.torch._followers`), for the logging loop's metrics
+    and its check that nothing advanced on skipped steps. Make the reader before the first step: what
+    follows the optimizer is found then, and compared from there.
+
     Args:
         scaler: an enabled ``LossScaler``, ``torch.amp.GradScaler`` or ``ShardedGradScaler``, a
             DeepSpeed engine, its optimizer, or its loss scaler, or a Megatron-Core optimizer or grad
             scaler.
+        followers: LR schedulers and EMAs the caller knows (an integration's own).
+        find_followers: also find the LR schedulers and EMAs alive in the process (once now, once at
+            the first read).
 
     Raises:
         ValueError: ``scaler`` is none of these, or disabled.
@@ -61,7 +79,7 @@ class ScalerReader:
         256.0
     """
 
-    def __init__(self, scaler: Any) -> None:
+    def __init__(self, scaler: Any, *, followers: Any = (), find_followers: bool = True) -> None:
         self._stock: StockSkipCounter | None = None
         # An engine's own scaler (DeepSpeed's, Megatron-Core's): read, never replaced.
         self._engine: DeepSpeedScalerReader | MegatronScalerReader | None = None
@@ -85,6 +103,16 @@ class ScalerReader:
         self.scaler = scaler
         # Ours: its own count, read without the device until it has one (a checkpoint, or 0).
         self._steps = int(scaler.get_state().steps) if self.kind == "ours" else 0
+        # Skip truth: where the outcomes were read last (steps, skipped, spike skips so far).
+        self._cursor = (self._steps, int(scaler.get_state().skipped_steps) if self.kind == "ours" else 0, 0)
+        self.followers: Followers | None = None
+        if self._engine is None:
+            self.followers = Followers(scaler, self._progress, followers, find_followers)
+
+    def _progress(self) -> tuple[int, int]:
+        """``(applied, skipped)`` steps as of the last read of the outcomes (no device read)."""
+        steps, skipped, spikes = self._cursor
+        return steps - skipped - spikes, skipped + spikes
 
     @property
     def policy(self) -> Policy | None:
@@ -160,22 +188,50 @@ class ScalerReader:
         if self._stock is not None:
             self._stock.after_optimizer_step()
 
-    def read(self, gather: bool = True) -> LossScaleState:
+    def read(self, gather: bool = True, outcomes: bool = True) -> LossScaleState:
         """The state as Python numbers: the one host read of an interval (an engine's are host numbers).
 
         With a ``torch.distributed`` group of two or more ranks (and ``gather``), every rank's state
         comes along (a ``RankedState``, one ``all_gather`` of 4 numbers per rank), so the logging
         loop can tell whether the ranks agree: then every rank must call this at the same reads.
+        With ``outcomes`` the state carries the interval's step outcomes and the followers' counts
+        (see the class); a read that does not go to the logging loop (a checkpoint's counts) passes
+        ``outcomes=False``, so that the next one covers those steps.
         """
+        ours = None
         if self._engine is not None:
             state = LossScaleState(**self._engine.read())
         elif self._stock is not None:
             state = self._stock.read(self._steps)
         else:
-            state = self.scaler.get_state()
+            if outcomes:  # the state and the interval's outcomes in one copy
+                state, ours = self.scaler.read_state_and_outcomes()
+            else:
+                state = self.scaler.get_state()
             self._steps = int(state.steps)
             self.scaler.sync_held()  # the held schedulers' and EMAs' host side, at the same interval
-        return with_ranks(state) if gather else state
+        ranked = with_ranks(state) if gather else state
+        if not outcomes or self._engine is not None:
+            return ranked
+        interval = self._read_outcomes(state, ours)
+        counts = self.followers.counts() if self.followers is not None else []
+        return carry(ranked, outcomes=interval, followers=counts)
+
+    def _read_outcomes(self, state: LossScaleState, ours: IntervalOutcomes | None) -> IntervalOutcomes:
+        """The interval's outcomes: ours lists every non-ordinary step; a stock scaler's are counts only."""
+        steps, skipped, spikes = self._cursor
+        if ours is not None:
+            interval = ours
+            if interval.first_step != steps + 1:  # the scaler loaded a state: its record starts afresh
+                spikes = 0
+            spikes += interval.counts["spike"]
+        else:
+            if int(state.steps) < steps or int(state.skipped_steps) < skipped:  # restored: counts afresh
+                steps = skipped = 0
+            new = int(state.skipped_steps) - skipped
+            interval = IntervalOutcomes(steps + 1, int(state.steps), (), {"overflow": new}, missed=new)
+        self._cursor = (int(state.steps), int(state.skipped_steps), spikes)
+        return interval
 
     def read_forensics(self) -> IntervalForensics | None:
         """Our scaler's overflow forensics of the interval (``diagnose=True``), else ``None``."""

@@ -944,12 +944,17 @@ class LossScaler(torch.amp.GradScaler):
             >>> outcomes.outcomes, outcomes.applied
             ((StepOutcome(step=2, cause='overflow', scale=1024.0),), 2)
         """
+        return self.read_state_and_outcomes()[1]
+
+    def read_state_and_outcomes(self) -> tuple[LossScaleState, IntervalOutcomes]:
+        """:meth:`get_state` and :meth:`read_outcomes` in one device-to-host copy (the monitors' read)."""
         cursor = self._outcome_cursor
         if not self._enabled or self._path is None or self._ring is None:
             steps = cursor.steps
-            return IntervalOutcomes(steps + 1, steps)
-        rows, written, counts, _ = self._ring.read()
-        state = self._path.read()
+            state = self.get_state() if self._enabled else self._host_state()
+            return state, IntervalOutcomes(steps + 1, steps)
+        state, flat = self._path.read_with(self._ring.flat())
+        rows, written, counts, _ = self._ring.parse(flat)
         outcomes, missed = decode_records(rows, written, cursor.written, self._outcome_capacity,
                                           nonfinite_cause(self._policy))
         new_counts = [now - before for now, before in zip(counts, cursor.counts, strict=True)]
@@ -960,7 +965,7 @@ class LossScaler(torch.amp.GradScaler):
         result = IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
         if self._ledger is not None:  # the ledger of bad steps takes the interval's from this one read
             self._ledger.record(result)
-        return result
+        return state, result
 
     # -------------------------------------------------------------------------- host reads
 

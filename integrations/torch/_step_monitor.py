@@ -122,9 +122,7 @@ class ScalerStepMonitor:
 
     def _read(self) -> Any:
         """The interval's read (every rank's state too, under torch.distributed); re-bases the count."""
-        state = self.reader.read()
-        if self._ledger:
-            self.reader.scaler.read_outcomes()  # the skip truth's read: the ledger takes its bad steps
+        state = self.reader.read()  # with the skip truth's outcomes: the ledger takes its bad steps there
         ranks = getattr(state, "ranks", None)
         self._ticks = ranks.rows[0][3] if ranks is not None else int(state.steps)
         return state

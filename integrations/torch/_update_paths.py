@@ -153,10 +153,16 @@ class _Path:
 
     def read(self) -> LossScaleState:
         """The state as Python numbers: one device-to-host copy (float64 holds every field exactly)."""
-        parts = [*self.fields(), self._skipped()]
-        scale, growth, hysteresis, skipped = torch.stack([t.to(torch.float64) for t in parts]).cpu().tolist()
-        return LossScaleState(float(scale), int(growth), int(hysteresis), self._skipped_base + int(skipped),
-                              self.steps)
+        return self.read_with(None)[0]
+
+    def read_with(self, extra: torch.Tensor | None) -> tuple[LossScaleState, list[float]]:
+        """The state and ``extra`` (a flat float64 device tensor, e.g. the outcome ring) in one copy."""
+        parts = [t.to(torch.float64).reshape(1) for t in (*self.fields(), self._skipped())]
+        values = torch.cat(parts if extra is None else [*parts, extra]).cpu().tolist()
+        scale, growth, hysteresis, skipped = values[:4]
+        state = LossScaleState(float(scale), int(growth), int(hysteresis), self._skipped_base + int(skipped),
+                               self.steps)
+        return state, values[4:]
 
 
 class AmpPath(_Path):
@@ -397,6 +403,9 @@ class CudaGraphPath:
 
     def read(self) -> LossScaleState:
         return self.path.read()
+
+    def read_with(self, extra: torch.Tensor | None) -> tuple[LossScaleState, list[float]]:
+        return self.path.read_with(extra)
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.path.fields()

@@ -243,7 +243,7 @@ class LossScaleTrainerCallback(TrainerCallback):
     def _save_counts(self, state: Any, control: Any) -> None:
         """Before the Trainer writes a checkpoint: the counts into ``trainer_state.json`` (one host read)."""
         if self.reader is not None and control.should_save:
-            counts = self.reader.read()
+            counts = self.reader.read(outcomes=False)  # the interval's outcomes stay for the next log
             state.stateful_callbacks[COUNTS_KEY] = {"steps": counts.steps,
                                                     "skipped_steps": counts.skipped_steps}
 
@@ -272,11 +272,6 @@ class LossScaleTrainerCallback(TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_counts(state, control)  # save_strategy="epoch"
 
-    def _read_ledger(self) -> None:
-        """The skip truth's read of the interval, which gives the ledger its bad steps."""
-        if self.ledger and self.installed is not None:
-            self.installed.read_outcomes()
-
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
         if self.reader is None or logs is None or state.global_step <= self._read_at:
@@ -286,7 +281,6 @@ class LossScaleTrainerCallback(TrainerCallback):
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
         snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        self._read_ledger()
         added = {**snapshot.metrics(), **self.loop.rank_metrics(),
                  **(forensics.metrics() if forensics is not None else {})}
         _add_to_history(state, logs, added)
@@ -302,7 +296,6 @@ class LossScaleTrainerCallback(TrainerCallback):
             self._read_at = state.global_step
             self.loop.observe(self.reader.read(), sink_step=state.global_step,
                               forensics=self.reader.read_forensics())
-            self._read_ledger()
         book = self.installed.ledger if self.ledger and self.installed is not None else None
         note = ""
         if book is not None:

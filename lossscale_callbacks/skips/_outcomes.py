@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from lossscale_callbacks._ops import NUMPY_OPS, Ops
+from lossscale_callbacks._state import LossScaleState
 
 APPLIED_CODE, NONFINITE_CODE, SPIKE_CODE, APPLIED_NONFINITE_CODE = 0, 1, 2, 3
 CODES = (APPLIED_CODE, NONFINITE_CODE, SPIKE_CODE, APPLIED_NONFINITE_CODE)
@@ -272,8 +273,10 @@ __all__ = [
     "SKIP_CAUSES",
     "SPIKE",
     "SPIKE_CODE",
+    "CarryingState",
     "IntervalOutcomes",
     "StepOutcome",
+    "carry",
     "cause_name",
     "decode_records",
     "is_applied",
@@ -281,3 +284,28 @@ __all__ = [
     "rule_finite",
     "step_code",
 ]
+
+
+class CarryingState(LossScaleState):
+    """A :class:`~lossscale_callbacks.LossScaleState` that takes attributes (see :func:`carry`)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CarryingState, tuple(self))
+
+
+def carry(state: Any, **extras: Any) -> Any:
+    """``state`` (a :class:`~lossscale_callbacks.LossScaleState` read at the interval) carrying ``extras``
+    as attributes: ``outcomes`` (the interval's :class:`IntervalOutcomes`) and ``followers`` (each
+    follower's count), which the logging loop reads with ``getattr``. A state that takes attributes (a
+    ``RankedState``) gets them set; a plain one is wrapped in a subclass that does.
+
+    Example:
+        >>> state = carry(LossScaleState(8.0, 0, 0, 1, 10), outcomes=IntervalOutcomes(1, 10))
+        >>> state.outcomes.steps, state.steps, type(state).__name__
+        (10, 10, 'CarryingState')
+    """
+    if not hasattr(state, "__dict__"):
+        state = CarryingState(*state)
+    for name, value in extras.items():
+        setattr(state, name, value)
+    return state
