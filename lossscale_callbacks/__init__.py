@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and editors; at
     from lossscale_callbacks._version import __version__
     from lossscale_callbacks.ledger._skip import skip_samples
     from lossscale_callbacks.loop._logging_loop import LoggingLoop
+    from lossscale_callbacks.skips._spike import SpikeRule
 
 __all__ = [
     "METRIC_NAMES",
@@ -43,6 +44,7 @@ __all__ = [
     "LossScaleHealthWarning",
     "LossScaleState",
     "Sink",
+    "SpikeRule",
     "__version__",
     "initial_state",
     "next_state",
@@ -63,6 +65,7 @@ __getattr__ = lazy_attributes(__name__, {
     "LossScaleHealthWarning": "lossscale_callbacks._health",
     "LossScaleState": "lossscale_callbacks._state",
     "Sink": "lossscale_callbacks._sinks",
+    "SpikeRule": "lossscale_callbacks.skips._spike",
     "__version__": "lossscale_callbacks._version",
     "initial_state": "lossscale_callbacks._update",
     "next_state": "lossscale_callbacks._update",

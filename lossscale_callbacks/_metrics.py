@@ -35,12 +35,29 @@ STEPS = "loss_scale/steps"
 METRIC_NAMES: tuple[str, ...] = (
     SCALE, LOG2_SCALE, GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, SKIP_RATE, STEPS,
 )
+# Skip truth (lossscale_callbacks.skips, the loop's _skip_truth room): the applied steps and the skipped ones
+# by cause, cumulative. SKIPPED_STEPS keeps its meaning, the steps skipped for Inf/NaN gradients: an overflow
+# (a run that scales, fp16) or a non-finite gradient (a run at a fixed scale of 1); a skip of the loss-spike
+# rule is SKIPPED_SPIKE only, and APPLIED_NONFINITE counts non-finite steps a monitoring-only run applied.
+# APPLIED_STEPS = STEPS - SKIPPED_STEPS - SKIPPED_SPIKE. Every integration writes them (a scaler without a
+# step record: from the state, no spike or monitoring there).
+APPLIED_STEPS = "loss_scale/applied_steps"
+APPLIED_IN_INTERVAL = "loss_scale/applied_in_interval"
+SKIPPED_OVERFLOW = "loss_scale/skipped_overflow"
+SKIPPED_NONFINITE = "loss_scale/skipped_nonfinite"
+SKIPPED_SPIKE = "loss_scale/skipped_spike"
+APPLIED_NONFINITE = "loss_scale/applied_nonfinite"
+SKIPPED_BY_CAUSE: dict[str, str] = {"overflow": SKIPPED_OVERFLOW, "nonfinite": SKIPPED_NONFINITE,
+                                    "spike": SKIPPED_SPIKE}
+OUTCOME_METRICS: tuple[str, ...] = (APPLIED_STEPS, APPLIED_IN_INTERVAL, SKIPPED_OVERFLOW, SKIPPED_NONFINITE,
+                                    SKIPPED_SPIKE, APPLIED_NONFINITE)
 # Written once per run (text or config), not as series: the policy's settings and bounds; and the reports.
 POLICY_TAG = "loss_scale/policy"
 SUMMARY_TAG = "loss_scale/summary"
 RESTART_TAG = "loss_scale/restart"
 ALIGNMENT_TAG = "loss_scale/alignment"
-COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS)  # whole numbers
+COUNT_METRICS: tuple[str, ...] = (GROWTH_COUNTER, SKIPPED_STEPS, SKIPPED_IN_INTERVAL, STEPS,
+                                  *OUTCOME_METRICS)  # whole numbers
 # The forward trace and the precision advice (lossscale_callbacks.forensics._activations, ._advice): per layer
 # the log2 margin of its largest |output| below the compute dtype's max, the smallest of them, per layer the
 # traced steps in which it produced the first non-finite value; the trace's table and the advice as text.
@@ -49,7 +66,7 @@ MIN_ACTIVATION_HEADROOM = "loss_scale/min_activation_headroom"
 ACTIVATION_PRODUCER_PREFIX = "loss_scale/activation_producer/"
 ACTIVATIONS_TAG = "loss_scale/activations"
 ADVICE_TAG = "loss_scale/advice"
-INTERVAL_METRICS: tuple[str, ...] = (SKIPPED_IN_INTERVAL, SKIP_RATE)
+INTERVAL_METRICS: tuple[str, ...] = (SKIPPED_IN_INTERVAL, SKIP_RATE, APPLIED_IN_INTERVAL)
 # Bounds written next to the scale by the sinks when the policy is known (not part of the
 # five-metric schema, which every framework fills; these come from the policy, not the state).
 MIN_SCALE = "loss_scale/min_scale"
@@ -75,6 +92,7 @@ HISTOGRAM_TAG = "loss_scale/log2_abs_scaled_grad"
 STEP_METRIC = "loss_scale/step"
 FINAL_SCALE = "loss_scale/final_scale"
 TOTAL_SKIPPED_STEPS = "loss_scale/total_skipped_steps"
+TOTAL_APPLIED_STEPS = "loss_scale/total_applied_steps"
 OVERALL_SKIP_RATE = "loss_scale/overall_skip_rate"
 
 # The "Loss scale" dashboard section: (chart title, tag), in order. The TensorBoard sink and the
@@ -86,6 +104,7 @@ DASHBOARD_CHARTS: tuple[tuple[str, str], ...] = (
     ("skip rate per log interval", SKIP_RATE),
     ("growth counter (clean steps since the scale last changed)", GROWTH_COUNTER),
     ("skipped steps (cumulative)", SKIPPED_STEPS),
+    ("applied steps (cumulative)", APPLIED_STEPS),
     ("loss scale", SCALE),
 )
 STEP_AXIS = "optimizer steps attempted (skipped steps included)"

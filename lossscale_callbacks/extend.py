@@ -8,7 +8,11 @@ these names, with the package faces, are the whole promise.
   :func:`register_sink` entry, opened by name by the loop and every integration (``sinks={name: value}``).
 * **A health rule**: a callable with an ``action`` (:class:`Rule`) that takes the recent
   :class:`Snapshot` s and returns a :class:`Verdict` or ``None``; the built-in rules and
-  :func:`default_rules` are here to combine with it, passed as ``health=[...]``.
+  :func:`default_rules` are here to combine with it, passed as ``health=[...]`` (and :class:`NotHeld`,
+  the rule that what follows the optimizer advanced only on applied steps).
+* **A consumer of skipped steps** (a ledger of bad steps, a dashboard of its own): the
+  :class:`IntervalOutcomes` a read carries (``LossScaler.read_outcomes()``, or the ``outcomes`` of a
+  state ``ScalerReader.read`` returns): each :class:`StepOutcome` that was not an ordinary applied step.
 * **A run reader**: a :data:`Reader` (a path in, :data:`Series` out, :class:`RunReadError` when the
   path is not its format) in the ``lossscale_callbacks.readers`` entry-point group.
 * **An integration**: its framework's :class:`Ops` for the update rule, the :data:`Policy` it is
@@ -49,10 +53,14 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks._sinks import register_sink
     from lossscale_callbacks.loop._rank_agreement import RanksDisagree
     from lossscale_callbacks.report._run_readers import Reader, RunReadError, Series
+    from lossscale_callbacks.skips._followers import NotHeld
+    from lossscale_callbacks.skips._outcomes import IntervalOutcomes, StepOutcome
 
 __all__ = [
     "ConsecutiveSkips",
+    "IntervalOutcomes",
     "MissingExtraError",
+    "NotHeld",
     "Ops",
     "Policy",
     "RanksDisagree",
@@ -63,6 +71,7 @@ __all__ = [
     "Series",
     "SkipRate",
     "Snapshot",
+    "StepOutcome",
     "StuckAtMinScale",
     "Verdict",
     "default_rules",
@@ -75,7 +84,9 @@ __all__ = [
 # only that corner of the core.
 __getattr__ = lazy_attributes(__name__, {
     "ConsecutiveSkips": "lossscale_callbacks._health",
+    "IntervalOutcomes": "lossscale_callbacks.skips._outcomes",
     "MissingExtraError": "lossscale_callbacks._extras",
+    "NotHeld": "lossscale_callbacks.skips._followers",
     "Ops": "lossscale_callbacks._ops",
     "Policy": "lossscale_callbacks._policy",
     "RanksDisagree": "lossscale_callbacks.loop._rank_agreement",
@@ -86,6 +97,7 @@ __getattr__ = lazy_attributes(__name__, {
     "Series": "lossscale_callbacks.report._run_readers",
     "SkipRate": "lossscale_callbacks._health",
     "Snapshot": "lossscale_callbacks._metrics",
+    "StepOutcome": "lossscale_callbacks.skips._outcomes",
     "StuckAtMinScale": "lossscale_callbacks._health",
     "Verdict": "lossscale_callbacks._health",
     "default_rules": "lossscale_callbacks._health",

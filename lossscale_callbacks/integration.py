@@ -22,12 +22,12 @@ corner of the core (a run reader) loads only that corner.
 
 Example:
     >>> from lossscale_callbacks.integration import check_int
-    >>> check_int("log_every", 100)
+    >>> check_int("trace_every", 100)
     100
-    >>> check_int("log_every", 0)
+    >>> check_int("trace_every", 0)
     Traceback (most recent call last):
     ...
-    ValueError: log_every must be an integer in [1, 2147483647], got 0
+    ValueError: trace_every must be an integer in [1, 2147483647], got 0
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks._extras import MissingExtraError, require
     from lossscale_callbacks._health import Verdict
     from lossscale_callbacks._metrics import (
+        APPLIED_STEPS,
         COUNT_METRICS,
         DASHBOARD_CHARTS,
         DASHBOARD_SECTION,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         SKIPPED_STEPS,
         STEP_METRIC,
         TAG_PREFIX,
+        TOTAL_APPLIED_STEPS,
         TOTAL_SKIPPED_STEPS,
         Snapshot,
         observed_state,
@@ -114,7 +116,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks.ledger._book import Ledger, bad_steps
     from lossscale_callbacks.ledger._entry import MicroBatch, Replay
     from lossscale_callbacks.ledger._samples import SampleTracker
-    from lossscale_callbacks.loop._clock import check_log_every
+    from lossscale_callbacks.loop._clock import interval_args
     from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
     from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
     from lossscale_callbacks.report._run_readers import (
@@ -124,7 +126,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         is_event_file_name,
         is_regular_file,
     )
-    from lossscale_callbacks.skips._followers import EMA, SCHEDULER, FollowerCount
+    from lossscale_callbacks.skips._followers import EMA, SCHEDULER, TRAINER_STEP, FollowerCount
     from lossscale_callbacks.skips._outcomes import (
         APPLIED_NONFINITE_CODE,
         CODES,
@@ -170,8 +172,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "logging_args": ("loop._logging_loop",
             "An integration's **logging checked against LoggingArgs, refused as Python refuses an unknown "
             "keyword."),
-        "check_log_every": ("loop._clock",
-            "log_every checked: an integer >= 1, or None where another interval rule applies."),
+        "interval_args": ("loop._clock",
+            "An integration's log_every and every= sorted out once (old spellings warn)."),
         "user_stacklevel": ("_stacklevel",
             "The stacklevel that points a warning at the user's line, not at the framework's."),
         "RankStates": ("loop._rank_agreement",
@@ -198,6 +200,7 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
             "A scheduler's, an EMA's or a trainer's own step count at a read, for the not-held check."),
         "SCHEDULER": ("skips._followers", "The follower kind of an LR scheduler."),
         "EMA": ("skips._followers", "The follower kind of an EMA."),
+        "TRAINER_STEP": ("skips._followers", "The follower kind of a trainer's step counter."),
     },
     "Sinks and run readers": {
         "GuardedSink": ("_sinks",
@@ -225,6 +228,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "STEP_METRIC": ("_metrics", "The step axis' own metric, where a dashboard needs one (W&B)."),
         "FINAL_SCALE": ("_metrics", "The run summary's final scale."),
         "TOTAL_SKIPPED_STEPS": ("_metrics", "The run summary's skipped steps."),
+        "APPLIED_STEPS": ("_metrics", "The cumulative applied steps' tag, loss_scale/applied_steps."),
+        "TOTAL_APPLIED_STEPS": ("_metrics", "The run summary's applied steps."),
         "OVERALL_SKIP_RATE": ("_metrics", "The run summary's skip rate."),
         "POLICY_TAG": ("_metrics", "The tag under which the policy is written once per run."),
         "MIN_SCALE": ("_metrics", "The policy's min_scale, written beside the scale."),
@@ -320,6 +325,7 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
 
 __all__ = [
     "APPLIED_NONFINITE_CODE",
+    "APPLIED_STEPS",
     "CAUSES",
     "CODES",
     "COUNT_METRICS",
@@ -343,7 +349,9 @@ __all__ = [
     "STATE_FIELDS",
     "STEP_METRIC",
     "TAG_PREFIX",
+    "TOTAL_APPLIED_STEPS",
     "TOTAL_SKIPPED_STEPS",
+    "TRAINER_STEP",
     "ActivationTrace",
     "AuditResult",
     "Capture",
@@ -388,7 +396,6 @@ __all__ = [
     "check_diagnose",
     "check_int",
     "check_known",
-    "check_log_every",
     "check_number",
     "check_policy",
     "check_spike",
@@ -397,6 +404,7 @@ __all__ = [
     "ended_inside_record",
     "get_target",
     "host_number",
+    "interval_args",
     "is_event_file_name",
     "is_policy",
     "is_regular_file",

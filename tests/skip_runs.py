@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.optim import lr_scheduler as lrs
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
 STEPS = 100
 INJECTED = (3, 17, 42)
@@ -83,12 +83,19 @@ class Run:
     scaler: Any = None
 
 
-def reference(optimizer: str, scheduler: str) -> Run:
+EMAS = {
+    "multi": lambda model: AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)),
+    # Lightning's EMAWeightAveraging: the per-tensor average
+    "per_tensor": lambda model: AveragedModel(model, avg_fn=get_ema_avg_fn(0.9), use_buffers=True),
+}
+
+
+def reference(optimizer: str, scheduler: str, ema_kind: str = "multi") -> Run:
     """The stock run (no scaler, no injection) with the injected steps removed."""
     model = make_model()
     opt = make_optimizer(model, optimizer)
     sched = SCHEDULERS[scheduler](opt)
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema = EMAS[ema_kind](model)
     used = []
     for step in range(1, STEPS + 1):
         if step in INJECTED:
@@ -103,12 +110,12 @@ def reference(optimizer: str, scheduler: str) -> Run:
 
 
 def injected(scaler: Any, optimizer: str, scheduler: str, hold: bool = True,
-             on_step: Callable[[int], None] | None = None) -> Run:
+             on_step: Callable[[int], None] | None = None, ema_kind: str = "multi") -> Run:
     """The run with the scaler and an Inf gradient at the injected steps; ``hold``: scheduler and EMA held."""
     model = make_model()
     opt = make_optimizer(model, optimizer)
     sched = SCHEDULERS[scheduler](opt)
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema = EMAS[ema_kind](model)
     if hold:
         scaler.hold(sched)
         scaler.hold(ema, optimizer=opt)

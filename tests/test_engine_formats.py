@@ -139,10 +139,16 @@ def test_two_megatron_logs_joined_count_each_runs_skips_from_its_start(tmp_path)
     assert (report.steps, report.skipped_steps, len(report.segments)) == (30, 3, 2)
 
 
+def test_a_paste_that_collapsed_apexs_two_spaces_is_read():
+    """A page's copy keeps one space of apex's two (NVIDIA/apex#318): the same message (issue 37)."""
+    line = "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+    trajectory = _points(ApexParser(), [line])
+    assert trajectory.points == [(1, 32768.0, 1)]
+
+
 @pytest.mark.parametrize("line", [
     "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1024, lowering to 512",
     " iteration      100/    1000 | loss scale: 131072.0 | skipped: 3 |",
-    "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0",  # one space
 ])
 def test_a_variant_of_a_known_format_is_not_read(line):
     parsers = (DeepSpeedParser, MegatronParser, ApexParser, FairseqParser)
@@ -182,3 +188,19 @@ def test_a_scale_that_is_no_loss_scale_is_refused_in_words(tmp_path, scale):
                    f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to {scale}\n")
     outcome = judge_run(discover_runs(str(log))[0])
     assert outcome.status == UNREADABLE and "not a loss scale" in outcome.reason
+
+
+@pytest.mark.parametrize(("text", "level"), [
+    ("1", (1.0, 1.0, 1.0, None)),  # not 0.5: Python rounds 0.5 to even, "0"
+    ("0", (0.5, 0.0, 0.5, 0.5)),  # any power of two up to 0.5
+    ("0.000", (2.0**-11, 0.0, 0.0005, 0.0005)),  # fairseq's '{:.3f}': below 0.0005 (issue 37, fairseq#1529)
+    ("0.062", (0.0625, 0.0625, 0.0625, None)),  # 0.0625 rounds to even
+    ("0.0001", (2.0**-14, 2.0**-14, 2.0**-13, None)),  # both print so: a level between
+    ("1.04858e+06", (2.0**20, 2.0**20, 2.0**20, None)),  # '{:g}', six significant digits
+    ("1399", None),  # no power of two prints so: a mean of several (fairseq 2020-01 to 2020-08)
+])
+def test_a_rounded_scale_is_the_powers_of_two_that_print_so(text, level):
+    from lossscale_callbacks.report._engine_text import decimals_of, printed
+
+    got = printed(text, decimals_of(text))
+    assert (None if got is None else (got.value, got.low, got.high, got.below)) == level

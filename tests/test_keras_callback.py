@@ -123,22 +123,23 @@ def test_fit_skips_poisoned_steps_and_logs_to_keras_loggers(tmp_path, capsys):
             assert not np.array_equal(recorder.weights[t - 1][0], recorder.weights[t][0])
     assert recorder.iterations[-1] == sum(finite)
 
-    # logs: batches 0, 2, 4, ... of each epoch carry the schema, with the state after that batch.
+    # logs: optimizer steps 2, 4, 6, ... (batches 1, 3, 5, ... of each epoch) carry the schema, with the
+    # state after that batch.
     for t, logs in enumerate(history_logs):
-        if (t % BATCHES) % 2 == 0:
+        if (t + 1) % 2 == 0:
             assert logs["loss_scale/scale"] == states[t][0]
             assert logs["loss_scale/skipped_steps"] == states[t][3]
             assert logs["loss_scale/growth_counter"] == states[t][1]
         else:
             assert "loss_scale/scale" not in logs
     assert history.history["loss_scale/scale"] == [states[BATCHES - 1][0], states[-1][0]]
-    # Steps 1, 3, 5, 7 (batches 0, 2, 4, 6), then the epoch end at 8; batches 2 and 5 skipped.
-    assert sink.series("loss_scale/skipped_in_interval")[:5] == [(1, 0.0), (3, 1.0), (5, 0.0), (7, 1.0),
-                                                                 (8, 0.0)]
+    # Steps 2, 4, 6, 8 (the epoch's end too), 10; batches 2 and 5 of each epoch skipped.
+    assert sink.series("loss_scale/skipped_in_interval")[:5] == [(2, 0.0), (4, 1.0), (6, 1.0), (8, 0.0),
+                                                                 (10, 0.0)]
 
     # Keras' TensorBoard callback wrote them; TensorBoard's own reader reads them back.
     scalars = _scalars(str(tmp_path / "tb" / "train"))
-    logged = [states[t][0] for t in range(0, len(states), 2)]
+    logged = [states[t][0] for t in range(1, len(states), 2)]
     assert [v for _, v in scalars["batch_loss_scale/scale"]] == logged
     assert [v for _, v in scalars["epoch_loss_scale/skipped_steps"]] == [2.0, 4.0]
     with open(tmp_path / "log.csv") as f:
@@ -149,7 +150,7 @@ def test_fit_skips_poisoned_steps_and_logs_to_keras_loggers(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_logs_with_steps_per_execution():
-    """Keras reports only batches 1, 3, 5, 7 with steps_per_execution=2: log_every=4 still logs."""
+    """Keras reports only batches 1, 3, 5, 7 with steps_per_execution=2: log_every=4 logs at steps 4, 8."""
     model = build_model()
     model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
     sink = InMemorySink()
@@ -157,9 +158,9 @@ def test_logs_with_steps_per_execution():
     logger = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batch_logs.append(
         (b, "loss_scale/scale" in logs)))
     _fit(model, 1, [LossScaleCallback(log_every=4, policy=POLICY, sinks=[sink]), logger])
-    assert batch_logs == [(1, True), (3, False), (5, True), (7, False)]
+    assert batch_logs == [(1, False), (3, True), (5, False), (7, True)]
     expected = expected_states(POLICY, _finite(1))
-    assert sink.series("loss_scale/scale") == [(2, expected[1][0]), (6, expected[5][0]), (8, expected[7][0])]
+    assert sink.series("loss_scale/scale") == [(4, expected[3][0]), (8, expected[7][0])]
     assert sink.series("loss_scale/skipped_steps")[-1] == (8, 2.0)
 
 
@@ -289,8 +290,8 @@ def test_health_stop_sets_stop_training():
     callback = LossScaleCallback(log_every=2, policy=POLICY, health=rules)
     with pytest.warns(LossScaleHealthWarning, match="stopping training"):
         _fit(_compiled(), 3, [callback, recorder], poisoned=range(BATCHES))
-    assert len(recorder.states) == 5  # read after steps 1, 3, 5: five in a row skipped >= 4
-    assert "5 skipped (100.00%)" in callback.summary
+    assert len(recorder.states) == 4  # read after steps 2, 4: four in a row skipped >= 4
+    assert "4 skipped (100.00%)" in callback.summary
 
 
 @pytest.mark.slow
@@ -314,13 +315,13 @@ def test_tensorboard_and_wandb_sinks(tmp_path, monkeypatch):
             found[tag] = [e.step for e in acc.Tensors(tag)]
         for tag in acc.Tags().get("scalars", []):
             found[tag] = [e.step for e in acc.Scalars(tag)]
-    assert found.get("loss_scale/scale") == [1, 3, 5, 7, 8]
+    assert found.get("loss_scale/scale") == [2, 4, 6, 8]
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     assert len(runs) == 1
     wandb_reader.wait_until_finished(runs[0])
     series = wandb_reader.read_run(runs[0])
-    scales = [recorder.states[t][0] for t in (0, 2, 4, 6, 7)]
-    assert series["loss_scale/scale"] == list(zip([1, 3, 5, 7, 8], scales, strict=True))
+    scales = [recorder.states[t][0] for t in (1, 3, 5, 7)]
+    assert series["loss_scale/scale"] == list(zip([2, 4, 6, 8], scales, strict=True))
     assert series["loss_scale/skipped_steps"][-1] == (8, 2.0)
 
 
@@ -347,7 +348,9 @@ def test_wandb_metrics_logger_after_the_callback_logs_the_metrics(tmp_path, monk
     recorder = StateRecorder(weights=False)
     run = wandb.init(project="lossscale-tests", dir=str(tmp_path), mode="offline")
     try:
-        _fit(_compiled(), 1, [LossScaleCallback(log_every=2, policy=POLICY, log_metrics=True), recorder,
+        # W&B's logger logs at batch indexes within the epoch (0, 2, ...), our reads count optimizer steps:
+        # a read at every step puts the metrics in the logs of every batch it logs.
+        _fit(_compiled(), 1, [LossScaleCallback(log_every=1, policy=POLICY, log_metrics=True), recorder,
                               keras_integration.WandbMetricsLogger(log_freq=2)])
     finally:
         run.finish()

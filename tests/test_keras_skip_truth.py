@@ -33,3 +33,17 @@ def test_an_inf_at_steps_3_17_42_of_100_leaves_iterations_97_and_holds_the_sched
     assert run["ema"] == ref["ema"] and run["weights"] == ref["weights"]
     if path == "fit":
         assert run["optimizer"] == "LossScaleOptimizer"  # the callback installed ours in compile's place
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_outcome_code_is_the_core_function_on_every_backend(results, backend):
+    """step_code, rule_finite and is_applied (the core's, written once against Ops) give the NumPy
+    reference's answers on Keras' ops (and tf's) for every input."""
+    from lossscale_callbacks.skips._outcomes import CODES, is_applied, rule_finite, step_code
+
+    reference = [[int(step_code(n, s, skip)), bool(rule_finite(n, skip))]
+                 for skip in (True, False) for n in (False, True) for s in (False, True)]
+    for ops in results(backend)["codes"].values():
+        assert ops["table"] == reference
+        assert ops["applied"] == [bool(is_applied(c)) for c in CODES]

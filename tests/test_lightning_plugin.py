@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import math
@@ -19,7 +18,6 @@ pytest.importorskip("lightning")
 from lightning_scripts import tiny  # noqa: E402
 
 from lossscale_callbacks import DynamicPolicy, FixedPolicy  # noqa: E402
-from lossscale_callbacks.lightning._held_schedulers import HeldLRScheduler  # noqa: E402
 from lossscale_callbacks.lightning._monitor import LossScaleMonitor  # noqa: E402
 from lossscale_callbacks.lightning._plugin import LossScalePlugin  # noqa: E402
 from lossscale_callbacks.torch._scaler import LossScaler  # noqa: E402
@@ -133,15 +131,18 @@ def test_fused_optimizer_skips_on_the_device(pl):
 
 
 @pytest.mark.parametrize("optimizer, hold, lag",
-                         [("sgd", True, 2), ("sgd", False, 0), ("adam_fused", True, 0)])
-def test_lr_schedulers_can_be_held_on_skipped_steps(pl, optimizer, hold, lag):
+                         [("sgd", True, 2), ("sgd", False, 0), ("adam_fused", True, 2),
+                          ("adam_fused", False, 0)])
+def test_lr_schedulers_are_held_on_skipped_steps_by_default(pl, optimizer, hold, lag):
     plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=hold)
     model = tiny.module_class(pl)(optimizer=optimizer, inject_inf_at=(2, 4), scheduler=True, snapshots=False)
     trainer, _ = _fit(pl, plugin, model, max_steps=6)
     assert plugin.lr_scheduler_lag == lag
     # StepLR(gamma=0.9) stepped once per applied update when held, once per attempted step otherwise;
-    # a fused optimizer never brings the decision to the host, so nothing is held there.
+    # a fused optimizer decides on the device, and its schedule is held there (no host read).
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** (6 - lag))
+    assert type(trainer.optimizers[0].param_groups[0]["lr"]) is float  # put back when fit ended
+    assert LossScalePlugin(device="cpu").hold_lr_schedulers  # on by default
 
 
 def _module_that_watches_its_schedulers(pl):
@@ -159,32 +160,33 @@ def _module_that_watches_its_schedulers(pl):
             super().lr_scheduler_step(scheduler, metric)
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.seen.append(("lr_scheduler_step" in vars(self), self.lr_schedulers()))
+            scheduler = self.lr_schedulers()
+            self.seen.append(("lr_scheduler_step" in vars(self), scheduler, "step" in vars(scheduler)))
 
     return Watching
 
 
-def test_holding_schedulers_patches_nothing_of_the_users_and_is_undone_when_fit_ends(pl):
-    plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=True)
-    model = _module_that_watches_its_schedulers(pl)(inject_inf_at=(2, 4), scheduler=True, snapshots=False)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam_fused"])
+def test_holding_patches_nothing_of_the_module_and_is_undone_when_fit_ends(pl, optimizer):
+    plugin = LossScalePlugin(device="cpu")
+    model = _module_that_watches_its_schedulers(pl)(optimizer=optimizer, inject_inf_at=(2, 4), scheduler=True,
+                                                    snapshots=False)
     trainer, _ = _fit(pl, plugin, model, max_steps=6)
-    # No method of the module was replaced at any step; the hook ran on every step.
-    assert [patched for patched, _ in model.seen] == [False] * 6 and model.hook_calls == 6
-    # During the run Lightning stepped a wrapper around the user's scheduler, set up once.
-    wrappers = {id(scheduler) for _, scheduler in model.seen}
-    held = model.seen[0][1]
-    assert len(wrappers) == 1 and isinstance(held, HeldLRScheduler) and held.scheduler is model.own_scheduler
-    # Afterwards the Trainer holds the user's own object again; the schedule lags the two skips.
+    # No method of the module was replaced at any step; the hook ran on every step, with the user's own
+    # scheduler (no wrapper), whose step() was held during the run.
+    assert [patched for patched, _, _ in model.seen] == [False] * 6 and model.hook_calls == 6
+    assert all(scheduler is model.own_scheduler and held for _, scheduler, held in model.seen)
+    # Afterwards the scheduler is the stock one again; the schedule lags the two skips.
     assert trainer.lr_scheduler_configs[0].scheduler is model.own_scheduler
+    assert "step" not in vars(model.own_scheduler) and "state_dict" not in vars(model.own_scheduler)
     assert plugin.lr_scheduler_lag == 2 and model.own_scheduler.last_epoch == 4
 
 
-def test_without_holding_or_for_fused_optimizers_the_schedulers_are_not_wrapped(pl):
-    for hold, optimizer in ((False, "sgd"), (True, "adam_fused")):
-        plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=hold)
-        model = _module_that_watches_its_schedulers(pl)(optimizer=optimizer, scheduler=True, snapshots=False)
-        _fit(pl, plugin, model, max_steps=2)
-        assert [scheduler for _, scheduler in model.seen] == [model.own_scheduler] * 2
+def test_without_holding_the_schedulers_step_as_stock(pl):
+    plugin = LossScalePlugin(device="cpu", hold_lr_schedulers=False)
+    model = _module_that_watches_its_schedulers(pl)(scheduler=True, snapshots=False)
+    _fit(pl, plugin, model, max_steps=2)
+    assert [(scheduler, held) for _, scheduler, held in model.seen] == [(model.own_scheduler, False)] * 2
 
 
 def test_the_summary_says_how_far_the_held_schedule_lags(pl):
@@ -193,24 +195,6 @@ def test_the_summary_says_how_far_the_held_schedule_lags(pl):
     model = tiny.module_class(pl)(inject_inf_at=(1, 3), scheduler=True, snapshots=False)
     _fit(pl, plugin, model, max_steps=5, callbacks=[monitor])
     assert "the schedule is 2 scheduler step(s) behind the optimizer steps attempted" in monitor.summary
-
-
-def test_held_scheduler_wrapper_forwards_everything_but_held_steps():
-    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
-    own = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    holds = []
-    held = HeldLRScheduler(own, on_hold=lambda: holds.append(1))
-    held.hold()
-    held.hold()
-    opt.step()
-    held.step()
-    held.step()
-    held.step()
-    assert len(holds) == 2 and held.pending == 0 and own.last_epoch == 1
-    held.gamma = 0.25  # attributes are the user's scheduler's, read and written
-    assert own.gamma == 0.25 and held.optimizer is opt and held.state_dict() == own.state_dict()
-    held.load_state_dict({**own.state_dict(), "last_epoch": 7})
-    assert own.last_epoch == 7 and copy.deepcopy(held).scheduler.last_epoch == 7
 
 
 @pytest.mark.slow

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FACES: dict[str, list[str]] = {
     "lossscale_callbacks": [
         "METRIC_NAMES", "DynamicPolicy", "FixedPolicy", "InMemorySink", "LoggingLoop", "LossScaleHealthError",
-        "LossScaleHealthWarning", "LossScaleState", "Sink", "__version__", "initial_state", "next_state",
-        "skip_samples"],
+        "LossScaleHealthWarning", "LossScaleState", "Sink", "SpikeRule", "__version__", "initial_state",
+        "next_state", "skip_samples"],
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": [
@@ -50,25 +50,26 @@ MAX_NAMES = 40
 # and the test oracles a backend proves itself with. Everything else behind the faces is private.
 EXTENSION: dict[str, list[str]] = {
     "lossscale_callbacks.extend": [
-        "ConsecutiveSkips", "MissingExtraError", "Ops", "Policy", "RanksDisagree", "Reader", "Rule",
-        "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate", "Snapshot", "StuckAtMinScale", "Verdict",
-        "default_rules", "policy_from_config", "register_sink", "require"],
+        "ConsecutiveSkips", "IntervalOutcomes", "MissingExtraError", "NotHeld", "Ops", "Policy",
+        "RanksDisagree", "Reader", "Rule", "RunReadError", "ScaleOnlyDecreases", "Series", "SkipRate",
+        "Snapshot", "StepOutcome", "StuckAtMinScale", "Verdict", "default_rules", "policy_from_config",
+        "register_sink", "require"],
     # The contract between the core and the integrations (docs/adding_an_integration.md), and what an
     # integration that builds on torch may use of the torch integration.
     "lossscale_callbacks.integration": [
-        "APPLIED_NONFINITE_CODE", "CAUSES", "CODES", "COUNT_METRICS", "DASHBOARD_CHARTS",
+        "APPLIED_NONFINITE_CODE", "APPLIED_STEPS", "CAUSES", "CODES", "COUNT_METRICS", "DASHBOARD_CHARTS",
         "DASHBOARD_SECTION", "DEFAULT_MAX_UNZIPPED_MIB", "EMA", "FINAL_SCALE", "FP16_MIN_SUBNORMAL",
-        "GROWTH_INTERVAL", "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE",
-        "OVERALL_SKIP_RATE", "POLICY_TAG", "SCALE", "SCHEDULER", "SKIPPED_STEPS", "SPIKE_CODE",
-        "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX", "TOTAL_SKIPPED_STEPS", "ActivationTrace",
+        "GROWTH_INTERVAL", "HISTOGRAM_EXPONENTS", "INT64_MAX", "MAX_SCALE", "MIN_SCALE", "OVERALL_SKIP_RATE",
+        "POLICY_TAG", "SCALE", "SCHEDULER", "SKIPPED_STEPS", "SPIKE_CODE", "STATE_FIELDS", "STEP_METRIC",
+        "TAG_PREFIX", "TOTAL_APPLIED_STEPS", "TOTAL_SKIPPED_STEPS", "TRAINER_STEP", "ActivationTrace",
         "AuditResult", "Capture", "FollowerCount", "FrameworkAdvice", "GradientRange", "GuardedSink",
         "IntervalForensics", "IntervalOutcomes", "LayerHeadroom", "LayerInfo", "LayerPrecision", "Ledger",
         "LoggingArgs", "ManagedSink", "MicroBatch", "MissingExtraError", "ModelDim", "ModelTooDeepError",
         "OpPrecision", "OpRecord", "Pass", "Policy", "PrecisionInfo", "RankStates", "RankedState", "Replay",
         "Role", "RunReadError", "RunSeries", "SampleTracker", "Snapshot", "SpikeRule", "Verdict", "advise",
         "bad_steps", "carry", "check_archive", "check_batch_size", "check_bool", "check_choice",
-        "check_diagnose", "check_int", "check_known", "check_log_every", "check_number", "check_policy",
-        "check_spike", "decode_records", "einsum_gemm", "ended_inside_record", "get_target", "host_number",
+        "check_diagnose", "check_int", "check_known", "check_number", "check_policy", "check_spike",
+        "decode_records", "einsum_gemm", "ended_inside_record", "get_target", "host_number", "interval_args",
         "is_event_file_name", "is_policy", "is_regular_file", "largest_finite_scale", "layer_of",
         "lazy_attributes", "logging_args", "matmul_gemm", "nonfinite_cause", "observed_state",
         "policy_bounds_from_markdown", "policy_from_config", "policy_values_from_markdown", "process_rank",

@@ -101,3 +101,26 @@ def test_rays_report_callbacks_carry_our_metrics(ray_runs, name):
 def test_the_readme_block_runs(ray_runs):
     metrics = ray_runs("readme")["metrics"]
     assert metrics["loss_scale/steps"] == 30 and metrics["loss_scale/ranks_disagree"] == 0
+
+
+def test_skip_truth_known_answer_in_every_worker(ray_runs):
+    """100 steps, an Inf at 3, 17, 42 on both workers (fused AdamW under DDP): exactly those reported, the
+    schedule and the EMA held on each, the applied steps in what the workers reported."""
+    import skip_runs as sr
+    import torch
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    sched = sr.SCHEDULERS["LambdaLR"](opt)
+    stock = []
+    for _ in range(sr.APPLIED):
+        stock.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    for rank in (0, 1):
+        seen = ray_runs(f"skip_truth_worker{rank}")
+        assert [tuple(o) for o in seen["listed"]] == [(s, "overflow") for s in sr.INJECTED]
+        assert seen["lrs"] == stock and seen["last_epoch"] == seen["n_averaged"] == sr.APPLIED
+        assert "not_held" not in seen["verdicts"]
+        # what each worker's ray.train.report carried (Result.metrics comes with a checkpoint's report)
+        assert seen["metrics"]["loss_scale/applied_steps"] == sr.APPLIED
+        assert seen["metrics"]["loss_scale/skipped_overflow"] == 3

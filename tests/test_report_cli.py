@@ -189,7 +189,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
         empty: "no TensorBoard or W&B run here",
         corrupt_tb: "corrupt TensorBoard event file",
         corrupt_wandb: "corrupt W&B run file",
-        not_a_run: "not a TensorBoard event file",
+        not_a_run: "no loss-scale lines in 1 line (formats known:",  # a text file says what it is
         no_scale: "no loss_scale/scale series",
         zero_scale: "holds 0.0 at step 2: not a loss scale",
     }

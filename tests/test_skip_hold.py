@@ -49,6 +49,19 @@ def test_held_the_schedule_and_the_ema_are_the_stock_runs_without_the_skipped_st
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_per_tensor_ema_is_held_too(optimizer):
+    """get_ema_avg_fn, as Lightning's EMAWeightAveraging makes it: on the device path its decay becomes 1
+    after a skipped step, the float32 products the stock function's."""
+    ref = sr.reference(optimizer, "LambdaLR", ema_kind="per_tensor")
+    scaler = _scaler()
+    run = sr.injected(scaler, optimizer, "LambdaLR", ema_kind="per_tensor")
+    scaler.sync_held()
+    assert scaler.held[1].mode == ("device" if optimizer == "fused" else "host")
+    assert int(run.ema.n_averaged) == sr.APPLIED
+    assert torch.equal(sr.flat(run.ema), sr.flat(ref.ema))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_not_held_the_schedule_and_the_ema_advance_on_the_skipped_steps(optimizer):
     """What the issue reports, and what the held run's assertions would catch."""
     ref = sr.reference(optimizer, "LambdaLR")

@@ -159,3 +159,30 @@ def test_monitoring_only_reads_nothing_in_the_step_and_needs_a_scale_of_one():
         assert "_local_scalar_dense" not in ops.names
     with pytest.raises(ValueError, match="skip_nonfinite=False"):
         LossScaler(skip_nonfinite=False)
+
+
+def _spike_step_ops(spike):
+    scaler = LossScaler(device="cpu", init_scale=2.0**10, spike=spike)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    for step in range(1, 6):
+        x, y = _problem(step)
+        opt.zero_grad()
+        with AtenOps() as ops:
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+    return ops.names
+
+
+def test_the_spike_rule_adds_no_host_read_and_a_counted_number_of_ops():
+    """On the fused path the rule's decision goes to the kernel on the device: no read; its ops counted."""
+    without, with_rule = _spike_step_ops(None), _spike_step_ops(SpikeRule())
+    assert "_local_scalar_dense" not in with_rule and "item" not in with_rule
+    added = len(with_rule) - len(without)
+    assert added == SPIKE_OPS, (added, with_rule)
+
+
+# The spike rule's ops in a fused step (the loss noted, the decision, merging it into the flag, the code and
+# its count in the record, the window's update): the figure the docs and the benchmark quote.
+SPIKE_OPS = 34

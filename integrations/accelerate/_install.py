@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from lossscale_callbacks.integration import Policy, check_diagnose, check_policy
+from lossscale_callbacks.integration import Policy, check_bool, check_diagnose, check_policy
 from lossscale_callbacks.torch import LossScaler
 
 __all__ = ["check_accelerator", "install_loss_scaler"]
@@ -74,16 +74,18 @@ def _check_scaler(scaler: Any, device_type: str) -> None:
 
 
 def install_loss_scaler(accelerator: Accelerator, scaler: torch.amp.GradScaler | None = None, *,
-                        policy: Policy | None = None, diagnose: bool | str = False) -> torch.amp.GradScaler:
+                        policy: Policy | None = None, diagnose: bool | str = False,
+                        hold: bool = True) -> torch.amp.GradScaler:
     """Make ``accelerator`` scale the loss with ``scaler`` (default: a new ``LossScaler``); fp16 on CPUs too.
 
     Call it after ``Accelerator(mixed_precision="fp16")`` and before ``accelerator.prepare``. From
     then on the loop is Accelerate's own: ``accelerator.backward`` scales the loss, the prepared
     optimizer's ``step`` unscales, skips a step with Inf/NaN gradients and updates the scale,
     ``accelerator.clip_grad_norm_`` unscales first, ``accelerator.accumulate`` steps once per cycle,
-    the prepared scheduler is held on skipped steps (not with a fused optimizer, which skips on the
-    device where Accelerate cannot see it: the same as with GradScaler), and
-    ``save_state``/``load_state`` carry the scaler (its policy and counters with ours). On the CPU
+    every scheduler ``prepare`` wraps is held on skipped steps (``hold``: with a fused optimizer too,
+    whose kernel skips where Accelerate's ``step_was_skipped`` cannot see it, accelerate#4242: the
+    learning rate follows a device count, no host read), and ``save_state``/``load_state`` carry the
+    scaler (its policy and counters with ours). On the CPU
     it also switches on what Accelerate leaves off there (fp16 autocast around the prepared model's
     forward and the unscaling in ``clip_grad_norm_``); see the module docstring for the two
     attributes it sets and why.
@@ -101,6 +103,9 @@ def install_loss_scaler(accelerator: Accelerator, scaler: torch.amp.GradScaler |
             :class:`~lossscale_callbacks.FixedPolicy` of the new ``LossScaler``.
         diagnose: the new ``LossScaler``'s overflow forensics (``True`` or ``"every_step"``); name
             the layers with ``.watch(model)`` on the returned scaler.
+        hold: hold the LR schedulers ``accelerator.prepare`` wraps from now on (``LossScaler.hold``;
+            default ``True``; an EMA of yours: ``scaler.hold(ema, optimizer=...)``). Only with our
+            scaler: a stock one's followers are flagged by the monitor instead.
 
     Returns:
         The installed scaler (``accelerator.scaler``).
@@ -121,6 +126,7 @@ def install_loss_scaler(accelerator: Accelerator, scaler: torch.amp.GradScaler |
     """
     _check_fp16_in_time(accelerator)
     check_diagnose(diagnose)
+    check_bool("hold", hold)
     handler = accelerator.scaler_handler
     settings = handler.to_kwargs() if handler is not None else {}
     if scaler is not None:
@@ -139,4 +145,21 @@ def install_loss_scaler(accelerator: Accelerator, scaler: torch.amp.GradScaler |
         scaler = LossScaler(accelerator.device.type, diagnose=diagnose, **settings)
     accelerator.scaler = scaler
     accelerator.native_amp = True
+    if hold and isinstance(scaler, LossScaler):
+        _hold_prepared_schedulers(accelerator, scaler)
     return scaler
+
+
+def _hold_prepared_schedulers(accelerator: Accelerator, scaler: LossScaler) -> None:
+    """Every scheduler ``accelerator.prepare`` wraps from now on is held by ``scaler`` (the wrapper's
+    ``step`` calls the user's scheduler's, which the hold made hold on skipped steps)."""
+    prepare_scheduler = accelerator.prepare_scheduler
+
+    def prepare_and_hold(scheduler: Any) -> Any:
+        prepared = prepare_scheduler(scheduler)
+        inner = getattr(prepared, "scheduler", prepared)
+        if all(f.obj is not inner for f in scaler.held):
+            scaler.hold(inner)
+        return prepared
+
+    accelerator.prepare_scheduler = prepare_and_hold

@@ -158,6 +158,7 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
         # Accelerate's trackers join the run like a trainer's loggers: written and flushed, never
         # closed by the loop (accelerator.end_training() closes them).
         super().__init__(scaler, log_every=log_every, writer=bool(accelerator.is_main_process),
+                         followers=list(getattr(accelerator, "_schedulers", ())),
                          **logging_args("AccelerateLossScaleMonitor", logging),
                          run_sinks=[GuardedSink(TrackerSink(accelerator), name="Accelerate trackers")]
                          if trackers else [])

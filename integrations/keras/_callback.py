@@ -1,22 +1,21 @@
-"""``LossScaleCallback``: loss scaling on the core for ``model.fit``, with its metrics in ``logs``; how it
-puts our optimizer in the model's place, and the parts of ``fit``'s step chosen on the host (JAX's headroom
-sample, the forward trace on TensorFlow and JAX)."""
+"""``LossScaleCallback``: loss scaling on the core for ``model.fit``, with its metrics in ``logs``.
+
+It puts our optimizer in the model's place (:func:`~lossscale_callbacks.keras._optimizer.wrap`, beside the
+optimizer) and drives the parts of ``fit``'s step chosen on the host, JAX's headroom sample and the forward
+trace on TensorFlow and JAX (:mod:`~lossscale_callbacks.keras._fit_sampling`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
-import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import keras
-import numpy as np
 
-from lossscale_callbacks import METRIC_NAMES, DynamicPolicy, LoggingLoop
+from lossscale_callbacks import METRIC_NAMES, LoggingLoop
 from lossscale_callbacks.integration import (
     COUNT_METRICS,
     SCALE,
@@ -26,213 +25,20 @@ from lossscale_callbacks.integration import (
     Policy,
     Snapshot,
     check_bool,
-    check_diagnose,
     check_int,
     check_known,
-    check_log_every,
     check_policy,
+    interval_args,
     logging_args,
 )
-from lossscale_callbacks.keras._arguments import release_inner_optimizer
 from lossscale_callbacks.keras._config import record_in_compile_config
+from lossscale_callbacks.keras._fit_sampling import FitSampling
+from lossscale_callbacks.keras._forensics_wiring import check_diagnose_settings
 from lossscale_callbacks.keras._forward_trace import activation_arguments
-from lossscale_callbacks.keras._optimizer import LossScaleOptimizer
+from lossscale_callbacks.keras._optimizer import LossScaleOptimizer, wrap
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
-
-# ----------------------------------------
-# ``fit`` with the sampled parts decided on the host: JAX's float16 headroom sample, and the forward trace
-# on TensorFlow and JAX.
-#
-# A jitted step that could take the headroom sample holds the gradients in a ``lax.cond`` for it, which costs
-# XLA a few percent of every step although the sample is one step in ``headroom_every``; a step that could
-# trace its forward pass carries the due check and two ``cond``s (7 % of a small model's step). So while
-# :class:`~lossscale_callbacks.keras.LossScaleCallback` drives ``fit``, the host counts the steps
-# (``ForensicsWiring.host_due``, ``ForwardTrace.host_due``) and ``fit`` runs one of a few train functions:
-# the ordinary one, whose trace has neither in it, and others, each traced with the sample or the forward
-# trace (scheduled, or armed by a loss that turned non-finite) in it, made when first needed. No host read
-# either way: the loss that arms the trace is the one Keras has read back for the batch-end callbacks.
-# The host's schedule holds only while one of these functions runs (so while it traces): a custom loop, a
-# ``train_on_batch`` or a ``fit`` cut short by an exception keep the device's own schedule.
-
-
-def _with_flags(function: Callable[..., Any], wiring: Any, trace: Any,
-                key: tuple[bool, float]) -> Callable[..., Any]:
-    """``function`` run under the host's schedule, with the forensics' ``sampling`` and the trace's
-    ``recording``/``kind`` set as ``key`` says (so while it traces); everything restored after."""
-    sample, kind = key
-
-    def flagged(*args: Any, **kwargs: Any) -> Any:
-        if wiring is not None:
-            wiring.host_schedule, wiring.sampling = True, sample
-        if trace is not None:
-            trace.host_schedule, trace.recording, trace.kind = True, kind > 0, kind or 1.0
-        try:
-            return function(*args, **kwargs)
-        finally:
-            if wiring is not None:
-                wiring.host_schedule = wiring.sampling = False
-            if trace is not None:
-                trace.host_schedule = trace.recording = False
-
-    return flagged
-
-
-def _second_train_function(model: Any) -> Any:
-    """Another train function of ``model``, with a trace cache of its own: ``jax.jit`` keys its traces on
-    the function it compiles, so it compiles a function of its own here, not the bound ``train_step``."""
-    ordinary = model.train_function
-    own = model.__dict__.get("train_step")  # a user's instance-level train_step, kept and used
-    step = own if own is not None else functools.partial(type(model).train_step, model)
-
-    if keras.backend.backend() == "jax":
-        def train_step(state: Any, data: Any) -> Any:
-            return step(state, data)
-    else:  # TensorFlow's tf.function is a new one at each make_train_function: this keeps the signature
-        def train_step(data: Any) -> Any:
-            return step(data)
-
-    model.train_step = train_step  # what make_train_function compiles, for this one call
-    try:
-        model.make_train_function(force=True)
-        return model.train_function
-    finally:
-        if own is not None:
-            model.train_step = own
-        else:
-            del model.train_step
-        model.train_function = ordinary
-
-
-class FitSampling:
-    """The train functions of one model's ``fit`` and the choice between them, batch by batch."""
-
-    def __init__(self) -> None:
-        self._wiring: Any = None
-        self._trace: Any = None
-        self._ordinary: Any = None
-        self._variants: dict[tuple[bool, float], Any] = {}
-        self._armed = False
-        self._loss_finite = True
-
-    @property
-    def active(self) -> bool:
-        """Whether a ``fit`` is being driven (JAX with forensics, or the forward trace on TF or JAX)."""
-        return self._wiring is not None or self._trace is not None
-
-    def begin(self, optimizer: Any, model: Any) -> None:
-        """At ``on_train_begin`` of a ``fit``: drive the samples from the host where a compiled step would
-        carry them. Not with ``steps_per_execution > 1`` for the trace (one execution runs several steps,
-        which the device schedules), nor under several TensorFlow replicas (nothing is traced there)."""
-        backend = keras.backend.backend()
-        self._wiring = optimizer.forensics if backend == "jax" else None
-        trace = optimizer.forward_trace if backend in ("tensorflow", "jax") else None
-        several_steps = int(getattr(model, "steps_per_execution", 1) or 1) > 1
-        strategy = getattr(model, "distribute_strategy", None) if backend == "tensorflow" else None
-        replicas = int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
-        self._trace = None if several_steps or replicas > 1 else trace
-        self._armed, self._loss_finite = False, True
-
-    def before_batch(self, model: Any) -> None:
-        """At ``on_train_batch_begin``: the train function for the next execution of the step."""
-        if not self.active:
-            return
-        current = model.train_function
-        known = current is self._ordinary or current in self._variants.values()
-        if self._ordinary is None or not known:
-            self._ordinary, self._variants = current, {}  # made afresh (a new optimizer or diagnose setting)
-        steps = int(getattr(model, "steps_per_execution", 1) or 1)
-        sample = self._wiring.host_due(steps) if self._wiring is not None else False
-        kind = 0.0
-        if self._trace is not None:
-            due = self._trace.host_due(steps)
-            kind, self._armed = (2.0 if self._armed else 1.0 if due else 0.0), False
-        key = (sample, kind)
-        if key not in self._variants:
-            if key == (False, 0.0):
-                made = self._ordinary
-            else:
-                # On JAX, fit keeps the variables in its own state during an epoch; making a train function
-                # reads them (a distribution's sharding), so they are synced back first (once per function).
-                sync = getattr(model, "jax_state_sync", None)
-                if keras.backend.backend() == "jax" and callable(sync):
-                    sync()
-                model.train_function = self._ordinary
-                made = _second_train_function(model)
-            self._variants[key] = _with_flags(made, self._wiring, self._trace, key)
-        model.train_function = self._variants[key]
-
-    def after_batch(self, logs: dict[str, Any] | None) -> None:
-        """At ``on_train_batch_end``: a loss that turned non-finite arms a trace of the next step. Keras'
-        ``loss`` is the epoch's running mean: it turns once and stays until the epoch ends, so this arms once
-        per epoch (the scheduled traces name an overflow that persists)."""
-        if self._trace is None or not logs or "loss" not in logs:
-            return
-        try:
-            finite = math.isfinite(float(logs["loss"]))
-        except (TypeError, ValueError):
-            return
-        self._armed = self._armed or (self._loss_finite and not finite)
-        self._loss_finite = finite
-
-    def new_epoch(self) -> None:
-        """At ``on_epoch_begin``: Keras starts the running mean of the loss afresh."""
-        self._loss_finite = True
-
-    def end(self, model: Any) -> None:
-        """At ``on_train_end``: the ordinary train function back (Keras' own, outside the host's schedule)."""
-        if self.active and self._ordinary is not None:
-            model.train_function = self._ordinary
-        self._wiring = self._trace = None
-
-
-# ----------------------------------------
-# Putting our ``LossScaleOptimizer`` in the place of a model's optimizer (``LossScaleCallback`` does it).
-
-
-def wrap(optimizer: keras.optimizers.Optimizer, policy: Policy | None = None) -> LossScaleOptimizer:
-    """Our optimizer around ``optimizer``; Keras' own LossScaleOptimizer is unwrapped and its scale kept.
-
-    The wrapper replaces the previous one in the model, so an inner optimizer that an earlier, discarded
-    LossScaleOptimizer of ours wrapped (a recompiled model) is wrapped again. Called by
-    :class:`~lossscale_callbacks.keras.LossScaleCallback`; build it inside the model's distribution
-    strategy scope.
-
-    Example:
-        >>> keras_lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=256.0)
-        >>> ours = wrap(keras_lso)
-        >>> ours.inner_optimizer is keras_lso.inner_optimizer, ours.initial_scale
-        (True, 256.0)
-    """
-    if isinstance(optimizer, LossScaleOptimizer):
-        return optimizer
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        release_inner_optimizer(optimizer)
-        return LossScaleOptimizer(optimizer, policy=policy)
-    keras_lso = optimizer
-    if policy is None:
-        policy = DynamicPolicy(initial_scale=float(keras_lso.initial_scale),
-                               growth_interval=int(keras_lso.dynamic_growth_steps))
-    release_inner_optimizer(keras_lso.inner_optimizer)
-    ours = LossScaleOptimizer(keras_lso.inner_optimizer, policy=policy)
-    if not keras_lso.built:
-        return ours
-    # One host read, once per installation: if Keras' optimizer has trained, carry its running
-    # scale and counter over, clipped into the policy's bounds (Keras' scale has neither
-    # bound). Untouched, it only holds its initial scale, and the policy's initial scale wins.
-    scale = float(keras_lso.dynamic_scale.numpy())
-    counter = int(keras_lso.step_counter.numpy())
-    applied = int(keras_lso.inner_optimizer.iterations.numpy())
-    if applied or counter or scale != float(np.float32(keras_lso.initial_scale)):
-        constants = policy.constants
-        ours.assign_state({
-            "scale": min(max(scale, constants.min_scale), constants.max_scale),
-            "growth_counter": min(counter, constants.growth_interval - 1) if policy.dynamic else 0,
-            "steps": applied,
-        })
-    return ours
-
 
 # What Keras' progress bar shows unless log_metrics= asks for more (and for History/CSVLogger).
 QUIET_METRICS: tuple[str, ...] = (SCALE, SKIPPED_STEPS)
@@ -246,16 +52,19 @@ class LossScaleCallback(keras.callbacks.Callback):
     adds under ``mixed_float16`` (carrying over its scale and counter), and rebuilds the train
     function; a model compiled with our optimizer is left as it is. In a custom loop driven through
     ``keras.callbacks.CallbackList`` nothing is installed: ``model.optimizer`` must be our optimizer.
-    Every ``log_every``-th batch of an epoch and at each epoch's end it reads the state once (the only
-    host read it adds) and hands it to its :class:`~lossscale_callbacks.LoggingLoop`. **Put it before**
-    the callbacks that read ``logs`` (``TensorBoard``, ``CSVLogger``, ``EarlyStopping``, W&B's): Keras
-    passes one ``logs`` dict down the list. Saving, CSV columns and the cost are on the documentation's
+    Every ``log_every`` optimizer steps (or at each epoch's end, with ``every="epoch"``) it reads the
+    state once (the only host read it adds) and hands it to its
+    :class:`~lossscale_callbacks.LoggingLoop`. **Put it before** the callbacks that read ``logs``
+    (``TensorBoard``, ``CSVLogger``, ``EarlyStopping``, W&B's): Keras passes one ``logs`` dict down the
+    list. Saving, CSV columns and the cost are on the documentation's
     "Keras" page.
 
     Args:
-        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop`, counted here in batches:
-            the batches whose index in the epoch is a multiple of this (>= 1; with
-            ``steps_per_execution > 1``, after each execution that ran such a batch).
+        log_every: every this many optimizer steps (the optimizer's iterations, skipped steps included,
+            counted on the host across epochs and ``fit`` calls), as for
+            :class:`~lossscale_callbacks.LoggingLoop`; with ``steps_per_execution > 1``, after each
+            execution that passed a multiple. Default 100; not with ``every``.
+        every: ``"epoch"``: at the end of each epoch instead (no read in the epoch).
         policy: the core policy of the installed optimizer. Default: Keras' own scale settings when
             replacing its LossScaleOptimizer, else ``DynamicPolicy()``.
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
@@ -296,9 +105,10 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def __init__(
         self,
-        log_every: int = 100,
+        log_every: int | None = None,
         policy: Policy | None = None,
         *,
+        every: str | None = None,
         log_metrics: bool | Iterable[str] | None = None,
         check_alignment: bool = False,
         diagnose: bool | str = False,
@@ -307,27 +117,35 @@ class LossScaleCallback(keras.callbacks.Callback):
         **logging: Unpack[LoggingArgs],
     ) -> None:
         super().__init__()
+        log_every, self.every = interval_args("LossScaleCallback", log_every, every, allowed=("epoch",),
+                                              default=(100, None))
         check_policy("policy", policy)
         check_bool("check_alignment", check_alignment)
-        self.diagnose = check_diagnose(diagnose)
+        self._diagnose = check_diagnose_settings(diagnose, headroom_every)  # the one check of both
+        self.diagnose, self.headroom_every = self._diagnose
         self._fit_sampling = FitSampling()  # the headroom samples (JAX) and traced steps (TF, JAX) of fit
-        self.headroom_every = check_int("headroom_every", headroom_every)
         self.trace_every = None if trace_every is None else check_int("trace_every", trace_every)
         self.forward_trace: dict[str, Any] | None = None  # the last interval's forward trace (NumPy fields)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
         self.log_metrics = QUIET_METRICS if log_metrics is None else _chosen_metrics(log_metrics)
         self._epoch_metrics = () if log_metrics is None else self.log_metrics
         # Every argument of the sinks and the interval is checked here, the extras required here.
-        self.loop = LoggingLoop(policy, log_every=check_log_every(log_every, optional=False), stop=self._stop,
+        self.loop = LoggingLoop(policy, log_every=log_every, stop=self._stop,
                                 **logging_args("LossScaleCallback", logging))
         if check_alignment and keras.backend.backend() == "tensorflow":
             importlib.import_module("lossscale_callbacks.keras._alignment")  # fails now, not in fit()
-        self.log_every = log_every
         self.policy = policy
         self.check_alignment = check_alignment
         self.optimizer: LossScaleOptimizer | None = None
         self.alignment_report: Any = None
         self._primed = False
+        self._steps = 0  # the optimizer steps attempted, counted on the host (a read at each fit's start)
+        self._epoch_start = 0  # ... when the epoch began
+
+    @property
+    def log_every(self) -> int | None:
+        """The optimizer steps per interval (``None`` with ``every="epoch"``); the loop holds it."""
+        return self.loop.log_every
 
     @property
     def summary(self) -> str | None:
@@ -345,7 +163,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         if isinstance(current, LossScaleOptimizer):
             if self.diagnose and current.forensics is None:
                 with _strategy_scope(model):
-                    current.set_diagnose(self.diagnose, self.headroom_every)
+                    current._configure_forensics(self._diagnose)
                     current.watch(model)
                     self._trace(current, model)
                 model.make_train_function(force=True)  # the step now carries the forensics
@@ -365,7 +183,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         with _strategy_scope(model):
             ours = wrap(current, self.policy)
             if self.diagnose:
-                ours.set_diagnose(self.diagnose, self.headroom_every)
+                ours._configure_forensics(self._diagnose)
                 ours.watch(model)
                 self._trace(ours, model)
             if model.built and model.trainable_variables:
@@ -451,12 +269,15 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.loop.report_alignment(self.alignment_report.to_markdown())
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        # The count is Keras' batch index within the epoch, as W&B's WandbMetricsLogger(log_freq=n)
-        # counts it, so both log on the same batches: it starts before batch 0, which logs.
-        # After every on_train_begin (BackupAndRestore restores there): the baseline of the first
-        # interval is the restored state, not zero.
-        self.loop.resume_at(-1, None if self._primed else self._read_state)
-        self._primed = True
+        # The count is the optimizer's steps, on the host: one read at the first epoch of each fit (after
+        # every on_train_begin: BackupAndRestore restores there) gives where it starts and the baseline of
+        # the first interval; then each batch is one step.
+        if not self._primed:
+            state = self._read_state()
+            self._steps = int(state.steps)
+            self.loop.resume_at(self._steps, lambda: state)
+            self._primed = True
+        self._epoch_start = self._steps
         self._fit_sampling.new_epoch()
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -467,13 +288,16 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._fit_sampling.after_batch(logs)
-        # With steps_per_execution=k Keras reports only every k-th index: the loop's rule logs when
-        # the execution just run passed a multiple of log_every (landing on one is not needed).
-        if self.loop.due(batch):
+        # ``batch`` is the index in the epoch of the last batch run: with steps_per_execution=k Keras
+        # reports every k-th, and the loop's rule logs when the execution passed a multiple of log_every.
+        self._steps = self._epoch_start + batch + 1
+        if self.every is None and self.loop.due(self._steps):
             self._observe(logs, self.log_metrics)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._observe(logs, self._epoch_metrics)
+        # Read at the epoch's end when that is the interval, or when the epoch logs are to carry metrics.
+        if self.every == "epoch" or self._epoch_metrics:
+            self._observe(logs, self._epoch_metrics)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         assert self.optimizer is not None

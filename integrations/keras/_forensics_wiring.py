@@ -12,7 +12,7 @@ variable, layers in forward order) and the tally's variables, and runs the devic
   returns it with the other optimizer variables (the variables are among ``optimizer.variables``, so
   ``fit``'s jitted step threads them, under ``keras.distribution`` too). In JAX's ``fit`` with
   ``LossScaleCallback`` the host decides the samples instead (``host_schedule``, see
-  :mod:`~lossscale_callbacks.keras._callback`): an ordinary step's trace holds no ``cond`` at all.
+  :mod:`~lossscale_callbacks.keras._fit_sampling`): an ordinary step's trace holds no ``cond`` at all.
 - torch (:meth:`ForensicsWiring.eager`): the step already reads the skip flag on the host (as Keras' own
   class does), so the forensics run only on skipped and on sampled steps, with no host read of their own.
 
@@ -24,8 +24,8 @@ log interval.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -45,14 +45,23 @@ from lossscale_callbacks.keras._forensics_layout import ForensicsLayout
 from lossscale_callbacks.keras._keras_ops import counter_dtype
 
 
-def check_diagnose_settings(diagnose: Any, headroom_every: Any) -> tuple[bool | str, int]:
+class DiagnoseSettings(NamedTuple):
+    """``diagnose`` and ``headroom_every``, checked: made by :func:`check_diagnose_settings` at the one
+    place each is given (``LossScaleCallback``, ``LossScaleOptimizer`` and its ``set_diagnose``), and
+    handed on as they are."""
+
+    mode: bool | str
+    headroom_every: int
+
+
+def check_diagnose_settings(diagnose: Any, headroom_every: Any) -> DiagnoseSettings:
     """``(diagnose, headroom_every)`` checked, or a ``ValueError`` naming the argument.
 
     Example:
         >>> check_diagnose_settings("every_step", 1000)
-        ('every_step', 1000)
+        DiagnoseSettings(mode='every_step', headroom_every=1000)
     """
-    return check_diagnose(diagnose), check_int("headroom_every", headroom_every)
+    return DiagnoseSettings(check_diagnose(diagnose), check_int("headroom_every", headroom_every))
 
 
 def _creation_scope() -> Any:
@@ -68,27 +77,37 @@ class ForensicsWiring:
     """The forensics of one optimizer: what was asked for, which model names the layers, the tally.
 
     Args:
-        diagnose: ``False``, ``True`` or ``"every_step"`` (see
-            :mod:`lossscale_callbacks.forensics._gradients`).
-        headroom_every: steps between float16 headroom samples.
+        settings: ``diagnose`` (``False``, ``True`` or ``"every_step"``, see
+            :mod:`lossscale_callbacks.forensics._gradients`) and the steps between float16 headroom
+            samples, checked (:func:`check_diagnose_settings`).
 
     Example:
-        >>> wiring = ForensicsWiring(False, 1000)
+        >>> wiring = ForensicsWiring(check_diagnose_settings(False, 1000))
         >>> wiring.active, wiring.variable_list
         (False, [])
     """
 
-    def __init__(self, diagnose: bool | str, headroom_every: int) -> None:
-        self.settings = check_diagnose_settings(diagnose, headroom_every)
+    def __init__(self, settings: DiagnoseSettings) -> None:
+        self.settings = settings
         self.model: Any = None
         self.layout: ForensicsLayout | None = None
         self.variables: device.Packed | None = None
         self._ids: dict[tuple[int, ...], tuple[Any, Any]] = {}  # torch: constants made once
         self._host_steps = 0  # torch, and JAX's fit: the sampling schedule, counted on the host
-        # JAX's fit (set by LossScaleCallback): the host decides the samples; a trace takes one when
-        # ``sampling`` holds while it traces, so an ordinary step's trace has no sample branch at all.
+        # JAX's fit (host_scheduled, by LossScaleCallback): the host decides the samples; a trace takes one
+        # when ``sampling`` holds while it traces, so an ordinary step's trace has no sample branch at all.
         self.host_schedule = False
         self.sampling = False
+
+    @contextlib.contextmanager
+    def host_scheduled(self, sample: bool) -> Iterator[None]:
+        """While ``fit`` runs (and so traces) a train function the host chose: the host's schedule, with
+        the headroom sample in the step when ``sample``. The device's own schedule again after it."""
+        self.host_schedule, self.sampling = True, sample
+        try:
+            yield
+        finally:
+            self.host_schedule = self.sampling = False
 
     @property
     def active(self) -> bool:
@@ -107,10 +126,9 @@ class ForensicsWiring:
 
     # ---------------------------------------------------------------------------- setting up
 
-    def configure(self, diagnose: bool | str, headroom_every: int, optimizer: Any) -> None:
+    def configure(self, settings: DiagnoseSettings, optimizer: Any) -> None:
         """Switch on or off; a built ``optimizer`` (else ``None``) gets its tally right away."""
-        settings = check_diagnose_settings(diagnose, headroom_every)
-        if settings != self.settings or (diagnose and not self.active):
+        if settings != self.settings or (settings.mode and not self.active):
             self.settings = settings
             self._drop()
             self.build(optimizer)

@@ -12,7 +12,7 @@ the optimizer's apply folds it into the tally (:func:`~._forward_device.fold`), 
 
 While :class:`~lossscale_callbacks.keras.LossScaleCallback` drives ``fit`` on TensorFlow or JAX the host
 decides instead (``host_schedule``): ``fit`` runs one of several train functions, chosen batch by batch
-(``_callback.FitSampling``), and only the one traced with ``recording`` on holds the trace; the ordinary
+(``_fit_sampling.FitSampling``), and only the one traced with ``recording`` on holds the trace; the ordinary
 step has no wrapper's event, no due check and no ``cond`` in it (they cost 7 % of a small model's step).
 The step after a batch whose loss turned non-finite is traced too (``kind`` 2.0), decided from the loss
 in ``fit``'s logs, which Keras has already read back for every batch-end callback.
@@ -117,13 +117,24 @@ class ForwardTrace:
         self._vectors: dict[Any, Any] = {}  # TensorFlow and torch: the step's vector, by graph
         self._host_steps = 0  # torch, and fit under host_schedule: the schedule on the host
         self._host_armed = False
-        # fit on TensorFlow and JAX (set by LossScaleCallback): the host picks the traced steps; a train
-        # function holds the trace when ``recording`` held while it was traced, with this ``kind``.
+        # fit on TensorFlow and JAX (host_scheduled, by LossScaleCallback): the host picks the traced steps;
+        # a train function holds the trace when ``recording`` held while it was traced, with this ``kind``.
         self.host_schedule = False
         self.recording = False
         self.kind = 1.0
         self._jax_vector: Any = None
         self._probe: Any = None
+
+    @contextlib.contextmanager
+    def host_scheduled(self, kind: float) -> Iterator[None]:
+        """While ``fit`` runs (and so traces) a train function the host chose: the host's schedule, the
+        step traced when ``kind`` is ``1.0`` (scheduled) or ``2.0`` (armed by a non-finite loss), not
+        when ``0.0``. The device's own schedule again after it."""
+        self.host_schedule, self.recording, self.kind = True, kind > 0, kind or 1.0
+        try:
+            yield
+        finally:
+            self.host_schedule = self.recording = False
 
     @property
     def active(self) -> bool:

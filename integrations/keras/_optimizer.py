@@ -12,7 +12,7 @@ The class is the Keras 3 core (construction, ``scale_loss``, ``apply``/``apply_g
 the state variables and their one host read (:mod:`~lossscale_callbacks.keras._state_variables`), one
 step per backend (:mod:`~lossscale_callbacks.keras._backend_steps`), the forensics wiring
 (:mod:`~lossscale_callbacks.keras._forensics_wiring`), configs and saved models
-(:mod:`~lossscale_callbacks.keras._config`) and :func:`~lossscale_callbacks.keras._callback.wrap`.
+(:mod:`~lossscale_callbacks.keras._config`); :func:`wrap` puts it in the place of a model's optimizer.
 """
 
 from __future__ import annotations
@@ -21,18 +21,24 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
-from lossscale_callbacks import LossScaleState
+from lossscale_callbacks import DynamicPolicy, LossScaleState
 from lossscale_callbacks.integration import STATE_FIELDS, Policy, check_known, validate_state
 from lossscale_callbacks.keras import _config as config
 from lossscale_callbacks.keras._arguments import (
     check_base_optimizer_kwargs,
     claim_inner_optimizer,
+    release_inner_optimizer,
     resolve_policy,
 )
 from lossscale_callbacks.keras._backend_steps import backend_step
-from lossscale_callbacks.keras._forensics_wiring import ForensicsWiring
+from lossscale_callbacks.keras._forensics_wiring import (
+    DiagnoseSettings,
+    ForensicsWiring,
+    check_diagnose_settings,
+)
 from lossscale_callbacks.keras._forward_trace import ForwardTrace
 from lossscale_callbacks.keras._seed_api import PendingUnscales, SeedAPI, delegated_hyperparameters
 from lossscale_callbacks.keras._state_variables import LossScaleVariables
@@ -113,7 +119,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         headroom_every: int = 1000,
         **kwargs: Any,
     ) -> None:
-        forensics = ForensicsWiring(diagnose, headroom_every)
+        forensics = ForensicsWiring(check_diagnose_settings(diagnose, headroom_every))
         step = backend_step()
         check_base_optimizer_kwargs(kwargs)
         resolved = resolve_policy(dynamic, initial_scale, dynamic_growth_steps, policy)
@@ -310,7 +316,11 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
     def set_diagnose(self, diagnose: bool | str, headroom_every: int = 1000) -> None:
         """Switch the overflow forensics on or off (see ``diagnose``); retrace the train function after it
         (on JAX the tally is part of ``variables``: ``fit``'s step must be made again)."""
-        self._forensics_wiring.configure(diagnose, headroom_every, self if self.built else None)
+        self._configure_forensics(check_diagnose_settings(diagnose, headroom_every))
+
+    def _configure_forensics(self, settings: DiagnoseSettings) -> None:
+        """:meth:`set_diagnose` with the settings checked already (``LossScaleCallback`` checked them)."""
+        self._forensics_wiring.configure(settings, self if self.built else None)
 
     def watch(self, model: Any) -> LossScaleOptimizer:
         """Name the report's layers by the model's layer objects, in the model's order (paths in nested
@@ -370,3 +380,50 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         release) or from the configs of earlier releases of this class."""
         inner, kwargs = config.constructor_arguments(config_dict, custom_objects)
         return cls(inner, **kwargs)
+
+
+# ----------------------------------------
+# Putting our optimizer in the place of a model's optimizer (``LossScaleCallback`` does it).
+
+
+def wrap(optimizer: keras.optimizers.Optimizer, policy: Policy | None = None) -> LossScaleOptimizer:
+    """Our optimizer around ``optimizer``; Keras' own LossScaleOptimizer is unwrapped and its scale kept.
+
+    The wrapper replaces the previous one in the model, so an inner optimizer that an earlier, discarded
+    LossScaleOptimizer of ours wrapped (a recompiled model) is wrapped again. Called by
+    :class:`~lossscale_callbacks.keras.LossScaleCallback`; build it inside the model's distribution
+    strategy scope.
+
+    Example:
+        >>> keras_lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=256.0)
+        >>> ours = wrap(keras_lso)
+        >>> ours.inner_optimizer is keras_lso.inner_optimizer, ours.initial_scale
+        (True, 256.0)
+    """
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        release_inner_optimizer(optimizer)
+        return LossScaleOptimizer(optimizer, policy=policy)
+    keras_lso = optimizer
+    if policy is None:
+        policy = DynamicPolicy(initial_scale=float(keras_lso.initial_scale),
+                               growth_interval=int(keras_lso.dynamic_growth_steps))
+    release_inner_optimizer(keras_lso.inner_optimizer)
+    ours = LossScaleOptimizer(keras_lso.inner_optimizer, policy=policy)
+    if not keras_lso.built:
+        return ours
+    # One host read, once per installation: if Keras' optimizer has trained, carry its running
+    # scale and counter over, clipped into the policy's bounds (Keras' scale has neither
+    # bound). Untouched, it only holds its initial scale, and the policy's initial scale wins.
+    scale = float(keras_lso.dynamic_scale.numpy())
+    counter = int(keras_lso.step_counter.numpy())
+    applied = int(keras_lso.inner_optimizer.iterations.numpy())
+    if applied or counter or scale != float(np.float32(keras_lso.initial_scale)):
+        constants = policy.constants
+        ours.assign_state({
+            "scale": min(max(scale, constants.min_scale), constants.max_scale),
+            "growth_counter": min(counter, constants.growth_interval - 1) if policy.dynamic else 0,
+            "steps": applied,
+        })
+    return ours

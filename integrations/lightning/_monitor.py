@@ -12,11 +12,14 @@ from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.integration import (
     SCALE,
     SKIPPED_STEPS,
+    TRAINER_STEP,
+    FollowerCount,
     LoggingArgs,
     Snapshot,
+    carry,
     check_bool,
     check_diagnose,
-    check_log_every,
+    interval_args,
     logging_args,
 )
 from lossscale_callbacks.lightning._compat import bases
@@ -28,7 +31,8 @@ from lossscale_callbacks.torch.integration import has_deepspeed_scaler, warn_no_
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
-_INTERVALS = (None, "step", "epoch")
+# The old spellings of the intervals that are not a count (they still work, with a FutureWarning).
+_DEPRECATED = {"step": "trainer", "epoch": "epoch"}
 
 
 def _find_scaler(trainer: Any) -> Any:
@@ -72,9 +76,12 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
     are written from rank 0 only; ``callback_metrics`` and the health rules run on every rank.
 
     Args:
-        log_every: ``None`` or ``"step"``: at the trainer's ``log_every_n_steps``; ``"epoch"``: at the
-            end of each training epoch; an integer ``n >= 1``: as for
-            :class:`~lossscale_callbacks.LoggingLoop` (optimizer steps).
+        log_every: every this many optimizer steps (``trainer.global_step``), as for
+            :class:`~lossscale_callbacks.LoggingLoop`; not with ``every``.
+        every: ``"trainer"`` (the default when ``log_every`` is not given): at the trainer's
+            ``log_every_n_steps``, where ``self.log`` logs; ``"epoch"``: at the end of each training
+            epoch. The old spellings ``log_every="step"`` and ``log_every="epoch"`` still work, with a
+            ``FutureWarning``.
         prog_bar: also show the scale and the skipped steps in the progress bar.
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
             ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
@@ -111,9 +118,10 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
 
     def __init__(
         self,
-        log_every: int | str | None = None,
+        log_every: int | None = None,
         prog_bar: bool = False,
         *,
+        every: str | None = None,
         check_alignment: bool = False,
         alignment_kwargs: dict[str, Any] | None = None,
         diagnose: bool | str = False,
@@ -122,13 +130,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         ids: str | None = None,
         **logging: Unpack[LoggingArgs],
     ) -> None:
-        is_count = log_every not in _INTERVALS
-        if is_count:  # the one check of a count, with this monitor's other choices named
-            try:
-                check_log_every(log_every, optional=False)
-            except ValueError as error:
-                raise ValueError(f"log_every must be None, 'step', 'epoch' or an integer >= 1, "
-                                 f"got {log_every!r}") from error
+        log_every, self.every = interval_args("LossScaleMonitor", log_every, every,
+                                              allowed=("epoch", "trainer"), default=(None, "trainer"),
+                                              deprecated=_DEPRECATED)
         check_bool("prog_bar", prog_bar)
         check_bool("check_alignment", check_alignment)
         if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
@@ -137,9 +141,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self.ledger = LightningLedger(ledger, replay, ids)
         if self.ledger.replay and not self.ledger.on:
             raise ValueError("replay needs the ledger: LossScaleMonitor(ledger=True, replay=True)")
-        self.log_every = log_every
         self._tensorboard = logging.get("tensorboard")
-        self.loop = LoggingLoop(None, log_every=log_every if is_count else None, stop=self._stop,
+        self.loop = LoggingLoop(None, log_every=log_every, stop=self._stop,
                                 **logging_args("LossScaleMonitor", logging))
         self.prog_bar = prog_bar
         self.check_alignment = check_alignment
@@ -152,6 +155,11 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self._last_global_step = 0  # the trainer's step when steps were last counted
         self._read_at = -1  # ... and when the state was last read
         self._alignment_done = False
+
+    @property
+    def log_every(self) -> int | None:
+        """The optimizer steps per interval (``None`` with ``every``); the loop holds it."""
+        return self.loop.log_every
 
     @property
     def summary(self) -> str | None:
@@ -197,7 +205,10 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                 self._warn_no_scaler(trainer)
                 return None
             return ScalerReader(engine)
-        return ScalerReader(self._scaler) if self._scaler is not None else None
+        if self._scaler is None:
+            return None
+        schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+        return ScalerReader(self._scaler, followers=schedulers)
 
     # ---------------------------------------------------------------------------- training
 
@@ -212,6 +223,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             return
         # A stock GradScaler does not checkpoint its steps or skips: they are counted from here on.
         self.reader.count_from(trainer.global_step)
+        # trainer.global_step counts attempted optimizer steps: with max_steps it decides when the run ends
+        # (compared with the applied steps at each read; see _with_trainer_step).
+        self._step_base = (trainer.global_step, *self.reader.progress())
         writer = bool(trainer.is_global_zero)
         self.loop.start(policy=self.reader.policy, writer=writer,
                         sinks=[logger_sink(lg, lambda: trainer.current_epoch) for lg in trainer.loggers]
@@ -243,7 +257,7 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         self._count_steps(trainer)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.reader is not None and self.log_every == "epoch":
+        if self.reader is not None and self.every == "epoch":
             self._observe(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -273,9 +287,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
 
     def _due(self, trainer: Any) -> bool:
         step = trainer.global_step
-        if isinstance(self.log_every, int):
+        if self.every is None:
             return self.loop.due(step)
-        if self.log_every == "epoch" or step == self._read_at:
+        if self.every == "epoch" or step == self._read_at:
             return False
         return _lightning_logs_now(trainer)
 
@@ -285,11 +299,11 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         # Lightning's own logging step: rows line up with the metrics of self.log.
         epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
-        snapshot = self.loop.observe(self.reader.read(), sink_step=sink_step,
-                                     forensics=self.reader.read_forensics())
+        state = self._with_trainer_step(self.reader.read(), trainer)
+        snapshot = self.loop.observe(state, sink_step=sink_step, forensics=self.reader.read_forensics())
         if self.ledger.on and self._scaler is not None:
             self.ledger.read(self._scaler)
-        metrics = {**snapshot.metrics(), **self.loop.rank_metrics()}
+        metrics = {**snapshot.metrics(), **self.loop.outcome_metrics(), **self.loop.rank_metrics()}
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():
             callback_metrics[name] = torch.tensor(value)
@@ -298,6 +312,16 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             progress[SCALE] = metrics[SCALE]
             progress[SKIPPED_STEPS] = metrics[SKIPPED_STEPS]
         return snapshot
+
+    def _with_trainer_step(self, state: Any, trainer: Any) -> Any:
+        """The state read, with ``trainer.global_step`` among what follows the optimizer when it ends the
+        run (``max_steps``): it counts skipped steps too, and the run applies that many fewer updates."""
+        if getattr(trainer, "max_steps", -1) is None or trainer.max_steps <= 0:
+            return state
+        base = getattr(self, "_step_base", None)
+        step = FollowerCount("Trainer.global_step", TRAINER_STEP, int(trainer.global_step), False,
+                             "trainer.global_step", base)
+        return carry(state, followers=[*getattr(state, "followers", ()), step])
 
     def _run_alignment(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         try:

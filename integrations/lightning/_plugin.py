@@ -11,7 +11,6 @@ import torch
 from torch.optim import LBFGS
 
 from lossscale_callbacks.integration import INT64_MAX, Policy, check_bool, check_int
-from lossscale_callbacks.lightning import _held_schedulers as held_schedulers
 from lossscale_callbacks.lightning._compat import bases, lightning_module_in, namespace_of, precision_base
 from lossscale_callbacks.lightning._settings import (
     autocast_available,
@@ -30,11 +29,13 @@ def _handles_unscaling(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def _holdable(config: Any) -> bool:
-    """A scheduler Lightning steps after every optimizer step, of an optimizer whose skip decision
-    reaches the host (a fused optimizer's stays on the device: its schedulers step as usual)."""
-    optimizer = getattr(config.scheduler, "optimizer", None)
-    return config.interval == "step" and optimizer is not None and not _handles_unscaling(optimizer)
+def _averaged_models(trainer: Any) -> list[Any]:
+    """The EMAs of the Trainer's callbacks (Lightning's ``WeightAveraging``/``EMAWeightAveraging`` make
+    theirs in ``setup``, before the plugin is connected)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    found = [getattr(cb, "_average_model", None) for cb in getattr(trainer, "callbacks", [])]
+    return [ema for ema in found if isinstance(ema, AveragedModel)]
 
 
 class _LossScaling:
@@ -56,14 +57,28 @@ class _LossScaling:
         self.device = default_device(device)
         self.scaler = scaler
         self.hold_lr_schedulers = hold_lr_schedulers
-        self.lr_scheduler_lag = 0
-        # Settled in connect for one run, undone in teardown.
-        self._held_schedulers: list[tuple[Any, held_schedulers.HeldLRScheduler]] = []
+        self._lag_restored = 0  # a checkpoint's lr_scheduler_lag, which this run's adds to
+        # Settled in connect for one run, undone in teardown: the schedulers and EMAs held.
+        self._held: list[Any] = []
         self._sync_turned_on = False
 
     @property
     def policy(self) -> Policy:
         return self.scaler.policy
+
+    @property
+    def lr_scheduler_lag(self) -> int:
+        """Scheduler steps held back on skipped optimizer steps (this run's, plus a loaded checkpoint's).
+
+        Brings the held schedulers up to date first (one read where they are held on the device)."""
+        held = [f for f in self.scaler.held if f.kind == "scheduler" and any(f.obj is o for o in self._held)]
+        if any(f.mode == "device" for f in held):
+            self.scaler.sync_held()
+        return self._lag_restored + sum(f.held_back() for f in held)
+
+    @lr_scheduler_lag.setter
+    def lr_scheduler_lag(self, value: int) -> None:
+        self._lag_restored = value
 
     @property
     def autocast_dtype(self) -> torch.dtype:
@@ -120,11 +135,12 @@ class _LossScaling:
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
         """Settle everything about the run, once: Lightning calls this when it sets training up.
 
-        It comes after the model was moved to its device and before the first forward pass. The
-        autocast device follows the model's (unless one was given); ``sync_found_inf="auto"`` is
-        turned on under a sharded strategy; with ``hold_lr_schedulers`` the step-interval schedulers
-        are handed back wrapped (see :mod:`lossscale_callbacks.lightning._held_schedulers`). Nothing
-        of this changes while training runs; :meth:`teardown` undoes it.
+        It comes after the model was moved to its device and before the first forward pass (and
+        after the callbacks' ``setup``). The autocast device follows the model's (unless one was
+        given); ``sync_found_inf="auto"`` is turned on under a sharded strategy; with
+        ``hold_lr_schedulers`` the step-interval schedulers and the EMA of a ``WeightAveraging``
+        callback are held on skipped steps (``LossScaler.hold``). Nothing of this changes while
+        training runs; :meth:`teardown` undoes it.
         """
         if self._device_from_trainer:
             param = next(iter(model.parameters()), None)
@@ -134,10 +150,20 @@ class _LossScaling:
             self.scaler.watch(model)
         module = lightning_module_in(model)
         self._settle_sync(module.trainer.strategy if module is not None else None)
-        if self.hold_lr_schedulers and module is not None and module.automatic_optimization:
-            lr_schedulers, self._held_schedulers = held_schedulers.wrap(
-                lr_schedulers, _holdable, self._count_held_step)
+        if self.hold_lr_schedulers and isinstance(self.scaler, LossScaler) and self.scaler.is_enabled():
+            self._hold(lr_schedulers, optimizers, module.trainer if module is not None else None)
         return super().connect(model, optimizers, lr_schedulers)
+
+    def _hold(self, configs: list[Any], optimizers: list[Any], trainer: Any) -> None:
+        """Hold the schedulers Lightning steps after each optimizer step, and a WeightAveraging EMA."""
+        held = {id(f.obj) for f in self.scaler.held}
+        for config in configs:
+            if config.interval == "step" and id(config.scheduler) not in held:
+                self._held.append(self.scaler.hold(config.scheduler))
+        if trainer is not None and len(optimizers) == 1:  # an EMA follows the one optimizer
+            for ema in _averaged_models(trainer):
+                if id(ema) not in held:
+                    self._held.append(self.scaler.hold(ema, optimizer=optimizers[0]))
 
     def _settle_sync(self, strategy: Any) -> None:
         # A sharded strategy: each rank checks only its own shards, and the scaler's "auto" recognises
@@ -147,13 +173,13 @@ class _LossScaling:
             self.scaler.sync_found_inf = True
             self._sync_turned_on = True
 
-    def _count_held_step(self) -> None:
-        self.lr_scheduler_lag += 1
-
     def teardown(self) -> None:
-        """Lightning calls this when training ends: the user's schedulers and ``sync_found_inf`` back."""
-        held_schedulers.release(self._held_schedulers)
-        self._held_schedulers = []
+        """Lightning calls this when training ends: the user's schedulers and EMAs (their stock methods,
+        float learning rates) and ``sync_found_inf`` back."""
+        self._lag_restored = self.lr_scheduler_lag if self._held else self._lag_restored
+        for obj in self._held:
+            self.scaler.release(obj)
+        self._held = []
         if self._sync_turned_on:
             self.scaler.sync_found_inf = "auto"
             self._sync_turned_on = False
@@ -180,11 +206,6 @@ class _LossScaling:
             return closure_result
         output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
-        # The skip decision is on the host already for the optimizers whose schedulers are held.
-        if self._held_schedulers and self.scaler.last_step_skipped() is True:
-            for _, held in self._held_schedulers:
-                if held.optimizer is optimizer:
-                    held.hold()
         return output
 
     def state_dict(self) -> dict[str, Any]:
@@ -283,17 +304,17 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
             (:meth:`connect`) and put back when it ends. (``strategy="fsdp"`` accepts only
             ``FSDPPrecision`` plugins: use :class:`~lossscale_callbacks.lightning.LossScaleFSDPPlugin`
             there.)
-        hold_lr_schedulers: do not advance step-interval LR schedulers on a skipped step, so the
-            schedule follows the updates actually applied. Only where the skip decision is
-            already on the host (non-fused optimizers): no extra sync is ever added, and with a
-            fused optimizer schedulers step as usual. Only the schedulers Lightning steps itself
-            (automatic optimization; with manual optimization you call ``scheduler.step()``
-            and can ask ``plugin.scaler.last_step_skipped()``). Lightning has no way to skip a
-            scheduler step, so while the Trainer fits, those schedulers are wrapped in a
-            :class:`~lossscale_callbacks.lightning._held_schedulers.HeldLRScheduler` (what
-            ``trainer.lr_scheduler_configs`` and your hooks see; your scheduler is its
-            ``.scheduler``); your objects are back when ``fit`` ends. ``plugin.lr_scheduler_lag``
-            counts the scheduler steps held back; it is saved in checkpoints with the scaler.
+        hold_lr_schedulers: on by default: step-interval LR schedulers and the EMA of Lightning's
+            ``WeightAveraging``/``EMAWeightAveraging`` callback advance only on the optimizer steps
+            applied, so the schedule and the average follow the updates (``LossScaler.hold``; with a
+            fused optimizer the learning rate becomes a device tensor looked up by a device count: no
+            host read; see :mod:`lossscale_callbacks.torch._held`). With manual optimization too:
+            your ``scheduler.step()`` calls are held. The objects stay yours (their methods are
+            held for the run and put back when ``fit`` ends); ``trainer.global_step`` still counts
+            attempted steps (a ``max_steps`` run is flagged by the monitor when it skipped some).
+            ``plugin.lr_scheduler_lag`` counts the scheduler steps held back; it is saved in
+            checkpoints with the scaler. ``False``: Lightning steps them on skipped steps too, and
+            ``LossScaleMonitor`` says so.
 
     Raises:
         ValueError: ``precision`` is not one of the two, ``scaler`` and ``policy`` are both given, or
@@ -314,7 +335,7 @@ class LossScalePlugin(_LossScaling, *bases("plugins.precision", "MixedPrecision"
         policy: Policy | None = None,
         *,
         sync_found_inf: bool | str = "auto",
-        hold_lr_schedulers: bool = False,
+        hold_lr_schedulers: bool = True,
     ) -> None:
         self._init_scaling(precision, device, scaler, policy, sync_found_inf, hold_lr_schedulers)
 
@@ -377,7 +398,7 @@ class LossScaleFSDPPlugin(_LossScaling, *bases("plugins.precision", "FSDPPrecisi
         policy: Policy | None = None,
         *,
         sync_found_inf: bool | str = True,
-        hold_lr_schedulers: bool = False,
+        hold_lr_schedulers: bool = True,
     ) -> None:
         self._init_scaling(precision, device, scaler, policy, sync_found_inf, hold_lr_schedulers)
         # What FSDPPrecision.__init__ sets besides the scaler: inputs and new tensors stay float32

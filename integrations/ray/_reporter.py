@@ -85,7 +85,7 @@ class RayTrainReporter(ScalerStepMonitor):
         return snapshot
 
     def _keep(self, snapshot: Snapshot) -> None:
-        self.metrics = {**snapshot.metrics(), **self.loop.rank_metrics()}
+        self.metrics = {**snapshot.metrics(), **self.loop.outcome_metrics(), **self.loop.rank_metrics()}
 
     def report(self, metrics: Mapping[str, Any] | None = None, checkpoint_dir: str | None = None) -> None:
         """``ray.train.report`` with your metrics and the loss scale's, and the scaler in the checkpoint.

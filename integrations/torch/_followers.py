@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.optim.swa_utils import AveragedModel
 
 from lossscale_callbacks.integration import EMA, SCHEDULER, FollowerCount
-from lossscale_callbacks.torch._held import describe, scheduler_graph
+from lossscale_callbacks.torch._held import describe, scheduler_graph, unwrap_optimizer
 
 _FOLLOWER_TYPES = (LRScheduler, ReduceLROnPlateau, AveragedModel)
 
@@ -120,7 +120,7 @@ class Followers:
             is_ema = isinstance(obj, AveragedModel)
             if is_ema and id(obj) not in held and not _averages_these(obj, shapes):
                 continue  # an EMA of another model than the one these optimizers train
-            if not is_ema and (getattr(obj, "optimizer", None) is None or id(obj.optimizer) not in stepped):
+            if not is_ema and id(unwrap_optimizer(getattr(obj, "optimizer", None))) not in stepped:
                 continue
             if is_ema:
                 emas.append(obj)
@@ -137,7 +137,7 @@ class Followers:
         stepped = getattr(self.scaler, "_stepped", None)
         if stepped is not None:
             return list(stepped.values())
-        optimizers = (getattr(ref(), "optimizer", None) for ref in self._refs)
+        optimizers = (unwrap_optimizer(getattr(ref(), "optimizer", None)) for ref in self._refs)
         return list({id(o): o for o in optimizers if isinstance(o, torch.optim.Optimizer)}.values())
 
     def _count(self, obj: Any, kind: str, count: int, held: bool) -> FollowerCount:

@@ -135,6 +135,14 @@ def _upload(rows: list[list[float]], dtype: torch.dtype, device: torch.device) -
     return torch.tensor(rows, dtype=dtype).to(device, non_blocking=True)
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside framework wrappers (Accelerate's ``AcceleratedOptimizer``, which the
+    Transformers Trainer's scheduler holds): the one the scaler steps."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def describe(obj: Any) -> str:
     """The name a finding uses for a follower: its class (``LambdaLR``, ``AveragedModel``...)."""
     return type(obj).__name__
@@ -212,10 +220,13 @@ class HeldScheduler(_Follower):
             raise ValueError("parameters on more than one device")
         self.device = next(iter(devices))
         self.shadow = _ShadowOptimizer(groups)  # the user's scheduler catches up on this one
-        memo: dict[int, Any] = {id(optimizer): _ShadowOptimizer(groups)}
+        self._gen_shadow = _ShadowOptimizer(groups)
+        # The copy steps a shadow: every optimizer the graph points at (a wrapper's too) maps to it, and
+        # the parameters to themselves, so nothing big is copied.
+        memo: dict[int, Any] = {id(s.optimizer): self._gen_shadow for s in self.graph}
+        memo[id(optimizer)] = self._gen_shadow
         memo.update({id(p): p for g in groups for p in g["params"]})
         self._gen = copy.deepcopy(scheduler, memo)
-        self._gen_shadow = memo[id(optimizer)]
         self._rows = [[float(g["lr"]) for g in groups]]
         self._end: Exception | None = None
         self.base = 0  # scheduler steps (since the hold) that table row 0 stands for
@@ -326,6 +337,10 @@ class HeldScheduler(_Follower):
             return self.synced
         return int(getattr(self.obj, "last_epoch", 0)) - self.start_epoch
 
+    def held_back(self) -> int:
+        """``step()`` calls held back on skipped optimizer steps since the hold (as of the last sync)."""
+        return self.calls - self.synced if self.mode == "device" else self.held
+
     def state_dict(self) -> dict[str, Any]:
         """The stock ``state_dict`` (brought up to date first: one read in device mode)."""
         if self.mode == "device" and self._holder is not None:
@@ -366,15 +381,17 @@ class HeldScheduler(_Follower):
 
 
 def _ema_factory_kind(fn: Any) -> tuple[str, float | None]:
-    """``("ema", decay)`` or ``("swa", None)`` for torch's own averages, else ``("custom", None)``."""
+    """``("ema", decay)``, ``("swa", None)`` or ``("ema_avg", decay)`` for torch's own averaging functions
+    (``get_ema_multi_avg_fn``, ``get_swa_multi_avg_fn``, ``get_ema_avg_fn``), else ``("custom", None)``."""
     from torch.optim import swa_utils
 
     if fn is None:
         return "swa", None
     inner = inspect.unwrap(fn)  # torch decorates them with no_grad: the wrapper's code is everyone's
     code = getattr(inner, "__code__", None)
-    if code is inspect.unwrap(swa_utils.get_ema_multi_avg_fn()).__code__:
-        return "ema", float(inspect.getclosurevars(inner).nonlocals["decay"])
+    for kind, factory in (("ema", swa_utils.get_ema_multi_avg_fn), ("ema_avg", swa_utils.get_ema_avg_fn)):
+        if code is inspect.unwrap(factory()).__code__:
+            return kind, float(inspect.getclosurevars(inner).nonlocals["decay"])
     if code is inspect.unwrap(swa_utils.get_swa_multi_avg_fn()).__code__:
         return "swa", None
     return "custom", None
@@ -387,15 +404,18 @@ class HeldEMA(_Follower):
 
     def __init__(self, ema: Any, flag: StepFlag, mode: str) -> None:
         super().__init__(ema, flag, mode)
-        self._originals = {name: ema.__dict__.get(name) for name in ("update_parameters", "multi_avg_fn")}
+        self._originals = {name: ema.__dict__.get(name)
+                           for name in ("update_parameters", "multi_avg_fn", "avg_fn")}
         self.start = int(ema.n_averaged)  # one read, when the hold begins
-        self.average, self.decay = _ema_factory_kind(ema.multi_avg_fn if ema.avg_fn is None else ema.avg_fn)
-        if ema.avg_fn is not None and ema.multi_avg_fn is None:
+        per_tensor = ema.multi_avg_fn is None and ema.avg_fn is not None  # AveragedModel's own order
+        self.average, self.decay = _ema_factory_kind(ema.avg_fn if per_tensor else ema.multi_avg_fn)
+        if per_tensor != (self.average == "ema_avg"):
             self.average = "custom"
         if self.mode == "device" and self.average == "custom":
             self.mode = "read"
-        if self.mode == "device":
-            self._weights: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        if self.mode == "device" and self.average == "ema_avg":  # Lightning's EMAWeightAveraging
+            ema.avg_fn = self._held_tensor_average
+        elif self.mode == "device":
             ema.multi_avg_fn = self._held_average
         ema.update_parameters = self.update_parameters
 
@@ -413,10 +433,22 @@ class HeldEMA(_Follower):
             weight = self._weight(averaged[0], n_averaged)
             torch._foreach_lerp_(averaged, current, [weight] * len(averaged))
 
+    def _held_tensor_average(self, averaged: torch.Tensor, current: torch.Tensor, n_averaged: Any
+                             ) -> torch.Tensor:
+        """``get_ema_avg_fn``'s ``decay * ema + (1 - decay) * current`` with a decay of 1 after a skipped
+        step: the same float32 products (``decay`` and ``1 - decay`` rounded as the stock function's)."""
+        keep, take = self._tensor_weights
+        return keep * averaged + take * current
+
     def update_parameters(self, model: Any) -> None:
         """``AveragedModel.update_parameters``, held on skipped steps."""
         ema = self.obj
         if self.mode == "device" and self.flag.stepped:
+            if self.average == "ema_avg":
+                applied = self.flag.applied
+                assert applied is not None and self.decay is not None
+                # applied: (decay, 1 - decay); skipped: (1, 0). Each product exact in float32.
+                self._tensor_weights = (applied * self.decay + (1 - applied), applied * (1.0 - self.decay))
             type(ema).update_parameters(ema, model)
             assert self.flag.applied is not None
             ema.n_averaged.add_(self.flag.applied).sub_(1)
@@ -474,6 +506,7 @@ class Holder:
         from torch.optim.swa_utils import AveragedModel
 
         if isinstance(obj, AveragedModel):
+            optimizer = unwrap_optimizer(optimizer)
             if optimizer is None:
                 known = list(known)
                 if len(known) != 1:
@@ -484,7 +517,7 @@ class Holder:
             follower: _Follower = HeldEMA(obj, self._flag(optimizer, mode), mode)
             follower.flag.on_device = follower.flag.on_device or follower.mode != "host"
         elif isinstance(obj, (LRScheduler, ReduceLROnPlateau)) or hasattr(obj, "optimizer"):
-            optimizer = getattr(obj, "optimizer", None) if optimizer is None else optimizer
+            optimizer = unwrap_optimizer(getattr(obj, "optimizer", None) if optimizer is None else optimizer)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ValueError(f"hold: {describe(obj)} has no optimizer to follow")
             mode = self._mode(optimizer, obj)
@@ -549,19 +582,34 @@ class Holder:
 
     # --------------------------------------------------------------------------- the read
 
-    def sync(self) -> None:
-        """One read of every device counter; the held objects' host side brought up to date."""
-        counters = [(f, f.device_counters()) for f in self.followers]
-        flat = [t.reshape(-1).to(torch.float64) for _, ts in counters for t in ts]
-        values = []
-        if flat:
-            home = flat[0].device
-            values = [int(v) for v in torch.cat([t.to(home) for t in flat]).cpu().tolist()]
+    def counters(self, device: torch.device) -> torch.Tensor | None:
+        """Every held object's device counters as one flat float64 tensor on ``device`` (to copy with
+        the scaler's state: one copy), or ``None`` when nothing is held on the device."""
+        flat = [t.reshape(-1).to(device=device, dtype=torch.float64)
+                for f in self.followers for t in f.device_counters()]
+        return torch.cat(flat) if flat else None
+
+    def apply(self, values: list[float], at_step: int | None = None) -> None:
+        """The held objects' host side brought up to date from :meth:`counters`' values (read at the
+        scaler's step ``at_step``: a second sync at that step reads nothing)."""
         at = 0
-        for follower, tensors in counters:
-            n = len(tensors)
-            follower.sync(values[at:at + n])
+        for follower in self.followers:
+            n = len(follower.device_counters())
+            follower.sync([int(v) for v in values[at:at + n]])
             at += n
+        self.synced_at = at_step
+
+    synced_at: int | None = None
+
+    def sync(self, at_step: int | None = None) -> None:
+        """One read of every device counter (none when already synced at ``at_step``, the scaler's step
+        count); the held objects' host side brought up to date."""
+        if at_step is not None and at_step == self.synced_at:
+            return
+        flat = [t for f in self.followers for t in f.device_counters()]
+        tensor = self.counters(flat[0].device) if flat else None
+        self.apply([] if tensor is None else tensor.cpu().tolist(), at_step)
 
 
-__all__ = ["HeldEMA", "HeldScheduler", "Holder", "StepFlag", "describe", "scheduler_graph"]
+__all__ = ["HeldEMA", "HeldScheduler", "Holder", "StepFlag", "describe", "scheduler_graph",
+           "unwrap_optimizer"]

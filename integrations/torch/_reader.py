@@ -109,6 +109,11 @@ class ScalerReader:
         if self._engine is None:
             self.followers = Followers(scaler, self._progress, followers, find_followers)
 
+    def progress(self) -> tuple[int, int]:
+        """``(applied, skipped)`` optimizer steps as of the last read (no device read): where a follower an
+        integration knows (a trainer's step counter) starts to be compared."""
+        return self._progress()
+
     def _progress(self) -> tuple[int, int]:
         """``(applied, skipped)`` steps as of the last read of the outcomes (no device read)."""
         steps, skipped, spikes = self._cursor

@@ -166,18 +166,13 @@ class LossScaler(torch.amp.GradScaler):
             ``headroom_every`` steps; ``"every_step"`` samples every step. Read with
             :meth:`read_forensics` at the log interval. Off by default.
         headroom_every: optimizer steps between headroom samples with ``diagnose=True``.
-        outcome_capacity: how many non-ordinary steps (skipped, or applied with non-finite
-            gradients) the device ring keeps between two :meth:`read_outcomes` (default 64); an
-            interval with more lists the newest ones and counts them all.
-        spike: the opt-in loss-spike rule (:class:`~lossscale_callbacks.skips._spike.SpikeRule`, or
-            ``True`` for its defaults: 6σ over 128 applied steps): a step whose loss (the one given to
-            :meth:`scale`; with ``grad_norm`` also its gradient norm) is far above its window is skipped
-            on the device, with its own cause ``"spike"``. Not an overflow: the scale treats the step as
-            a clean one and ``skipped_steps`` does not count it (``read_outcomes`` does). The window is
-            not checkpointed: after a resume it fills again.
-        skip_nonfinite: ``True`` (default) skips a step with an Inf/NaN gradient. ``False`` (monitoring
-            only, with a scale fixed at 1: bf16 or fp32) applies it and records it as
-            ``"applied_nonfinite"``; no host read at all then, on any optimizer.
+        outcome_capacity: non-ordinary steps (skipped, or applied non-finite) the device ring keeps
+            between two :meth:`read_outcomes` (default 64; more are counted, the oldest not listed).
+        spike: the opt-in loss-spike rule (a :class:`~lossscale_callbacks.skips._spike.SpikeRule`, or
+            ``True``: 6σ over 128 applied steps), decided on the device; its skips are cause
+            ``"spike"``, not overflows (see the "Skipped steps" page).
+        skip_nonfinite: ``False`` (monitoring only, with a scale fixed at 1) applies non-finite steps
+            and records them as ``"applied_nonfinite"``, with no host read in the step.
 
     Raises:
         ValueError: an invalid argument, naming it; ``policy`` together with GradScaler's settings.
@@ -270,6 +265,7 @@ class LossScaler(torch.amp.GradScaler):
         self._pending: LossScaleState | None = state
         self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
         self._last_found_inf: torch.Tensor | None = None
+        self._last_code: torch.Tensor | None = None  # the last update's outcome code (None: the flag itself)
         self._last_skipped_on_host: bool | None = None
         self._headroom_every = headroom_every
         self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
@@ -793,9 +789,10 @@ class LossScaler(torch.amp.GradScaler):
         self._holder.release(follower)
 
     def sync_held(self) -> None:
-        """Bring the held schedulers' and EMAs' host side up to date: one read of their device counters.
-        Called by the monitors at the log interval; nothing to read when nothing is held on the device."""
-        self._holder.sync()
+        """Bring the held schedulers' and EMAs' host side up to date: one read of their device counters
+        (none when nothing is held on the device, or when :meth:`read_state_and_outcomes` read them at
+        this step already). Call it at the log interval; the monitors' read does."""
+        self._holder.sync(self._path.steps if self._path is not None else None)
 
     @property
     def held(self) -> list[Any]:
@@ -846,7 +843,7 @@ class LossScaler(torch.amp.GradScaler):
                     self._ledger.end_step(on_host, found_inf, path.scale)
             rule_flag, code = self._step_code(found_inf)
             path.update(rule_flag, code)
-            self._last_found_inf = self._last_skip(found_inf, code)
+            self._last_found_inf, self._last_code = found_inf, code
             self._last_skipped_on_host = on_host
             if self.forensics is not None:
                 self.forensics.on_update(found_inf)
@@ -877,13 +874,6 @@ class LossScaler(torch.amp.GradScaler):
             self._spike.commit(code == 0)
         return rule_flag, code
 
-    def _last_skip(self, found_inf: torch.Tensor, code: torch.Tensor | None) -> torch.Tensor:
-        """The last update's "skipped" flag on the device (for ``last_step_skipped(sync=True)``)."""
-        if code is None:
-            return found_inf
-        # codes 1 and 2 are skips; 3 (applied non-finite) is not
-        return torch.logical_and(code > 0, code < APPLIED_NONFINITE_CODE).to(torch.float32)
-
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
@@ -909,7 +899,10 @@ class LossScaler(torch.amp.GradScaler):
             return self._last_skipped_on_host
         if self._last_found_inf is None:
             return None
-        return bool(self._last_found_inf.item())
+        if self._last_code is None:
+            return bool(self._last_found_inf.item())
+        code = int(self._last_code.item())  # codes 1 and 2 are skips; 3 (applied non-finite) is not
+        return 0 < code < APPLIED_NONFINITE_CODE
 
     # -------------------------------------------------------------------------- step outcomes
 
@@ -953,8 +946,11 @@ class LossScaler(torch.amp.GradScaler):
             steps = cursor.steps
             state = self.get_state() if self._enabled else self._host_state()
             return state, IntervalOutcomes(steps + 1, steps)
-        state, flat = self._path.read_with(self._ring.flat())
-        rows, written, counts, _ = self._ring.parse(flat)
+        ring = self._ring.flat()
+        held = self._holder.counters(ring.device)
+        state, flat = self._path.read_with(ring if held is None else torch.cat([ring, held]))
+        rows, written, counts, _ = self._ring.parse(flat[:ring.numel()])
+        self._holder.apply(flat[ring.numel():], at_step=state.steps)  # the held objects, in the same copy
         outcomes, missed = decode_records(rows, written, cursor.written, self._outcome_capacity,
                                           nonfinite_cause(self._policy))
         new_counts = [now - before for now, before in zip(counts, cursor.counts, strict=True)]

@@ -14,9 +14,10 @@ Per step, all on the device, no host read:
 The window is a ``(rows, window + 1)`` float64 buffer (row 0 the loss, row 1 the gradient norm): the
 values of the last ``window`` applied steps and one free slot kept at 0, so plain sums over a row give
 the window's sums while it fills. An applied step writes its value into the free slot and moves on,
-zeroing the next slot (the oldest value leaves); a skipped one writes 0 there and stays. About 30
-dispatched ops per step on the CPU (counted in the benchmark's test); its cost is measured against a
-step without it in ``benchmarks/spike_rule_overhead.py``.
+zeroing the next slot (the oldest value leaves); a skipped one writes 0 there and stays. With the flag
+merged and the outcome code counted, the rule adds 34 dispatched ops to a fused step
+(``tests/test_skip_spike_bf16.py`` counts them); its cost against a step without it is in
+``benchmarks/skip_overhead.py``.
 """
 
 from __future__ import annotations
@@ -105,9 +106,8 @@ class SpikeWindow:
         scaler passes "an ordinary applied step", so no non-finite value enters either)."""
         if not self._decided:
             return
-        step = (applied if applied.dtype == torch.int64 else applied.to(torch.int64)).expand(self._pos.shape)
         self._buf.scatter_(1, self._pos, (self._x * applied).unsqueeze(1))
-        self._pos.add_(step).remainder_(self._size)
+        self._pos.add_(applied).remainder_(self._size)  # a bool or integer flag adds as 0/1
         self._buf.scatter_(1, self._pos, 0.0)
         self._n.add_(applied).clamp_(max=self.rule.window)
         self._losses = 0

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lossscale_callbacks import LoggingLoop, Sink
-from lossscale_callbacks.integration import LoggingArgs, Snapshot, check_log_every, logging_args
+from lossscale_callbacks.integration import LoggingArgs, Snapshot, interval_args, logging_args
 from lossscale_callbacks.torch._reader import ScalerReader
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ class ScalerStepMonitor:
             Args);
         writer: whether this process writes to the sinks and prints.
         run_sinks: the framework's loggers or trackers, written and flushed, never closed here.
+        followers: the LR schedulers and EMAs the framework knows (the reader also finds the others).
 
     Example:
         >>> import torch
@@ -59,9 +60,10 @@ class ScalerStepMonitor:
     _FIRST_STEP_NEEDS = "once the loss was scaled and backpropagated"
 
     def __init__(self, scaler: Any, *, log_every: int = 100, writer: bool = True,
-                 run_sinks: Iterable[Sink] = (), **logging: Unpack[LoggingArgs]) -> None:
-        check_log_every(log_every, optional=False)  # a step monitor has no other interval rule
-        self.reader = ScalerReader(scaler)
+                 run_sinks: Iterable[Sink] = (), followers: Iterable[Any] = (),
+                 **logging: Unpack[LoggingArgs]) -> None:
+        log_every, _ = interval_args(type(self).__name__, log_every, None)  # no interval but the count
+        self.reader = ScalerReader(scaler, followers=followers)
         self._tensorboard = logging.get("tensorboard")
         self._ledger = False
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
@@ -81,6 +83,24 @@ class ScalerStepMonitor:
     def summary(self) -> str | None:
         """The end-of-run summary (after :meth:`finish`)."""
         return self.loop.summary
+
+    def hold(self, follower: Any, *, optimizer: Any = None) -> Any:
+        """Hold an LR scheduler or an EMA (``AveragedModel``) on skipped steps: ``LossScaler.hold`` of the
+        scaler read (ours); returns ``follower``. Keep stepping it as before.
+
+        Raises:
+            ValueError: the scaler is a stock one (only ours holds: what advanced on skipped steps is
+                flagged instead), or what ``LossScaler.hold`` refuses.
+        """
+        hold = getattr(self.scaler, "hold", None)
+        if hold is None:
+            raise ValueError(f"{type(self).__name__}.hold needs the lossscale-callbacks scaler (LossScaler); "
+                             f"this run's is a {type(self.scaler).__name__}: a scheduler or an EMA that "
+                             "advances on skipped steps is flagged at the log interval instead")
+        hold(follower, optimizer=optimizer)
+        if self.reader.followers is not None:
+            self.reader.followers.add([follower])
+        return follower
 
     @property
     def should_stop(self) -> bool:

@@ -12,8 +12,19 @@ from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 
 from lossscale_callbacks import LoggingLoop
 from lossscale_callbacks.accelerate import install_loss_scaler
-from lossscale_callbacks.integration import LoggingArgs, Policy, check_diagnose, check_policy, logging_args
-from lossscale_callbacks.torch import ScalerReader
+from lossscale_callbacks.integration import (
+    TRAINER_STEP,
+    FollowerCount,
+    LoggingArgs,
+    Policy,
+    carry,
+    check_bool,
+    check_diagnose,
+    check_policy,
+    interval_args,
+    logging_args,
+)
+from lossscale_callbacks.torch import LossScaler, ScalerReader
 from lossscale_callbacks.torch.integration import check_replay, ledger_capture, loss_of_output, warn_no_scaler
 
 if TYPE_CHECKING:
@@ -23,6 +34,8 @@ __all__ = ["LossScaleTrainerCallback"]
 
 # The logs of Trainer.evaluate()/predict() (every key prefixed), which the Trainer also returns.
 _EVALUATION_PREFIXES = ("eval_", "test_")
+# A key of the Trainer's end-of-training log: the run's last read rides on it, whatever the interval.
+_END_OF_TRAINING = "train_runtime"
 # Where the counts a stock GradScaler does not checkpoint ride in trainer_state.json (not a callback's
 # class name: Trainer(restore_callback_states_from_checkpoint=True) would rebuild such a callback).
 COUNTS_KEY = "lossscale_callbacks"
@@ -46,9 +59,10 @@ class LossScaleTrainerCallback(TrainerCallback):
     """Puts ``loss_scale/*`` into the Trainer's logs, so every ``report_to`` integration receives them.
 
     At each of the Trainer's log events at a new ``global_step`` (every ``logging_steps``, and at the
-    end of training) the callback reads the Trainer's loss scaler once (never per step) and adds the
-    metrics to the ``logs`` that TensorBoard, W&B, MLflow... and the progress bar receive, at the
-    Trainer's ``global_step`` like its loss. The logs of ``evaluate()`` and ``predict()`` are left
+    end of training), or every ``log_every`` optimizer steps (the Trainer is asked to log then), the
+    callback reads the Trainer's loss scaler once (never per step) and adds the metrics to the ``logs``
+    that TensorBoard, W&B, MLflow... and the progress bar receive, at the Trainer's ``global_step`` like
+    its loss. The logs of ``evaluate()`` and ``predict()`` are left
     alone. The core's :class:`~lossscale_callbacks.LoggingLoop` runs the health rules and prints the
     summary on the main process.
 
@@ -65,8 +79,16 @@ class LossScaleTrainerCallback(TrainerCallback):
         diagnose: install a ``LossScaler`` with overflow forensics (``True`` or ``"every_step"``),
             naming the layers after the Trainer's model.
         scaler: install this scaler instead (a ``LossScaler`` or a ``torch.amp.GradScaler``).
-        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop` in optimizer steps: also
-            asks the Trainer to log then (``None``: its ``logging_steps`` alone decide).
+        log_every: every this many optimizer steps (``state.global_step``), as for
+            :class:`~lossscale_callbacks.LoggingLoop`: the Trainer is asked to log then, and its other
+            log events carry no loss-scale metrics (but its end-of-training log); not with ``every``.
+        every: ``"trainer"`` (the default when ``log_every`` is not given): at the Trainer's own log
+            events (``logging_steps``).
+        hold: hold the Trainer's LR scheduler on skipped steps (default ``True``; with our scaler,
+            i.e. ``policy``/``diagnose``/``scaler=LossScaler(...)``): with its default fused optimizer,
+            whose kernel skips where ``optimizer_step_was_skipped`` cannot see, the learning rate
+            follows a device count, no host read. ``state.global_step`` still counts attempted steps
+            (``max_steps`` ends the run): a run that skipped steps is flagged once.
         ledger: the ledger of bad steps (installs a ``LossScaler``): ``True`` writes
             ``bad_steps.rank<r>.jsonl`` into ``output_dir``, a folder writes there; each bad step with the
             train sampler's indices (or ``ids``'s column); its words join the summary. No host read is
@@ -93,7 +115,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         MissingExtraError: ``tensorboard=``/``wandb=`` without their extra installed.
 
     Example:
-        >>> from lossscale_callbacks._policy import DynamicPolicy
+        >>> from lossscale_callbacks import DynamicPolicy
         >>> callback = LossScaleTrainerCallback(policy=DynamicPolicy(initial_scale=2.0**12), diagnose=True)
         >>> callback.attach(trainer)  # doctest: +SKIP
         >>> trainer.train()           # doctest: +SKIP
@@ -101,9 +123,12 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def __init__(self, *, policy: Policy | None = None, diagnose: bool | str = False,
                  scaler: torch.amp.GradScaler | None = None, log_every: int | None = None,
-                 ledger: Any = False, replay: bool | int = False, ids: str | None = None,
-                 **logging: Unpack[LoggingArgs]) -> None:
+                 every: str | None = None, hold: bool = True, ledger: Any = False,
+                 replay: bool | int = False, ids: str | None = None, **logging: Unpack[LoggingArgs]) -> None:
         self.diagnose = check_diagnose(diagnose)
+        self.hold = check_bool("hold", hold)
+        log_every, self.every = interval_args("LossScaleTrainerCallback", log_every, every,
+                                              allowed=("trainer",), default=(None, "trainer"))
         if not (ledger is None or isinstance(ledger, (bool, str, os.PathLike))):
             raise ValueError(f"ledger must be True, False or a folder, got {ledger!r}")
         self.ledger = ledger or False
@@ -127,7 +152,9 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.reader: ScalerReader | None = None
         self._trainer: weakref.ref[Trainer] | None = None
         self._read_at = 0
+        self._asked_at = -1  # the step log_every asked the Trainer to log at
         self._stop_requested = False
+        self._pending: Any = None  # a read made at on_step_end for the log that follows
 
     @property
     def summary(self) -> str | None:
@@ -218,17 +245,30 @@ class LossScaleTrainerCallback(TrainerCallback):
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             self._warn_no_scaler(args, state)
             return
-        self.reader = ScalerReader(scaler)
+        scheduler = getattr(trainer, "lr_scheduler", None)
+        if self.hold and isinstance(scaler, LossScaler) and scheduler is not None:
+            if all(f.obj is not scheduler for f in scaler.held):
+                scaler.hold(scheduler)  # a fused optimizer (the default adamw_torch_fused) included
+        self.reader = ScalerReader(scaler, followers=[scheduler] if scheduler is not None else [])
         capture = ledger_capture(scaler) if self.ledger else None
         if capture is not None:
             capture.watch_sampler(trainer.callback_handler.train_dataloader)
         self.reader.count_from(state.global_step)  # a stock GradScaler checkpoints no count: from here
+        # state.global_step counts attempted optimizer steps, and max_steps ends the run: a follower too.
+        self._step_base = (state.global_step, *self.reader.progress())
         self._read_at = state.global_step
+        self._asked_at = -1
         self._stop_requested = False
         self.loop.start(policy=self.reader.policy, writer=bool(state.is_world_process_zero))
         if state.global_step > 0:
             self._resume_counts(state)
         self.loop.resume_at(state.global_step, self.reader.read if state.global_step > 0 else None)
+
+    def _with_global_step(self, read: Any, state: Any) -> Any:
+        """The state read, with the Trainer's ``global_step`` among what follows the optimizer."""
+        step = FollowerCount("Trainer.global_step", TRAINER_STEP, int(state.global_step), False,
+                             "state.global_step", getattr(self, "_step_base", None))
+        return carry(read, followers=[*getattr(read, "followers", ()), step])
 
     def _resume_counts(self, state: Any) -> None:
         """The counts saved with the checkpoint (a stock scaler keeps none); without them, a scaler that
@@ -265,8 +305,14 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # log_every asks the Trainer for a log event; the read itself happens in on_log.
-        if self.reader is not None and self.loop.log_every is not None and self.loop.due(state.global_step):
+        if self.reader is not None and self.every is None and self.loop.due(state.global_step):
             control.should_log = True
+            self._asked_at = state.global_step
+        if (self.reader is not None and control.should_log and state.global_step > self._read_at
+                and (self.every is not None or state.global_step == self._asked_at)):
+            # The interval's read now, before the Trainer logs its learning rate: the held scheduler's
+            # get_last_lr() comes up to date with it (the same one read; on_log uses it).
+            self._pending = (state.global_step, self._with_global_step(self.reader.read(), state))
         self._save_counts(state, control)  # after DefaultFlowCallback decided (attach puts us after it)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -278,10 +324,16 @@ class LossScaleTrainerCallback(TrainerCallback):
             return
         if any(key.startswith(_EVALUATION_PREFIXES) for key in logs):
             return
+        if self.every is None and state.global_step != self._asked_at and _END_OF_TRAINING not in logs:
+            return  # a log event of the Trainer's own: log_every decides when the scaler is read
         self._read_at = state.global_step
         forensics = self.reader.read_forensics()
-        snapshot = self.loop.observe(self.reader.read(), sink_step=state.global_step, forensics=forensics)
-        added = {**snapshot.metrics(), **self.loop.rank_metrics(),
+        pending, self._pending = self._pending, None
+        read = pending[1] if pending is not None and pending[0] == state.global_step else None
+        if read is None:
+            read = self._with_global_step(self.reader.read(), state)
+        snapshot = self.loop.observe(read, sink_step=state.global_step, forensics=forensics)
+        added = {**snapshot.metrics(), **self.loop.outcome_metrics(), **self.loop.rank_metrics(),
                  **(forensics.metrics() if forensics is not None else {})}
         _add_to_history(state, logs, added)
         logs.update(added)
@@ -294,7 +346,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         if state.global_step > self._read_at:
             # Steps after the last log event (none when the Trainer logged at its last step).
             self._read_at = state.global_step
-            self.loop.observe(self.reader.read(), sink_step=state.global_step,
+            self.loop.observe(self._with_global_step(self.reader.read(), state), sink_step=state.global_step,
                               forensics=self.reader.read_forensics())
         book = self.installed.ledger if self.ledger and self.installed is not None else None
         note = ""

@@ -22,12 +22,14 @@ from urllib.parse import urlparse
 import wandb
 
 from lossscale_callbacks.integration import (
+    APPLIED_STEPS,
     FINAL_SCALE,
     OVERALL_SKIP_RATE,
     SCALE,
     SKIPPED_STEPS,
     STEP_METRIC,
     TAG_PREFIX,
+    TOTAL_APPLIED_STEPS,
     TOTAL_SKIPPED_STEPS,
     ManagedSink,
     Verdict,
@@ -39,6 +41,7 @@ __all__ = [
     "FINAL_SCALE",
     "OVERALL_SKIP_RATE",
     "STEP_METRIC",
+    "TOTAL_APPLIED_STEPS",
     "TOTAL_SKIPPED_STEPS",
     "WandbOfflineWarning",
     "WandbSink",
@@ -191,6 +194,8 @@ class _WandbBackend:
             self._summary[FINAL_SCALE] = row[SCALE]
         if SKIPPED_STEPS in row:
             self._summary[TOTAL_SKIPPED_STEPS] = row[SKIPPED_STEPS]
+        if APPLIED_STEPS in row:
+            self._summary[TOTAL_APPLIED_STEPS] = row[APPLIED_STEPS]
             self._summary[OVERALL_SKIP_RATE] = row[SKIPPED_STEPS] / step if step > 0 else 0.0
         # A summary update costs more than the log call itself; send it at most every
         # summary_secs, and always on flush() and close() (which also runs at exit).

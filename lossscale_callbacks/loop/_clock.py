@@ -2,7 +2,11 @@
 
 An interval ends when the step count passes a multiple of ``log_every`` (crossing, not landing on it: a
 call may come several steps later), or when ``every_seconds`` passed since the last read and the count
-moved. The count is the integration's: optimizer steps, or Keras' batch index in the epoch.
+moved. The count is the integration's, and on every integration ``log_every=N`` counts optimizer steps
+(skipped ones included); the intervals that are not a count are ``every=``: ``"epoch"`` (at the end of each
+epoch) and ``"trainer"`` (at the trainer's own log events), where an integration has them.
+:func:`interval_args` is the one place an integration's ``log_every``/``every`` are sorted out (the old
+spellings warn); the loop checks ``log_every`` itself.
 
 Example:
     >>> clock = IntervalClock(log_every=10)
@@ -16,12 +20,17 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from lossscale_callbacks._stacklevel import user_stacklevel
 from lossscale_callbacks._validation import INT64_MAX, check_int, check_number
 
-__all__ = ["IntervalClock", "check_log_every"]
+__all__ = ["EVERY", "IntervalClock", "check_log_every", "interval_args"]
+
+# The intervals that are not a count of optimizer steps, by their one spelling.
+EVERY = ("epoch", "trainer")
 
 
 def check_log_every(log_every: Any, *, optional: bool = True) -> int | None:
@@ -38,6 +47,53 @@ def check_log_every(log_every: Any, *, optional: bool = True) -> int | None:
     if log_every is None and optional:
         return None
     return check_int("log_every", log_every)
+
+
+def interval_args(owner: str, log_every: Any, every: Any, *, allowed: tuple[str, ...] = (),
+                  default: tuple[int | None, str | None] = (None, None),
+                  deprecated: Mapping[str, str] | None = None) -> tuple[Any, str | None]:
+    """An integration's ``(log_every, every)``, sorted out once: ``log_every`` is handed on to the loop,
+    which checks it; ``every`` is one of ``allowed`` (of :data:`EVERY`) or ``None``.
+
+    Args:
+        owner: the integration's class name, for the messages.
+        log_every, every: as given (``None``: not given); ``log_every`` as for ``LoggingLoop``.
+        allowed: the ``every`` values the integration has (none: ``log_every`` is its only interval).
+        default: ``(log_every, every)`` when neither is given (``(None, None)``: one must be given).
+        deprecated: an old spelling of ``log_every`` -> the ``every`` it meant: still works, with a
+            ``FutureWarning`` that names the new spelling.
+
+    Raises:
+        ValueError: ``every`` is not one of ``allowed``, both are given, or neither (without a default).
+
+    Example:
+        >>> interval_args("Monitor", 50, None, allowed=("epoch",))
+        (50, None)
+        >>> interval_args("Monitor", None, None, allowed=("epoch", "trainer"), default=(None, "trainer"))
+        (None, 'trainer')
+    """
+    if isinstance(log_every, str) and log_every in (deprecated or {}):
+        new = (deprecated or {})[log_every]
+        if every is not None:
+            raise ValueError(f"{owner}: log_every={log_every!r} is the old spelling of every={new!r}; "
+                             f"give every= alone")
+        warnings.warn(f"{owner}(log_every={log_every!r}) is deprecated and will stop working: write "
+                      f"{owner}(every={new!r}); log_every=N now counts N optimizer steps on every "
+                      "integration", FutureWarning, stacklevel=user_stacklevel())
+        log_every, every = None, new
+    if every is not None and every not in allowed:
+        choices = f"one of {list(allowed)} or None" if allowed else "None (it has no other interval)"
+        raise ValueError(f"every must be {choices}, got {every!r}")
+    if log_every is not None and every is not None:
+        raise ValueError(f"{owner}: give log_every=N (optimizer steps) or every={every!r}, not both")
+    if log_every is None and every is None:
+        log_every, every = default
+        if log_every is None and every is None:
+            if allowed:
+                raise ValueError(f"{owner} needs log_every=N (optimizer steps) or every= one of "
+                                 f"{list(allowed)}")
+            check_log_every(None, optional=False)  # no other interval: the loop's words for a missing count
+    return log_every, every
 
 
 class IntervalClock:

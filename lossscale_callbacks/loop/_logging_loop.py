@@ -44,8 +44,10 @@ from lossscale_callbacks.loop._clock import IntervalClock
 from lossscale_callbacks.loop._rank_agreement import RankAgreement, split_health
 from lossscale_callbacks.loop._run_sinks import RunSinks
 from lossscale_callbacks.loop._segments import Segments
+from lossscale_callbacks.loop._skip_truth import SkipTruth
 from lossscale_callbacks.loop._summary import run_summary
 from lossscale_callbacks.loop._verdicts import Diagnosis, judge_by
+from lossscale_callbacks.skips._followers import split_not_held
 
 __all__ = ["LoggingArgs", "LoggingLoop", "logging_args"]
 
@@ -185,6 +187,7 @@ class LoggingLoop:
         _check_callable("echo", echo)
         # The rank-agreement rule is judged on the gathered ranks, not on one rank's snapshots.
         health, self._ranks_rule = split_health(health)
+        health, self._not_held = split_not_held(health)  # judged on the followers' counts
         HealthMonitor.from_spec(health)  # checked now, with the caller's argument name in the message
         self._sinks = RunSinks(tensorboard, wandb, sinks, writer)
         self._health_spec = health
@@ -229,6 +232,7 @@ class LoggingLoop:
         self._segments = Segments()
         self._ranks = RankAgreement(self._ranks_rule)
         self._diagnosis = Diagnosis()
+        self._skips = SkipTruth()
         self.summary: str | None = None
         self.should_stop = False  # a "stop" rule fired in this run
         self.tracker = MetricsTracker(1.0)
@@ -304,6 +308,7 @@ class LoggingLoop:
             ValueError: a field of ``state`` is missing or wrong, naming it.
         """
         ranks = getattr(state, "ranks", None)
+        outcomes = getattr(state, "outcomes", None)
         state = observed_state(state)
         self._interval.read()
         if self._segments.repeated(state, self.tracker.last):
@@ -313,6 +318,7 @@ class LoggingLoop:
         if self._segments.last_at is None:
             self._segments.last_at = int(state.steps)
         snapshot = self.tracker.observe(state)
+        self._skips.metrics(snapshot, outcomes, self._policy)
         # a rank resumed from another checkpoint
         self._act(self._ranks.judge(ranks, snapshot.step, self._sinks.out, self.health))
         return snapshot
@@ -340,6 +346,9 @@ class LoggingLoop:
             LossScaleHealthError: a ``"raise"`` rule fired.
         """
         ranks = getattr(state, "ranks", None)  # a RankedState: every rank's, gathered at this read
+        # What the state carries for the skip truth (torch's ScalerReader): the interval's step outcomes
+        # and what follows the optimizer (each scheduler's, EMA's, trainer's own step count).
+        outcomes, followers = getattr(state, "outcomes", None), getattr(state, "followers", ())
         state = observed_state(state)
         self._interval.read()
         out, last, segments = self._sinks.out, self.tracker.last, self._segments
@@ -350,9 +359,10 @@ class LoggingLoop:
             return last
         restarted = self._restarted(state)
         snapshot = self.tracker.observe(state)
+        outcome_metrics = self._skips.metrics(snapshot, outcomes, self._policy)
         at = segments.sink_step(snapshot.step if sink_step is None else int(sink_step))
         if self.writer:
-            metrics = {**snapshot.metrics(), **self._ranks.metrics(ranks)}
+            metrics = {**snapshot.metrics(), **outcome_metrics, **self._ranks.metrics(ranks)}
             segments.label(metrics, interval_known=not restarted)
             if forensics is not None:
                 self._diagnosis.metrics(forensics, metrics, segments.last_at, at, out)
@@ -366,6 +376,10 @@ class LoggingLoop:
         if self.health is not None:  # health=None: no rule, so no verdict of the forensics either
             verdicts = self._diagnosis.verdicts(self.health.observe(snapshot), forensics, snapshot.step,
                                                 self.health, self.tracker.min_scale, out)
+            if self._not_held is not None:
+                not_held = self._skips.verdicts(followers, self._not_held.action)
+                self.health.verdicts.extend(not_held)  # among the run's problems, in its assessment
+                verdicts += not_held
         self._act(verdicts + self._ranks.judge(ranks, snapshot.step, out, self.health))
         return snapshot
 
@@ -374,6 +388,7 @@ class LoggingLoop:
         if not self._segments.restarted(self.tracker.last, state):
             return False
         self.tracker.reset()
+        self._skips.restart()
         if self.health is not None:
             self.health.restart()
         return True
@@ -415,7 +430,7 @@ class LoggingLoop:
             self._act(self.health.final())
         out = self._sinks.out
         min_scale = self._policy.min_scale if self._policy is not None else None
-        sentences = [self._ranks.sentence(), self._segments.sentence()]
+        sentences = [self._skips.sentence(), self._ranks.sentence(), self._segments.sentence()]
         self.summary = text = run_summary(self.tracker, min_scale, sentences, self.health, self._diagnosis,
                                           out, note)
         if self.writer:
@@ -426,6 +441,12 @@ class LoggingLoop:
                 self.echo(text)
         self._sinks.close_owned()
         return text
+
+    def outcome_metrics(self) -> dict[str, int]:
+        """The skip truth's metrics of the last read (the applied steps, the skips by cause: see
+        :data:`~lossscale_callbacks._metrics.OUTCOME_METRICS`), ``{}`` before one: for a trainer's own
+        metrics, beside the snapshot's."""
+        return dict(self._skips.last_metrics)
 
     def rank_metrics(self) -> dict[str, int]:
         """``{"loss_scale/ranks_disagree": n}`` of the last read that gathered every rank's state, else ``{}``

@@ -89,7 +89,7 @@ class Segments:
         first read (where its interval began is not known), with the segment's number after a restart."""
         if not interval_known:
             for name in INTERVAL_METRICS:
-                metrics.pop(name)
+                metrics.pop(name, None)
         if self.number:
             metrics[SEGMENT] = self.number
 

@@ -416,6 +416,8 @@ def health_word(report: RunReport) -> str:
     """The health column of the table: OK, the problems, what could not be judged, damage."""
     if not report.healthy:
         word = f"{len(report.verdicts)} problem(s)"
+    elif not report.steps_known:
+        word = "no problem seen (not judged: no step counter)"
     elif report.skipped_steps is None or "not everything could be judged" in report.health:
         word = "no problem found (not fully judged)"
     else:
@@ -466,10 +468,13 @@ class TextWriter:
         r = outcome.report
         if r is None:
             return self._line((self._name(outcome.path), "-", "-", "-", "-", _not_read(outcome)))
-        return self._line((self._name(outcome.path), str(r.steps),
-                           "-" if r.skipped_steps is None else str(r.skipped_steps),
-                           "-" if r.skip_rate is None else f"{r.skip_rate:.2%}", f"{r.final_scale:g}",
-                           health_word(r)))
+        # an engine's log without a step counter: the steps a lower bound, the skip rate not known
+        steps = str(r.steps) if r.steps_known else f"≥{(r.engine or {}).get('steps_at_least') or r.steps}"
+        bound = "≥" if (r.engine or {}).get("skipped_bound") else ""  # a Trainer state logged sparsely
+        rate = "-" if r.skip_rate is None or not r.steps_known else f"{bound}{r.skip_rate:.2%}"
+        return self._line((self._name(outcome.path), steps,
+                           "-" if r.skipped_steps is None else f"{bound}{r.skipped_steps}", rate,
+                           f"{r.final_scale:g}" if r.scale_known else "-", health_word(r)))
 
     def _start_table(self) -> None:
         self._table = True
@@ -557,6 +562,34 @@ def _skip_rates(snapshots: Sequence[m.Snapshot]) -> tuple[list[float], list[int]
     return rates, edges, size
 
 
+def _draw_scale(top: Any, report: RunReport, skipped: Sequence[m.Snapshot]) -> None:
+    """The top panel: the scale at each log point, every other scale an engine's log printed (its
+    levels), the intervals with skipped steps and the minimum; a log with no scale says so."""
+    top.set_ylabel("loss scale (log2)")
+    top.grid(True, which="major", alpha=0.3)
+    if not report.scale_known:  # the points hold a placeholder scale: nothing to draw
+        top.set_yticks([])
+        top.text(0.5, 0.5, "no loss scale in this log (the engine prints none)", transform=top.transAxes,
+                 ha="center", va="center", color="grey")
+        return
+    snapshots = report.snapshots
+    top.step([s.step for s in snapshots], [s.scale for s in snapshots], where="post", color="tab:blue",
+             label="loss scale")
+    top.set_yscale("log", base=2)
+    first, last = snapshots[0].step, snapshots[-1].step
+    levels = [(step, scale) for step, scale in report.series.get(run_readers.LEVELS, ())
+              if first <= step <= last and scale > 0]
+    if levels:
+        top.scatter([step for step, _ in levels], [scale for _, scale in levels], marker=".", s=12,
+                    color="tab:blue", zorder=2, label="every scale the log printed")
+    if skipped:
+        top.scatter([s.step for s in skipped], [s.scale for s in skipped], marker="v", color="tab:red",
+                    zorder=3, label="interval with skipped steps")
+    top.axhline(report.min_scale, color="grey", linestyle=":", linewidth=1,
+                label=f"min_scale {report.min_scale:g}")
+    top.legend(loc="best", fontsize="small")
+
+
 def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
     """Draw the run: the scale on a log2 axis with skipped steps marked, and the skip rate per interval
     (a run that skipped nothing says "no skipped steps" on that panel).
@@ -570,33 +603,29 @@ def write_png(report: RunReport, path: str, fmt: str = "png") -> str:
         OSError: the picture cannot be written to ``path``.
     """
     Figure = require("matplotlib.figure", "plot", feature="the report's picture").Figure
-    snapshots, used_min = report.snapshots, report.min_scale
-    steps = [s.step for s in snapshots]
-    scales = [s.scale for s in snapshots]
+    snapshots = report.snapshots
     skipped = [s for s in snapshots if s.skipped_in_interval > 0]
 
     fig = Figure(figsize=(9, 6), dpi=100)
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    top.step(steps, scales, where="post", color="tab:blue", label="loss scale")
-    top.set_yscale("log", base=2)
-    if skipped:
-        top.scatter([s.step for s in skipped], [s.scale for s in skipped], marker="v", color="tab:red",
-                    zorder=3, label="interval with skipped steps")
-    top.axhline(used_min, color="grey", linestyle=":", linewidth=1, label=f"min_scale {used_min:g}")
-    top.set_ylabel("loss scale (log2)")
-    skips = ("skipped steps not logged" if report.skipped_steps is None or report.skip_rate is None
-             else f"{report.skipped_steps} skipped ({report.skip_rate:.2%})")
-    top.set_title(f"Loss scale: {report.steps} steps, {skips}"
+    _draw_scale(top, report, skipped)
+    if not report.steps_known:
+        steps = f"steps not known (at least {(report.engine or {}).get('steps_at_least') or report.steps})"
+        skips = f"{report.skipped_steps} skipped" if report.skipped_steps is not None else "skips not known"
+    else:
+        steps = f"{report.steps} steps"
+        skips = ("skipped steps not logged" if report.skipped_steps is None or report.skip_rate is None
+                 else f"{report.skipped_steps} skipped ({report.skip_rate:.2%})")
+    top.set_title(f"Loss scale: {steps}, {skips}"
                   + ("" if report.healthy else f", {len(report.verdicts)} health problem(s)"))
-    top.legend(loc="best", fontsize="small")
-    top.grid(True, which="major", alpha=0.3)
 
     # One step patch, not one bar per interval: a long run's tens of thousands of bars took 40 s and 0.8 GB.
     rates, edges, size = _skip_rates(snapshots)
     bottom.stairs(rates, edges, fill=True, color="tab:red", alpha=0.7)
     span = (edges[-1] - edges[0]) / max(len(rates), 1)
     bottom.set_ylabel("skip rate per interval" if size == 1 else f"skip rate per ~{span:,.0f} steps")
-    bottom.set_xlabel(m.STEP_AXIS)
+    bottom.set_xlabel(m.STEP_AXIS if report.steps_known else
+                      f"{m.STEP_AXIS}: the least steps there can have been (the log has no step counter)")
     bottom.set_ylim(0, max(0.05, max(rates, default=0.0) * 1.1))
     if not skipped:  # an empty panel would look like a drawing that failed
         words = "skipped steps not logged" if report.skipped_steps is None else "no skipped steps"

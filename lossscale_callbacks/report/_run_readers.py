@@ -26,6 +26,7 @@ from lossscale_callbacks._metrics import GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
 __all__ = [
     "ENGINE_LOG",
     "GROWTH_INTERVAL",
+    "LEVELS",
     "MAX_SCALE",
     "MIN_SCALE",
     "READER_GROUP",
@@ -71,6 +72,9 @@ __all__ = [
 
 
 TENSORBOARD, WANDB = "tensorboard", "wandb"
+# Every scale an engine's log printed, each at its step or a bounded one (the picture draws them; the log
+# points judged are those of the engine's counters).
+LEVELS = "loss_scale/levels"
 
 _WANDB_RUN_FOLDERS = ("offline-run-", "run-")
 
@@ -110,15 +114,11 @@ _BANNERS = ("DeepSpeed info: version=", "DeepSpeedEngine configuration",
 
 
 def _has_loss_scale_line(text: str) -> bool:
-    # The parsers are imported here, when a file that is neither an event file nor a .wandb file is
-    # looked at: a report of TensorBoard or W&B runs never loads them.
-    from lossscale_callbacks.report._engine_parsers import PARSERS
+    # The engine-log reader is imported here, when a file that is neither an event file nor a .wandb file
+    # is looked at: a report of TensorBoard or W&B runs never loads it.
+    from lossscale_callbacks.report._engine_lines import engine_lines
 
-    parsers = [parser() for parser in PARSERS]
-    for line in text.splitlines():
-        if any(any(marker in line for marker in p.markers) and p.feed(line) for p in parsers):
-            return True
-    return False
+    return engine_lines(text.splitlines(keepends=True))
 
 
 def looks_like_engine_log(path: str) -> bool:
@@ -287,9 +287,18 @@ class ReplayedRun(RunSeries):
 
     def __init__(self, series: Mapping[str, list[tuple[int, float]]],
                  replay: Callable[[], Iterable[tuple[int, float, int]]],
-                 damage: Iterable[str] = (), notes: Iterable[str] = ()) -> None:
+                 damage: Iterable[str] = (), notes: Iterable[str] = (), *,
+                 engine: Mapping[str, Any] | None = None,
+                 steps_known: bool = True, scale_known: bool = True, skips_known: bool = True,
+                 verdicts: Iterable[Any] = (), verdicts_always: Iterable[bool] = ()) -> None:
         super().__init__(series, damage=damage, notes=notes)
         self.replay = replay
+        self.engine = None if engine is None else dict(engine)
+        self.steps_known = steps_known
+        self.scale_known = scale_known
+        self.skips_known = skips_known
+        self.verdicts = list(verdicts)
+        self.verdicts_always = list(verdicts_always) or [True] * len(self.verdicts)
 
 
 def ended_inside_record(path: str, offset: int, records_before: int) -> str:
@@ -353,12 +362,24 @@ def load_reader(name: str) -> Reader:
                            + (f"; install it with: {hint}" if hint else ""), install=hint) from None
 
 
+def _is_text(path: str) -> bool:
+    """Whether ``path`` (a regular file) starts as text: no NUL byte in its first 64 KiB."""
+    try:
+        with open(path, "rb") as file:
+            return b"\0" not in file.read(_HEAD_BYTES)
+    except OSError:
+        return False
+
+
 def _guess_order(path: str) -> list[str]:
     """Every installed reader, the one the path's name suggests first (TensorBoard's when it says nothing);
-    the engine-log reader only for a file whose content is another engine's log (it reads any text)."""
-    engine_log = is_regular_file(path) and looks_like_engine_log(path)
+    the engine-log reader for a file whose content is another engine's log, and first for any text file
+    whose name is no TensorBoard's or W&B's: it says what the file holds (its lines, the formats known)."""
+    regular = is_regular_file(path)
+    named = kind_of_file(path)
+    engine_log = regular and (looks_like_engine_log(path) or (named is None and _is_text(path)))
     names = [name for name in _entry_points() if name != ENGINE_LOG or engine_log]
-    first = ENGINE_LOG if engine_log else kind_of_file(path) or TENSORBOARD
+    first = ENGINE_LOG if engine_log else named or TENSORBOARD
     return sorted(names, key=lambda name: name != first)
 
 

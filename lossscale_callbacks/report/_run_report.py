@@ -29,6 +29,7 @@ from lossscale_callbacks._state import LossScaleState
 from lossscale_callbacks.report._printable import printable
 from lossscale_callbacks.report._run_readers import (
     GROWTH_INTERVAL,
+    LEVELS,
     MAX_SCALE,
     MIN_SCALE,
     NoLossScaleError,
@@ -80,7 +81,7 @@ _RUN_WIDE = (MIN_SCALE, MAX_SCALE, GROWTH_INTERVAL)
 # Written together with the scale at every interval: they restart exactly where it does (the logging
 # loop's restart marker among them, written with every metrics write after a restart).
 _WITH_THE_SCALE = (m.SCALE, m.LOG2_SCALE, m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL,
-                   m.SKIP_RATE, m.STEPS, m.SEGMENT)
+                   m.SKIP_RATE, m.STEPS, m.SEGMENT, *m.OUTCOME_METRICS)
 # A float32 bound read back as float64 may differ from the policy's by the last float32 bit.
 _BOUND_SLACK = 2.0**-22
 
@@ -177,7 +178,7 @@ def _drop_out_of_bounds(series: dict[str, Points], prefix: str, damage: list[str
 
 
 # Series whose values the report counts with: a NaN or an Inf in one is no count.
-_COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT,
+_COUNTS = (m.GROWTH_COUNTER, m.SKIPPED_STEPS, m.SKIPPED_IN_INTERVAL, m.STEPS, m.SEGMENT, *m.OUTCOME_METRICS,
            *m.CAUSE_METRICS.values())
 _COUNT_PREFIXES = (m.LAYER_METRIC_PREFIX, m.ORIGIN_METRIC_PREFIX)
 
@@ -298,6 +299,16 @@ def _listed(sentences: Sequence[str], limit: int = 3) -> str:
 _NAMED = 5  # earlier segments named in the text (all of them in the JSON)
 
 
+def _level_words(level: Any) -> str:
+    """A scale an engine's log printed (see :class:`~._engine_text.Level`) in words."""
+    if isinstance(level, dict):
+        if "below" in level:
+            return f"below {level['below']:g}"
+        low, high = level["between"]
+        return f"{low:g} or {high:g}"
+    return f"{level:g} (2^{math.log2(level):.1f})" if level > 0 else f"{level:g}"
+
+
 @dataclasses.dataclass(frozen=True)
 class RunReport:
     """What ``lossscale-callbacks report`` says about one run.
@@ -329,6 +340,14 @@ class RunReport:
     damage: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     segments: tuple[Segment, ...] = ()
+    steps_known: bool = True
+    scale_known: bool = True
+    engine: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+    # Skip truth, when the run logged it (loss_scale/applied_steps and the skips by cause): the applied
+    # steps, the skipped ones per cause, the applied non-finite ones; None when not logged.
+    applied_steps: int | None = None
+    skipped_by_cause: Mapping[str, int] | None = None
+    applied_nonfinite: int | None = None
 
     @property
     def healthy(self) -> bool:
@@ -345,17 +364,20 @@ class RunReport:
         return self.forensics.advice(at_min_scale=self.steps_at_min_scale > 0, min_scale=self.min_scale)
 
     def to_json(self) -> dict[str, Any]:
-        """Plain numbers for machines (``--json``)."""
+        """Plain numbers for machines (``--json``). What the run's log does not hold is ``null``: the steps
+        of a log with no step counter (``engine_log.steps_at_least`` has the least they can be, and the
+        skip rate is not given), the scales of a log that prints none."""
+        scale = (lambda value: value) if self.scale_known else (lambda value: None)
         return {
             "path": self.path,
             "reader": self.reader,
-            "steps": self.steps,
+            "steps": self.steps if self.steps_known else None,
             "skipped_steps": self.skipped_steps,
-            "skip_rate": self.skip_rate,
-            "final_scale": self.final_scale,
-            "min_scale_seen": self.min_scale_seen,
-            "max_scale_seen": self.max_scale_seen,
-            "min_scale": self.min_scale,
+            "skip_rate": self.skip_rate if self.steps_known else None,
+            "final_scale": scale(self.final_scale),
+            "min_scale_seen": scale(self.min_scale_seen),
+            "max_scale_seen": scale(self.max_scale_seen),
+            "min_scale": scale(self.min_scale),
             "steps_at_min_scale": self.steps_at_min_scale,
             "log_points": self.log_points,
             "healthy": self.healthy,
@@ -365,11 +387,16 @@ class RunReport:
             "damage": list(self.damage),
             "notes": list(self.notes),
             "segments": [segment.to_json() for segment in self.segments],
+            "applied_steps": self.applied_steps,
+            "skipped_by_cause": None if self.skipped_by_cause is None else dict(self.skipped_by_cause),
+            "applied_nonfinite": self.applied_nonfinite,
             "forensics": None if self.forensics is None else {
                 "causes": dict(self.forensics.causes), "layer_skips": dict(self.forensics.layer_skips),
                 "producers": dict(self.forensics.producers), "advice": self.advice().to_dict()},
+            "engine_log": None if self.engine is None else dict(self.engine),
             # (step, value) pairs: JSON writes a tuple as an array, so the pairs need no copy
-            "series": {tag: list(points) for tag, points in self.series.items()},
+            "series": {tag: list(points) for tag, points in self.series.items()
+                       if self.scale_known or tag != m.SCALE},
         }
 
     def _restart_line(self) -> list[str]:
@@ -385,11 +412,53 @@ class RunReport:
                 f"a new scaler); reported here is the latest segment ({latest.index}, steps "
                 f"{latest.first_step} to {latest.last_step}). Earlier: " + "; ".join(named) + "."]
 
+    def _outcome_line(self) -> list[str]:
+        """Applied and skipped steps apart, by cause (a run that logged them)."""
+        if self.applied_steps is None:
+            return []
+        causes = ", ".join(f"{count} {cause}" for cause, count in (self.skipped_by_cause or {}).items()
+                           if count)
+        line = f"Applied steps: {self.applied_steps}; skipped by cause: {causes or 'none'}"
+        if self.applied_nonfinite:
+            line += f"; applied with non-finite gradients (monitoring only): {self.applied_nonfinite}"
+        return [line]
+
     def _health_line(self) -> str:
         if self.healthy and self.skipped_steps is None:
             return ("Health: no problem seen, but only the scale was logged: skipped steps and the "
                     "skip rate could not be judged.")
+        if self.healthy and not self.steps_known:
+            return ("Health: no problem seen, but not judged: the log has no step counter, so how many steps "
+                    "ran and the skip rate are not known.")
         return self.health or assess((), list(self.snapshots), self.verdicts)
+
+    def _steps_lines(self) -> list[str]:
+        if self.steps_known:
+            bound = "at least " if self.engine and self.engine.get("steps_bound") else ""
+            skipped = ("" if self.engine is None or not self.engine.get("skipped_bound")
+                       else f"{self.engine['skipped_bound']} ")
+            return [f"Optimizer steps attempted: {bound}{self.steps}",
+                    f"Skipped steps (Inf/NaN gradients): {skipped}{self.skipped_steps} ({self.skip_rate:.2%})"
+                    if self.skipped_steps is not None and self.skip_rate is not None else
+                    "Skipped steps (Inf/NaN gradients): not logged by this run "
+                    f"(no {m.SKIPPED_STEPS} series)"]
+        least = (self.engine or {}).get("steps_at_least") or self.steps
+        return [f"Optimizer steps attempted: not known (the log has no step counter; at least {least})",
+                f"Skipped steps (Inf/NaN gradients): {self.skipped_steps} (the skip rate is not known: "
+                f"at most {self.skipped_steps / least:.2%} of the least steps there can have been)"
+                if self.skipped_steps is not None and least else
+                "Skipped steps (Inf/NaN gradients): not known"]
+
+    def _scale_line(self) -> str:
+        if not self.scale_known:
+            return "Loss scale: not in this log (the engine prints none)"
+        engine = self.engine or {}
+        low, high, last = engine.get("min_scale_seen"), engine.get("max_scale_seen"), engine.get("last_scale")
+        if low is not None and high is not None and last is not None:
+            return (f"Loss scale: final {_level_words(last)}; ranged from {_level_words(low)} to "
+                    f"{_level_words(high)} (every scale the log printed)")
+        return (f"Loss scale: final {self.final_scale:g} (2^{math.log2(self.final_scale):.1f}); "
+                f"ranged from {self.min_scale_seen:g} to {self.max_scale_seen:g}")
 
     def text(self) -> str:
         """The summary in plain words, each line escaped by
@@ -401,14 +470,12 @@ class RunReport:
         lines = [
             f"Run: {self.path} (read as {self.reader}, {self.log_points} log points)",
             *self._restart_line(),
-            f"Optimizer steps attempted: {self.steps}",
-            f"Skipped steps (Inf/NaN gradients): {self.skipped_steps} ({self.skip_rate:.2%})"
-            if self.skipped_steps is not None and self.skip_rate is not None else
-            f"Skipped steps (Inf/NaN gradients): not logged by this run (no {m.SKIPPED_STEPS} series)",
-            f"Loss scale: final {self.final_scale:g} (2^{math.log2(self.final_scale):.1f}); "
-            f"ranged from {self.min_scale_seen:g} to {self.max_scale_seen:g}",
-            f"Steps at the minimum scale ({self.min_scale:g}): {at_min}",
-            self._health_line(),
+            *self._steps_lines(),
+            *self._outcome_line(),
+            self._scale_line(),
+            *([f"Steps at the minimum scale ({self.min_scale:g}): {at_min}"] if self.scale_known else []),
+            # one line per problem: each escaped on its own, the line breaks between them kept
+            *self._health_line().split("\n"),
         ]
         if self.forensics is not None:
             lines.extend(_forensics_lines(self.forensics))
@@ -518,7 +585,7 @@ def _judge_replayed(run: ReplayedRun, min_scale: float, growth_interval: int | N
     """Every log point of a replayed run judged at full resolution, segment by segment, none kept."""
     for _, points in itertools.groupby(run.replay(), key=_Restarts()):
         yield _judge_snapshots(map(MetricsTracker(min_scale=min_scale).observe, _replayed_states(points)),
-                               growth_interval, rules)
+                               growth_interval, rules, skips_logged=run.skips_known)
 
 
 def _in_turn(segments: Iterable[_Judged]) -> list[_Judged]:
@@ -578,22 +645,70 @@ def build_report(path: str, series: Mapping[str, Points], reader: str = "", min_
     if not series[prefix + m.SCALE]:
         raise NoLossScaleError(f"{path}: the {prefix}{m.SCALE} series holds no loss scale")
     used_min = _min_scale_of(series, prefix, min_scale)
+    if replayed is not None and not replayed.scale_known:
+        used_min = _NO_SCALE_MIN  # the replayed scale is a placeholder: it is never at a minimum
     judged = _in_turn(
         (_judge(segment, prefix, used_min, rules) for segment in split_segments(series, prefix))
         if replayed is None else  # a long run's series are thinned: its every log point is replayed
         _judge_replayed(replayed, used_min, _growth_interval_of(series, prefix), rules))
     latest = judged[-1]
     assert latest.monitor is not None  # only earlier segments' monitors are let go
+    if replayed is not None:
+        _engine_verdicts(latest, replayed)
     last = latest.last
     upper = series.get(prefix + MAX_SCALE)
+    lowest, highest = _levels_range(series, latest)
     return RunReport(
         path=path, reader=reader, steps=last.step,
         skipped_steps=last.skipped_steps if latest.skips_logged else None,
         skip_rate=(last.skipped_steps / last.step if last.step else 0.0) if latest.skips_logged else None,
-        final_scale=last.scale, min_scale_seen=latest.lowest, max_scale_seen=latest.highest,
+        final_scale=last.scale, min_scale_seen=lowest, max_scale_seen=highest,
         min_scale=used_min, steps_at_min_scale=last.total_steps_at_min_scale, log_points=latest.count,
         verdicts=tuple(latest.verdicts), series=series,
         health=latest.monitor.assessment(), max_scale=float(upper[-1][1]) if upper else None,
         forensics=latest.forensics, damage=tuple(damage), notes=tuple(notes),
         segments=tuple(_segment(i, j) for i, j in enumerate(judged)),
+        steps_known=True if replayed is None else replayed.steps_known,
+        scale_known=True if replayed is None else replayed.scale_known,
+        engine=None if replayed is None else replayed.engine,
+        **_outcomes_logged(series, prefix),
     )
+
+
+_NO_SCALE_MIN = 2.0**-126  # the minimum a run with no scale in its log is judged against: never reached
+
+
+def _engine_verdicts(latest: _Judged, run: ReplayedRun) -> None:
+    """What an engine's log shows wrong that no health rule sees (the engine's fatal message, a NaN
+    gradient norm applied) into the latest segment's verdicts; the rest (every step skipped, the scale at
+    the engine's minimum) only where the rules found no problem."""
+    found = bool(latest.verdicts)
+    extra = [v for v, always in zip(run.verdicts, run.verdicts_always, strict=True) if always or not found]
+    latest.verdicts.extend(extra)
+    assert latest.monitor is not None
+    latest.monitor.verdicts.extend(extra)
+
+
+def _levels_range(series: Mapping[str, Points], latest: _Judged) -> tuple[float, float]:
+    """The lowest and highest scale: of the latest segment's log points, and of every level an engine's log
+    printed (between its log points, an engine prints more than the points hold)."""
+    lowest, highest = latest.lowest, latest.highest
+    levels = series.get(LEVELS)
+    if levels:
+        values = [value for _, value in levels if value > 0 and math.isfinite(value)]
+        if values:
+            lowest, highest = min(lowest, *values), max(highest, *values)
+    return lowest, highest
+
+
+def _outcomes_logged(series: Mapping[str, Points], prefix: str) -> dict[str, Any]:
+    """The applied steps and the skips by cause as the run last logged them (each series' last point), or
+    nothing when the run did not log them (a run of an earlier release, another engine's log)."""
+    applied = series.get(prefix + m.APPLIED_STEPS)
+    if not applied:
+        return {}
+    last = {name: int(points[-1][1]) for name in (*m.SKIPPED_BY_CAUSE.values(), m.APPLIED_NONFINITE)
+            if (points := series.get(prefix + name))}
+    return {"applied_steps": int(applied[-1][1]),
+            "skipped_by_cause": {cause: last.get(name, 0) for cause, name in m.SKIPPED_BY_CAUSE.items()},
+            "applied_nonfinite": last.get(m.APPLIED_NONFINITE, 0)}

@@ -14,8 +14,12 @@ A follower that steps less often (an epoch scheduler) is never flagged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from lossscale_callbacks._health import ACTIONS
+from lossscale_callbacks._validation import check_choice
 
 SCHEDULER, EMA, TRAINER_STEP = "scheduler", "ema", "trainer_step"
 KINDS = (SCHEDULER, EMA, TRAINER_STEP)
@@ -31,6 +35,54 @@ FIXES = {
 }
 _WHAT = {SCHEDULER: "the learning-rate scheduler", EMA: "the EMA", TRAINER_STEP: "the trainer's step counter"}
 _MAX_STEPS_NAMED = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class NotHeld:
+    """The rule that an LR scheduler, an EMA or a trainer's step counter advanced only on applied steps.
+
+    The logging loop judges it at each read from the counts the integration carries with the state (see
+    :class:`FollowerCheck`), not from the snapshots (calling it on them finds nothing). ``health=True``
+    or an action (``"warn"``, ``"raise"``, ``"stop"``) brings it with ``action="warn"`` whatever the
+    action: a schedule that ran ahead of the updates is worth a word, not a stopped run; put it in a list
+    of rules to choose its action, leave it out of one to turn it off.
+
+    Args:
+        action: ``"warn"``, ``"raise"`` or ``"stop"``.
+
+    Example:
+        >>> split_not_held("raise")  # the default rules raise; this one warns
+        ('raise', NotHeld(action='warn'))
+    """
+
+    action: str = "warn"
+
+    def __post_init__(self) -> None:
+        check_choice("action", self.action, ACTIONS)
+
+    def describe(self) -> str:
+        return ("what follows the optimizer (LR schedulers, EMAs, a trainer's step counter) advanced only on "
+                "applied steps")
+
+    def __call__(self, history: Sequence[Any]) -> None:
+        return None  # judged on the followers' counts by the loop, not on the snapshots
+
+
+def split_not_held(spec: Any) -> tuple[Any, NotHeld | None]:
+    """``health=`` without the :class:`NotHeld` rule, and the rule it asks for: ``True`` or an action brings
+    ``NotHeld()``; a list brings the one in it (taken out); ``None``/``False``/a single rule none."""
+    if spec is None or spec is False or (callable(spec) and not isinstance(spec, NotHeld)):
+        return spec, None
+    if spec is True or isinstance(spec, str):
+        return spec, NotHeld()
+    if isinstance(spec, NotHeld):
+        return [], spec
+    try:
+        rules = list(spec)
+    except TypeError:
+        return spec, None
+    ours = [r for r in rules if isinstance(r, NotHeld)]
+    return [r for r in rules if not isinstance(r, NotHeld)], (ours[-1] if ours else None)
 
 
 class FollowerCount(NamedTuple):
@@ -124,4 +176,5 @@ class FollowerCheck:
         self._skipped.clear()
 
 
-__all__ = ["EMA", "FIXES", "KINDS", "RULE", "SCHEDULER", "TRAINER_STEP", "FollowerCheck", "FollowerCount"]
+__all__ = ["EMA", "FIXES", "KINDS", "RULE", "SCHEDULER", "TRAINER_STEP", "FollowerCheck", "FollowerCount",
+           "NotHeld", "split_not_held"]

@@ -104,7 +104,9 @@ def run(accelerator: Accelerator, setup: Setup, *, first: int = 0, save_at: int 
                 scheduler.step()
                 optimizer.zero_grad()
                 monitor.step()
-        records.append(Record(step, accelerator.scaler.get_scale(), scheduler.get_last_lr()[0],
+        # The learning rate the next step uses (a held scheduler's is a device tensor on the fused path,
+        # current at every step; get_last_lr() is brought up to date at the reads).
+        records.append(Record(step, accelerator.scaler.get_scale(), float(optimizer.param_groups[0]["lr"]),
                               accelerator.optimizer_step_was_skipped,
                               [p.detach().clone() for p in model.parameters()]))
         step += 1

@@ -97,6 +97,32 @@ def loop_run(inject: bool) -> dict:
     return _summary(opt, model)
 
 
+def outcome_codes() -> dict:
+    """The outcome code, the rule's input and "applied", written once against Ops, on this backend's ops
+    (Keras' and, on TensorFlow, tf's): the whole truth table, as host numbers."""
+    from lossscale_callbacks.keras._keras_ops import KERAS_OPS
+    from lossscale_callbacks.skips._outcomes import CODES, is_applied, rule_finite, step_code
+
+    backends = {"keras": KERAS_OPS}
+    if BACKEND == "tensorflow":
+        from lossscale_callbacks.keras._tf_ops import TFOps
+
+        backends["tf"] = TFOps()
+    out = {}
+    for name, ops in backends.items():
+        table = []
+        for skip in (True, False):
+            for nonfinite in (False, True):
+                for spike in (False, True):
+                    code = step_code(ops.as_bool(nonfinite), ops.as_bool(spike), skip, ops)
+                    finite = rule_finite(ops.as_bool(nonfinite), skip, ops)
+                    host = keras.ops.convert_to_numpy
+                    table.append([int(host(code)), bool(host(finite))])
+        applied = [bool(keras.ops.convert_to_numpy(is_applied(ops.count(c), ops))) for c in CODES]
+        out[name] = {"table": table, "applied": applied}
+    return out
+
+
 def expected_learning_rate(applied: int) -> float:
     return float(keras.ops.convert_to_numpy(schedule()(applied)))
 
@@ -104,6 +130,7 @@ def expected_learning_rate(applied: int) -> float:
 def main() -> None:
     result = {"backend": BACKEND, "applied_rate": expected_learning_rate(STEPS - len(INJECTED)),
               "attempted_rate": expected_learning_rate(STEPS)}
+    result["codes"] = outcome_codes()
     for name, run in (("fit", fit_run), ("loop", loop_run)):
         result[name] = {"injected": run(True), "reference": run(False)}
     print("RESULT " + json.dumps(result))

@@ -13,7 +13,9 @@ saw at the end):
   offline W&B run beside TensorBoard;
 * ``lightning`` / ``transformers``: Ray's own ``RayTrainReportCallback`` with our Lightning monitor
   and Trainer callback: the loss-scale metrics reach ``Result.metrics``;
-* ``readme``: the README's Ray Train block, as written.
+* ``readme``: the README's Ray Train block, as written;
+* ``skip_truth``: skip truth's known answer in each worker (an Inf at 3, 17, 42 of 100, fused AdamW,
+  a LambdaLR and an EMA held through ``RayTrainReporter.hold``).
 
 Usage: python ray_runs.py OUT_DIR [NAME ...]
 """
@@ -168,6 +170,57 @@ def transformers_loop(config: dict) -> None:
     trainer.train()
 
 
+def skip_loop(config: dict) -> None:
+    """Skip truth's known answer in a worker: 100 steps, an Inf at 3, 17, 42 on every worker, fused or
+    foreach AdamW, a LambdaLR and an EMA held through the reporter; what the worker saw, to a file."""
+    sys.path.insert(0, config["tests"])
+    import skip_runs as sr
+
+    from lossscale_callbacks import DynamicPolicy
+    from lossscale_callbacks.ray import RayTrainReporter
+    from lossscale_callbacks.torch import LossScaler
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    model = ray.train.torch.prepare_model(sr.make_model())
+    inner = getattr(model, "module", model)
+    ema = sr.AveragedModel(inner, multi_avg_fn=sr.get_ema_multi_avg_fn(0.9))
+    opt = sr.make_optimizer(model, config["optimizer"])
+    sched = sr.SCHEDULERS["LambdaLR"](opt)
+    scaler = LossScaler(policy=DynamicPolicy(initial_scale=2.0**10), device="cpu")
+    reporter = RayTrainReporter(scaler, log_every=25, echo=None)
+    reporter.hold(sched)
+    reporter.hold(ema, optimizer=opt)
+    listed, read = [], reporter.reader.read
+
+    def reading(*args, **kwargs):
+        state = read(*args, **kwargs)
+        if getattr(state, "outcomes", None) is not None:
+            listed.extend([o.step, o.cause] for o in state.outcomes.outcomes)
+        return state
+
+    reporter.reader.read = reading
+    lrs = []
+    for step in range(1, sr.STEPS + 1):
+        opt.zero_grad()
+        scaler.scale(model(sr.batch(step)).pow(2).mean()).backward()
+        if step in sr.INJECTED:
+            inner[0].weight.grad[0, 0] = math.inf
+        else:
+            lrs.append(float(opt.param_groups[0]["lr"]))
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        ema.update_parameters(inner)
+        reporter.step()
+    reporter.finish()
+    with open(os.path.join(config["out"], f"skip_truth_worker{rank}.json"), "w") as f:
+        json.dump({"lrs": lrs, "last_epoch": sched.last_epoch, "n_averaged": int(ema.n_averaged),
+                   "listed": listed, "metrics": reporter.metrics,
+                   "verdicts": [v.rule for v in reporter.loop.verdicts]}, f)
+
+
 def run_callback(loop, name: str, storage: str, **config) -> dict:
     trainer = TorchTrainer(loop, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
@@ -204,6 +257,9 @@ def main(out: str, names: list[str]) -> None:
             transformers_loop, "transformers", storage, tests=os.path.dirname(os.path.dirname(__file__)),
             hf_out=os.path.join(out, "hf")),
         "readme": run_readme,
+        "skip_truth": lambda: run_callback(
+            skip_loop, "skip_truth", storage, tests=os.path.dirname(os.path.dirname(__file__)), out=out,
+            optimizer="fused"),
     }
     for name in names or list(runs):
         with open(os.path.join(out, f"{name}.json"), "w") as f:
