@@ -7,9 +7,9 @@ import json
 import pytest
 
 from lossscale_callbacks import skip_samples
-from lossscale_callbacks.ledger._book import Ledger, read_ledger_file
+from lossscale_callbacks.ledger._book import Ledger
 from lossscale_callbacks.ledger._entry import Entry, MicroBatch, Replay, verdict_of
-from lossscale_callbacks.ledger._read import read_ledgers
+from lossscale_callbacks.ledger._read import read_ledger_file, read_ledgers
 from lossscale_callbacks.ledger._samples import SampleTracker
 from lossscale_callbacks.ledger._skip import skip_list
 

@@ -9,6 +9,7 @@ run (:data:`MAX_ENTRIES` by default); the bad steps past the cap are counted, an
 Example:
     >>> import tempfile
     >>> from lossscale_callbacks.ledger._entry import Entry, MicroBatch
+    >>> from lossscale_callbacks.ledger._read import read_ledger_file
     >>> folder = tempfile.mkdtemp()
     >>> book = Ledger(folder, rank=0)
     >>> book.add(Entry(12, 0, "overflow", 65536.0, (MicroBatch(0, (3, 7)),)))
@@ -20,17 +21,17 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from lossscale_callbacks.ledger._entry import Entry, MicroBatch, Replay
+from lossscale_callbacks.ledger._read import ledger_file
 from lossscale_callbacks.ledger._words import group_sentences
 
-__all__ = ["FILE_PREFIX", "MAX_ENTRIES", "Ledger", "bad_steps", "ledger_file", "read_ledger_file"]
+__all__ = ["MAX_ENTRIES", "Ledger", "bad_steps"]
 
 MAX_ENTRIES = 10_000
-FILE_PREFIX = "bad_steps"
 
 
 def bad_steps(outcomes: Any) -> dict[int, tuple[str, float | None, bool]]:
@@ -38,25 +39,6 @@ def bad_steps(outcomes: Any) -> dict[int, tuple[str, float | None, bool]]:
     scale the step used, whether it was applied anyway). Every listed step is one: skipped (overflow,
     non-finite, spike) or applied with non-finite gradients."""
     return {int(o.step): (str(o.cause), float(o.scale), not o.skipped) for o in outcomes.outcomes}
-
-
-def ledger_file(directory: str | os.PathLike[str], rank: int) -> Path:
-    """Where rank ``rank`` writes its ledger in ``directory``."""
-    return Path(directory) / f"{FILE_PREFIX}.rank{rank}.jsonl"
-
-
-def read_ledger_file(path: str | os.PathLike[str]) -> Iterator[Entry]:
-    """The entries of one ledger file, in the order written; a line that is not an entry (a copy cut
-    short by a crash) is passed over."""
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield Entry.from_json(line)
-            except ValueError:
-                continue
 
 
 class Ledger:

@@ -20,17 +20,37 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lossscale_callbacks.ledger._book import FILE_PREFIX, read_ledger_file
 from lossscale_callbacks.ledger._entry import Entry
 from lossscale_callbacks.ledger._words import group_sentences, listing
 
-__all__ = ["BadSample", "bad_samples", "ledger_files", "ledger_markdown", "read_ledgers"]
+__all__ = ["FILE_PREFIX", "BadSample", "bad_samples", "ledger_file", "ledger_files", "ledger_markdown",
+           "read_ledger_file", "read_ledgers"]
 
+FILE_PREFIX = "bad_steps"
 _FILE = re.compile(rf"^{FILE_PREFIX}\.rank(\d+)\.jsonl$")
+
+
+def ledger_file(directory: str | os.PathLike[str], rank: int) -> Path:
+    """Where rank ``rank`` writes its ledger in ``directory``."""
+    return Path(directory) / f"{FILE_PREFIX}.rank{rank}.jsonl"
+
+
+def read_ledger_file(path: str | os.PathLike[str]) -> Iterator[Entry]:
+    """The entries of one ledger file, in the order written; a line that is not an entry (a copy cut
+    short by a crash) is passed over."""
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield Entry.from_json(line)
+            except ValueError:
+                continue
 
 
 def ledger_files(path: str | os.PathLike[str]) -> list[Path]:
