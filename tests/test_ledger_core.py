@@ -101,3 +101,24 @@ def test_skip_samples_leaves_them_out_and_knows_its_length_where_it_can():
     wrapped.set_epoch(2)  # the wrapped sampler's
     with pytest.raises(ValueError, match="sampler must be an iterable"):
         skip_samples(3, [1])
+
+
+def test_the_loop_tells_the_ledger_a_read_carried_in_its_summary_and_closes_its_file(tmp_path):
+    """The ledger plugs into the logging loop as a room: the book comes with a read (``carry``), its lines
+    join the summary on every integration alike, and the run's end closes its file."""
+    from lossscale_callbacks import DynamicPolicy, InMemorySink, LoggingLoop, LossScaleState
+    from lossscale_callbacks.skips._outcomes import IntervalOutcomes, StepOutcome, carry
+
+    book = Ledger(tmp_path, rank=0)
+    book.add(Entry(3, 0, "overflow", 1024.0, (MicroBatch(0, (5, 9)),)))
+    loop = LoggingLoop(DynamicPolicy(initial_scale=1024.0), log_every=4, sinks=[InMemorySink()], echo=None)
+    outcomes = IntervalOutcomes(1, 4, (StepOutcome(3, "overflow", 1024.0),), {"overflow": 1})
+    loop.observe(carry(LossScaleState(512.0, 1, 1, 1, 4), outcomes=outcomes, ledger=book))
+    assert book._file is not None
+    summary = loop.finish(LossScaleState(512.0, 2, 1, 1, 5))  # a last read that carries no ledger
+    lines = summary.splitlines()
+    assert "Step 3 was bad (overflow); not replayed (off)." in lines
+    assert f"Ledger: {book.path} (`lossscale-callbacks report` lists the bad samples)." in lines
+    assert book._file is None
+    loop.start()
+    assert "Ledger" not in loop.finish(LossScaleState(512.0, 2, 1, 1, 6))  # a new run: no book carried yet

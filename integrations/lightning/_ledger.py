@@ -135,12 +135,6 @@ class LightningLedger:
         capture.on_batch(batch, epoch=trainer.current_epoch, batch_idx=batch_idx)
 
     def read(self, scaler: Any) -> None:
-        """After the log interval's read (which carried the skip truth's outcomes into the ledger)."""
+        """After the log interval's read (which carried the skip truth's outcomes into the ledger, and the
+        ledger to the loop, which tells it in the summary)."""
         self._batch_idx.clear()
-
-    def sentences(self, scaler: Any) -> str:
-        book = scaler.ledger if isinstance(scaler, LossScaler) else None
-        if book is None:
-            return ""
-        book.close()
-        return "\n".join(book.sentences())

@@ -272,8 +272,6 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         # (the trainer's step, the same on every rank: each rank reads, and gathers, alike)
         if last is None or self._read_at != trainer.global_step:
             self._observe(trainer)
-        if self.ledger.on and self._scaler is not None:
-            note = "\n".join(n for n in (note, self.ledger.sentences(self._scaler)) if n)
         self.loop.finish(note=note)
 
     # ----------------------------------------------------------------------------- helpers

@@ -65,7 +65,6 @@ class ScalerStepMonitor:
         log_every, _ = interval_args(type(self).__name__, log_every, None)  # no interval but the count
         self.reader = ScalerReader(scaler, followers=followers)
         self._tensorboard = logging.get("tensorboard")
-        self._ledger = False
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
                                 **logging_args(type(self).__name__, logging))
         self.loop.start(sinks=run_sinks)
@@ -137,7 +136,6 @@ class ScalerStepMonitor:
         if model is not None:
             scaler.watch(model)
         folder = (self._tensorboard or None) if ledger is True else (ledger or None)
-        self._ledger = True
         return scaler.track(loader, ledger=folder, replay=replay, loss=loss, ids=ids)
 
     def _read(self) -> Any:
@@ -153,11 +151,7 @@ class ScalerStepMonitor:
         Closes the sinks made from ``tensorboard=``/``wandb=``; the framework's loggers are its own
         to close.
         """
-        state = self._read()
-        book = self.reader.scaler.ledger if self._ledger else None
-        if book is not None:
-            book.close()
-        return self.loop.finish(state, note="\n".join(book.sentences()) if book is not None else "")
+        return self.loop.finish(self._read())  # the ledger's words come with the read, as every read's
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the step count (and a stock scaler's skipped steps, which

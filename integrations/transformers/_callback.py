@@ -348,9 +348,6 @@ class LossScaleTrainerCallback(TrainerCallback):
             self._read_at = state.global_step
             self.loop.observe(self._with_global_step(self.reader.read(), state), sink_step=state.global_step,
                               forensics=self.reader.read_forensics())
-        book = self.installed.ledger if self.ledger and self.installed is not None else None
-        note = ""
-        if book is not None:
-            book.close()
-            note = "\n".join(book.sentences())
-        self.loop.finish(note=note)  # prints the summary on the main process, closes the sinks it opened
+        # The ledger's words came with the reads. Prints the summary on the main process, closes the sinks
+        # it opened.
+        self.loop.finish()
