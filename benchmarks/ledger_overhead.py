@@ -1,20 +1,26 @@
 """What the ledger of bad steps costs an ordinary step, against the same loop without it, in one process.
 
-Three arms train identical copies of one model on the same clean data (no bad step: every step is an
+Four arms train identical copies of one model on the same clean data (no bad step: every step is an
 ordinary one) with ``LossScaler`` and fp16 autocast, the batches from a ``DataLoader``:
 
 * ``off``: no ledger;
+* ``off2``: no ledger either, a second copy: the A/A arm, whose ratio to ``off`` is the noise floor;
 * ``ledger``: ``scaler.track(loader)`` (each batch's sampler indices recorded on the host);
 * ``replay``: ``scaler.track(loader, replay=True, loss=...)`` (also a reference to each batch and the
   RNG state before its forward, kept until the step ends).
 
-Rounds alternate the arms' order; each round times ``--steps`` whole steps per arm (the loader's
-``next`` included: that is where the ledger works), and the figure is the median over rounds of the
-per-round ratio (arm / off), which cancels a shared machine's slow drifts. It also counts the host reads
-of one ordinary step per arm (aten ``_local_scalar_dense``, what ``item``/``bool`` dispatch).
+Noise on a shared machine comes in bursts longer than a step, so the arms are interleaved step by step
+(each step of a round runs one step of every arm, in an order that rotates from step to step), each
+step timed alone (the loader's ``next`` included: that is where the ledger works); a round's ratio is an
+arm's summed time over ``off``'s, and the figure is the median of the rounds' ratios. Times are the
+process's CPU time (what the run costs; a busy neighbour's time is not in it) and wall time, with one
+intra-op thread (``--threads``), so that the two cores of a small machine do not trade work between the
+arms. The default model (4 x 256, batch 32) takes about 10 ms a step on the CPU. It also counts the host
+reads of one ordinary step per arm (aten ``_local_scalar_dense``, what ``item``/``bool`` dispatch), and
+measures the ledger's own host work per step alone.
 
     python benchmarks/ledger_overhead.py                  # CUDA when available, else CPU
-    python benchmarks/ledger_overhead.py --rounds 21 --steps 100
+    python benchmarks/ledger_overhead.py --rounds 41 --steps 50
     python benchmarks/ledger_overhead.py --quick          # a tiny model, 2 rounds: checks it runs
 """
 
@@ -33,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lossscale_callbacks import DynamicPolicy
 from lossscale_callbacks.torch import LossScaler
 
-ARMS = ("off", "ledger", "replay")
+ARMS = ("off", "off2", "ledger", "replay")
+MEASURED = ("off2", "ledger", "replay")  # each against off
 
 
 class HostReads(TorchDispatchMode):
@@ -68,7 +75,7 @@ def build(arm: str, width: int, depth: int, batch: int, samples: int, device: to
     def loss_of(b: Any) -> torch.Tensor:
         return torch.nn.functional.mse_loss(model(b[0].to(device)).float(), b[1].to(device))
 
-    if arm != "off":
+    if arm in ("ledger", "replay"):
         loader = scaler.track(loader, replay=arm == "replay", loss=loss_of)
     batches: Iterator[Any] = iter(())
 
@@ -95,7 +102,7 @@ def host_work(batch: int, samples: int, width: int, repeats: int) -> dict[str, f
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(samples, width, generator=g), torch.randn(samples, 1))
     out = {}
-    for arm in ARMS:
+    for arm in ("off", "ledger", "replay"):
         loader: Any = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True,
                                                   generator=torch.Generator().manual_seed(0))
         model = torch.nn.Linear(1, 1)  # held: the scaler watches it weakly
@@ -117,47 +124,62 @@ def host_work(batch: int, samples: int, width: int, repeats: int) -> dict[str, f
     return out
 
 
-def time_arm(step: Callable[[], None], n: int, device: torch.device) -> float:
+def _clocks(device: torch.device) -> tuple[float, float]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.process_time() if device.type == "cpu" else time.perf_counter()
-    for _ in range(n):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.process_time() if device.type == "cpu" else time.perf_counter()) - start
+    return time.process_time(), time.perf_counter()
+
+
+def run_round(steps: dict[str, Callable[[], None]], n: int, device: torch.device
+              ) -> dict[str, tuple[float, float]]:
+    """``n`` steps of every arm, interleaved step by step in a rotating order: each arm's summed (CPU,
+    wall) seconds."""
+    arms = list(steps)
+    took = {arm: [0.0, 0.0] for arm in arms}
+    for i in range(n):
+        k = i % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            cpu, wall = _clocks(device)
+            steps[arm]()
+            cpu_end, wall_end = _clocks(device)
+            took[arm][0] += cpu_end - cpu
+            took[arm][1] += wall_end - wall
+    return {arm: (cpu, wall) for arm, (cpu, wall) in took.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=40, help="steps of each arm per round")
+    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     args = parse_args(parser, argv, width=32, depth=2, batch=8, steps=5, rounds=2)
     device = torch.device(args.device)
-    steps = {arm: build(arm, args.width, args.depth, args.batch, 64 * args.batch, device) for arm in ARMS}
-    for step, _ in steps.values():  # warm-up
-        for _ in range(5):
-            step()
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    built = {arm: build(arm, args.width, args.depth, args.batch, 64 * args.batch, device) for arm in ARMS}
+    steps = {arm: step for arm, (step, _) in built.items()}
+    run_round(steps, 5, device)  # warm-up
     reads = {}
-    for arm, (step, _) in steps.items():
+    for arm, step in steps.items():
         with HostReads() as counter:
             step()
         reads[arm] = counter.count
-    ratios: dict[str, list[float]] = {"ledger": [], "replay": []}
+    ratios: dict[str, dict[str, list[float]]] = {arm: {"cpu": [], "wall": []} for arm in MEASURED}
     per_step: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    for r in range(args.rounds):
-        order = ARMS if r % 2 == 0 else tuple(reversed(ARMS))
-        took = {arm: time_arm(steps[arm][0], args.steps, device) for arm in order}
+    for _ in range(args.rounds):
+        took = run_round(steps, args.steps, device)
         for arm in ARMS:
-            per_step[arm].append(took[arm] / args.steps * 1e3)
-        for arm in ratios:
-            ratios[arm].append(took[arm] / took["off"])
-    print(f"device {device}, model {args.depth}x{args.width}, batch {args.batch}, {args.steps} steps x "
-          f"{args.rounds} rounds")
+            per_step[arm].append(took[arm][0] / args.steps * 1e3)
+        for arm in MEASURED:
+            ratios[arm]["cpu"].append(took[arm][0] / took["off"][0])
+            ratios[arm]["wall"].append(took[arm][1] / took["off"][1])
+    threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""
+    print(f"device {device}{threads}, model {args.depth}x{args.width}, batch {args.batch}, "
+          f"{args.steps} steps x {args.rounds} rounds, arms interleaved step by step")
     print(f"{'arm':<8} {'ms/step':>9} {'host reads/step':>16}")
     for arm in ARMS:
         print(f"{arm:<8} {statistics.median(per_step[arm]):9.3f} {reads[arm]:16d}")
@@ -168,11 +190,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         added = work[arm] - work["off"]
         out[f"{arm}_host_us"] = added
         print(f"{arm} host work: {added:.2f} us per step ({added / step_us:.5f} of this step)")
-    for arm, values in ratios.items():
-        median = statistics.median(values)
-        out[arm] = median
-        print(f"{arm} / off: {median:.4f} (median of {len(values)} rounds; min {min(values):.4f}, "
-              f"max {max(values):.4f})")
+    for arm in MEASURED:
+        cpu, wall = ratios[arm]["cpu"], ratios[arm]["wall"]
+        out[arm] = statistics.median(cpu)
+        out[f"{arm}_wall"] = statistics.median(wall)
+        quartiles = statistics.quantiles(cpu, n=4) if len(cpu) > 1 else [cpu[0]] * 3
+        print(f"{arm} / off: {statistics.median(cpu):.4f} (median of {len(cpu)} rounds; min {min(cpu):.4f}, "
+              f"max {max(cpu):.4f}; quartiles {quartiles[0]:.4f}-{quartiles[2]:.4f}; wall "
+              f"{statistics.median(wall):.4f})")
     return out
 
 

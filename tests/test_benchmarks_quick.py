@@ -57,9 +57,9 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         rf"^LossScaleCallback host work: {NUM} us per batch, \d+ us per log",
     ]),
     "ledger_overhead.py": ([], [
-        *(rf"^{arm}\s+{NUM}\s+\d+$" for arm in ("off", "ledger", "replay")),
-        *(rf"^{arm} / off: {NUM} \(median of \d+ rounds; min {NUM}, max {NUM}\)$"
-          for arm in ("ledger", "replay")),
+        *(rf"^{arm}\s+{NUM}\s+\d+$" for arm in ("off", "off2", "ledger", "replay")),
+        *(rf"^{arm} / off: {NUM} \(median of \d+ rounds; min {NUM}, max {NUM}; quartiles {NUM}-{NUM}; "
+          rf"wall {NUM}\)$" for arm in ("off2", "ledger", "replay")),
         *(rf"^{arm} host work: -?{NUM} us per step \(-?{NUM} of this step\)$"
           for arm in ("ledger", "replay")),
     ]),
