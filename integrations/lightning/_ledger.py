@@ -134,6 +134,13 @@ class LightningLedger:
         self._batch_idx[id(batch)] = batch_idx
         capture.on_batch(batch, epoch=trainer.current_epoch, batch_idx=batch_idx)
 
+    def batch_skipped(self, scaler: Any) -> None:
+        """``training_step`` returned ``None`` (automatic optimization: no backward, no optimizer step, as
+        when a ``skip_batches.json`` is honoured): the batch is withdrawn from the coming step."""
+        capture = ledger_capture(scaler)
+        if capture is not None:
+            capture.withdraw()
+
     def read(self, scaler: Any) -> None:
         """After the log interval's read (which carried the skip truth's outcomes into the ledger, and the
         ledger to the loop, which tells it in the summary)."""

@@ -247,6 +247,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                            batch_idx: int) -> None:
         if self.reader is None:
             return
+        if self.ledger.on and self._scaler is not None and not outputs and pl_module.automatic_optimization:
+            self.ledger.batch_skipped(self._scaler)  # training_step returned None: no part of a step
         self._count_steps(trainer)
         if self._due(trainer):
             self._observe(trainer)

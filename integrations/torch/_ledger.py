@@ -233,6 +233,15 @@ class LedgerCapture:
         if self._replayer is not None:
             self._records.append(MicroRecord(batch, capture_rng()))
 
+    def withdraw(self) -> None:
+        """The micro-batch received last was not trained on (``training_step`` returned ``None``): it is
+        no part of the coming step, nor of its replay."""
+        if self._replayer is not None and self._replayer.replaying:
+            return
+        self.tracker.withdraw()
+        if self._records:
+            self._records.pop()
+
     def end_step(self, skipped_on_host: bool | None, found_inf: torch.Tensor | None,
                  scale: torch.Tensor | None) -> None:
         """The step ends (``LossScaler.update``, before the scale moves): file the next micro-batches under

@@ -94,6 +94,19 @@ class SampleTracker:
         if self._held > self.max_micro_batches or self._ids_held > self.max_ids:
             self._shrink()
 
+    def withdraw(self) -> None:
+        """The micro-batch received last was not trained on (the loop skipped it before any backward:
+        Lightning's ``training_step`` returned ``None``): it leaves the coming step."""
+        micro_batches = self._steps.get(self._step + 1)
+        if not micro_batches:
+            return
+        _, ids, _, _ = micro_batches.pop()
+        self._micro -= 1
+        self._held -= 1
+        self._ids_held -= _count(ids)
+        if not micro_batches:
+            del self._steps[self._step + 1]
+
     def step_ended(self, count: int = 1) -> None:
         """``count`` optimizer steps ended (attempted, skipped or not): later micro-batches are the next's."""
         self._step += count

@@ -135,6 +135,20 @@ def _write_skip_list(path: str, folder: str) -> str:
     return f"Skip list: {samples} and {batches} (Lightning's skip_batches.json format)"
 
 
+def _ledger_only(args: argparse.Namespace) -> int:
+    """A folder that holds a ledger of bad steps and no run (a loop with no dashboard): the ledger alone."""
+    if args.json:
+        print(json.dumps({"run": args.run, "runs": [], "ledger": _ledger_json(args.run)}, indent=2,
+                         sort_keys=True))
+    else:
+        print(printable(f"{args.run}: no dashboard run here, only a ledger of bad steps."))
+        print(printable(_ledger_text(args.run) or "Ledger of bad steps: empty."))
+    if getattr(args, "skip_list", None):
+        message = _write_skip_list(args.run, args.skip_list)
+        print(printable(message), file=sys.stderr if args.json else sys.stdout)
+    return EXIT_OK
+
+
 def judge_run(found: FoundRun, min_scale: float | None = None) -> RunOutcome:
     """Read and judge one run; every failure becomes an outcome, never an exception."""
     if found.problem is not None:
@@ -321,6 +335,8 @@ def run_report(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(args, str(exc))
     runs = discover_runs(args.run)
+    if not runs and os.path.isdir(args.run) and _has_ledger(args.run):
+        return _ledger_only(args)
     if not runs:
         return _fail(args, f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
                      f"{args.run}: no TensorBoard or W&B run here (no events.out.tfevents.* file and no "
