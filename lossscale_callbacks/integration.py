@@ -135,6 +135,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         carry,
         decode_records,
         nonfinite_cause,
+        step_code,
     )
     from lossscale_callbacks.skips._spike import SpikeRule, check_spike
 
@@ -190,6 +191,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
             "The code of a step applied with non-finite gradients (monitoring only)."),
         "decode_records": ("skips._outcomes",
             "A device ring's records since the last read, oldest first, and how many were overwritten."),
+        "step_code": ("skips._outcomes",
+            "A step's outcome code from its skip decision, branch-free on an Ops: what a ring writes."),
         "nonfinite_cause": ("skips._outcomes",
             "What a skipped non-finite step is called under a policy: overflow (fp16) or nonfinite."),
         "carry": ("skips._outcomes",
@@ -422,6 +425,7 @@ __all__ = [
     "require",
     "sampled_within",
     "smallest_keep_set",
+    "step_code",
     "user_stacklevel",
     "validate_state",
     "warn_if_nothing_checked",
