@@ -64,7 +64,8 @@ def _finding(entry: Entry, where: str, plural: bool = False) -> str:
     verdict = entry.verdict
     if replay is None:
         note = entry.replay_note or "off"
-        return f"{'were' if plural else 'was'} bad ({entry.cause}){where}; not replayed ({note})"
+        made = f", first non-finite in layer `{entry.producing_layer}`" if entry.producing_layer else ""
+        return f"{'were' if plural else 'was'} bad ({entry.cause}){where}{made}; not replayed ({note})"
     dtype = replay.dtype
     layer = replay.producer or entry.producing_layer
     if verdict == "transient":
