@@ -24,14 +24,21 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
+    "sphinx_copybutton",
     "lsc_docs",
+    "lsc_figures",  # the concepts page's pictures, drawn from the code at every build
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "gpu.md", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
+# Straight quotes and dashes everywhere: a user copies `--json`, `pip install "..."` and the error messages
+# the troubleshooting page quotes, and searches the logs for them (MyST's smartquotes extension is off too).
+smartquotes = False
 
 html_theme = "furo"
+html_static_path = ["_static"]
+html_css_files = ["lsc.css"]  # output blocks wrap at the column
 html_title = f"lossscale-callbacks {release}"
 
 # The API pages document the package faces; members in __all__ order as the source lists them.

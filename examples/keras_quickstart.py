@@ -30,11 +30,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-import keras
 import numpy as np
 
-from lossscale_callbacks import DynamicPolicy, InMemorySink
-from lossscale_callbacks.keras import LossScaleCallback, audit_keras_precision
+from lossscale_callbacks._cli import quiet_native_stderr
+
+# TensorFlow's C++ start-up lines ("All log messages before absl::InitializeLog() ...", oneDNN, CPU
+# features) go to file descriptor 2 whatever TF_CPP_MIN_LOG_LEVEL says: silenced while Keras and its
+# backend load, as the report and check commands do. Python's own errors still show.
+with quiet_native_stderr():
+    import keras
+
+    from lossscale_callbacks import DynamicPolicy, InMemorySink
+    from lossscale_callbacks.keras import LossScaleCallback, audit_keras_precision
 
 
 def make_data(n: int = 4096, features: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

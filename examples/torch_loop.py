@@ -2,7 +2,7 @@
 
 The loop is the ``torch.amp.GradScaler`` recipe with ``LossScaler`` in its place. The scaler's
 state stays on the device; every ``--log-every`` steps the core's ``LoggingLoop`` reads it once
-(``scaler.get_state()``, one host sync) and turns it into metrics, TensorBoard scalars under
+(``scaler.read_state()``, one host sync) and turns it into metrics, TensorBoard scalars under
 ``runs/``, health rules and, at the end, a summary.
 
 A simulated overflow hits every ``--inject-inf-every`` steps. It is longer than the policy's
@@ -68,12 +68,12 @@ def main(argv: list[str] | None = None) -> InMemorySink:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clipping sees unscaled gradients
         scaler.step(opt)
         scaler.update()
-        # The host read (scaler.get_state) happens only when an interval ends.
-        snapshot = loop.maybe_observe(step + 1, scaler.get_state)
+        # The host read (scaler.read_state) happens only when an interval ends.
+        snapshot = loop.maybe_observe(step + 1, scaler.read_state)
         if snapshot is not None:
             print(f"step {snapshot.step:5d}  loss {loss.item():.4f}  scale {snapshot.scale:g}  "
                   f"skipped {snapshot.skipped_steps}")
-    loop.finish(scaler.get_state())
+    loop.finish(scaler.read_state())
     loop.close()
     return memory
 

@@ -81,6 +81,22 @@ class ConsecutiveSkips:
             f"float16 (softmax, normalisation, loss). {_BF16_HINT}",
         )
 
+    def final(self, history: Sequence[Snapshot]) -> Verdict | None:
+        """A finished run shorter than ``limit`` whose every step (two or more) was skipped: it applied
+        no update at all, which no threshold needs to judge."""
+        if not history:
+            return None
+        first, last = history[0], history[-1]
+        steps = last.step - (first.step - first.interval_steps)
+        if not 2 <= steps <= last.consecutive_skipped < self.limit:
+            return None
+        return Verdict(
+            "every_step_skipped", self.action, last.step,
+            f"Every one of the {steps} optimizer steps of this run was skipped because the gradients held "
+            f"Inf or NaN (loss scale now {last.scale:g}): no update was applied. Check the learning rate, "
+            f"the input data and any layer computed in float16 (softmax, normalisation, loss). {_BF16_HINT}",
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class SkipRate:

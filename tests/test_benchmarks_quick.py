@@ -73,7 +73,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         rf"^{row}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for row in ("mlp_foreach", "mlp_fused", "launch_bound_foreach", "launch_bound_fused")
     ]),
-    "sink_write.py": ([
+    "sink_write.py": ([], [
         rf"^{re.escape(sink)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for sink in ("InMemorySink", "GuardedSink(InMemorySink)", "TensorBoardSink", "WandbSink (offline)")
     ]),

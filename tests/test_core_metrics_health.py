@@ -213,3 +213,23 @@ def test_every_snapshot_the_tracker_makes_passes_snapshots_own_checks(reads, min
         checked = Snapshot(**vars(snap))
         assert vars(checked).keys() == vars(snap).keys()
         assert repr(checked) == repr(snap)
+
+
+@pytest.mark.parametrize(("flags", "fires"), [
+    ([False] * 16, True),  # every step skipped: no update at all, named though the run is short
+    ([True] + [False] * 15, False),  # one applied step: the thresholds judge it, not this rule
+    ([False], False),  # a single step says too little
+    ([False] * 60, False),  # long enough for the consecutive-skips rule itself, which fires instead
+])
+def test_a_short_run_whose_every_step_was_skipped_is_a_problem(flags, fires):
+    policy = DynamicPolicy()
+    monitor = HealthMonitor.from_spec("warn")
+    for snap in run(policy, flags, MetricsTracker(policy.min_scale), every=min(8, len(flags))):
+        monitor.observe(snap)
+    final = monitor.final()
+    assert ("every_step_skipped" in {v.rule for v in final}) is fires
+    if fires:
+        assert "Every one of the 16 optimizer steps of this run was skipped" in final[0].message
+        assert "1 problem(s) found" in monitor.assessment()
+    if len(flags) == 60:
+        assert "consecutive_skips" in {v.rule for v in monitor.verdicts}

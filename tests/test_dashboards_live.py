@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 from browser import browser_or_skip
 
+from lossscale_callbacks.integration import DASHBOARD_CHARTS
+
 pytestmark = pytest.mark.slow
 
 RUNS = {"keras": "keras", "lightning": "lightning/version_0", "plain": "plain"}
@@ -202,12 +204,12 @@ def test_the_loss_scale_section_has_data_in_a_real_browser(tensorboard, tmp_path
             while time.monotonic() < deadline:
                 texts = counts.all_inner_texts()
                 # the charts fill in as the page fetches each run's series
-                if len(texts) >= 6 and all(t == f"Matches ({len(RUNS)})" for t in texts):
+                if len(texts) >= len(DASHBOARD_CHARTS) and all(t == f"Matches ({len(RUNS)})" for t in texts):
                     break
                 time.sleep(1)
             page.screenshot(path=str(tmp_path / "custom_scalars.png"))
             assert page.get_by_text("Loss scale", exact=True).count() >= 1
-            assert len(texts) == 6, texts  # one chart per metric of the section
+            assert len(texts) == len(DASHBOARD_CHARTS), texts  # one chart per metric of the section
             assert "Matches (0)" not in texts, texts
             assert all(t == f"Matches ({len(RUNS)})" for t in texts), texts
         finally:

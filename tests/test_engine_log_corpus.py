@@ -104,6 +104,9 @@ def _check_text(text: str, facts: dict) -> None:
     if facts.get("nan_not_skipped"):
         assert (f"{facts['nan_not_skipped']} iteration(s) with a NaN gradient norm were not skipped: their "
                 "updates were applied") in text, text
+    if facts.get("at_minimum"):
+        at_min = next((line for line in text.splitlines() if line.startswith("Steps at the minimum")), "")
+        assert "none seen" not in at_min, text
     if _troubled(facts):
         health = next(line for line in text.splitlines() if line.startswith("Health:"))
         assert "no problem" not in health, health

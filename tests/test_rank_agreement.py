@@ -128,10 +128,49 @@ def test_the_report_says_the_ranks_disagreed():
 
 def test_one_process_gathers_nothing():
     torch = pytest.importorskip("torch")
+    from lossscale_callbacks.loop._rank_agreement import RankedState
     from lossscale_callbacks.torch import LossScaler, ScalerReader
 
     state = ScalerReader(LossScaler(device="cpu")).read()
-    assert type(state) is LossScaleState and not torch.distributed.is_initialized()
+    # A state (carrying the interval's outcomes), but no ranks: nothing was gathered, no group made.
+    assert isinstance(state, LossScaleState) and not isinstance(state, RankedState)
+    assert not hasattr(state, "ranks") and not torch.distributed.is_initialized()
+    assert state.outcomes.steps == 0
+
+
+def test_a_gather_waits_until_its_tensors_are_let_go(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import threading
+    import time
+
+    from lossscale_callbacks.torch import _rank_gather
+
+    free = torch.zeros(4)
+    started = time.monotonic()
+    _rank_gather._released([free])
+    assert time.monotonic() - started < 0.1  # nothing holds it: at once
+    held = torch.zeros(4, requires_grad=True)
+    graph = [held * held]  # the autograd graph holds `held`, as gloo's worker holds a collective's
+    assert held._use_count() > 1
+    threading.Timer(0.2, graph.clear).start()
+    started = time.monotonic()
+    _rank_gather._released([held])
+    assert 0.15 < time.monotonic() - started < 1.5 and held._use_count() == 1
+    monkeypatch.setattr(_rank_gather, "_RELEASE_WAIT_S", 0.05)
+    graph.append(held * held)
+    started = time.monotonic()
+    _rank_gather._released([held])  # never let go: the wait is bounded
+    assert time.monotonic() - started < 0.5
+
+
+@pytest.mark.slow
+def test_freeing_a_ddp_model_after_a_gather_does_not_hang(tmp_path):
+    pytest.importorskip("torch")
+    script = os.path.join(os.path.dirname(__file__), "torch_scripts", "gather_teardown.py")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, script, "150"], env=env, capture_output=True, text=True,
+                          timeout=240)  # it hung within 150 rounds before the gather waited
+    assert proc.returncode == 0 and "done 150" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@
   to the face's entry (the docs document faces, not the modules behind them, which may be renamed); a
   reference to another importable name of ours or a builtin renders as code; anything else stays a
   nitpicky warning, so a misspelt or removed name fails the build.
-- ``lsc-argparse``: the reference of a command line, generated from its parser builder function.
+- ``lsc-argparse``: the reference of a command line or one of its subcommands, generated from its parser
+  builder function as Markdown (Sphinx's ``program`` and ``option`` directives: each option rendered, with an
+  anchor a link can name); a subcommand that no page documents is a warning.
 - ``lsc-contract``: the names of an integration contract module (``lossscale_callbacks.integration``), one
   entry per name with its one line, generated from the module's ``_CONTRACT`` table.
 - **Generated pages**: a face that no page under ``docs/api/`` documents (a new integration) gets one of its
@@ -17,7 +19,7 @@
 
 Example (a Markdown page)::
 
-    ```{lsc-argparse} console:lossscale-callbacks:build_parser
+    ```{lsc-argparse} console:lossscale-callbacks:build_parser report
     ```
 """
 
@@ -29,6 +31,7 @@ import builtins
 import importlib
 import importlib.metadata
 import inspect
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -171,6 +174,16 @@ def _importable(target: str) -> bool:
     return False
 
 
+def _import_faces(app: Sphinx) -> None:
+    """Import every face and its names once (a face may import them lazily), so that :func:`_ours` sees all
+    our modules, whichever pages this build read."""
+    if not getattr(app, "_lsc_faces_imported", False):
+        for face, names in face_names(_faces(app)).items():
+            for name in names:
+                getattr(importlib.import_module(face), name)
+        app._lsc_faces_imported = True
+
+
 def _ours(target: str) -> bool:
     """A short name (``finish``, ``LossScaler``) that one of our loaded modules or classes defines."""
     for name, module in list(sys.modules.items()):
@@ -196,6 +209,7 @@ def resolve_reference(app: Sphinx, env: Any, node: Any, contnode: nodes.Element)
         target = next((f"{face}.{target}" for face in _faces(app) if f"{face}.{target}" in domain.objects),
                       target)
         if "." not in target:
+            _import_faces(app)  # an incremental build may not have imported the module that defines it
             return contnode if _ours(target) else None
     if not target.startswith(PREFIX):
         return None
@@ -217,28 +231,81 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     return formatter._expand_help(action) if action.help else ""
 
 
-def _parser_lines(parser: argparse.ArgumentParser, name: str) -> list[str]:
-    lines = [f".. rubric:: {name}", ""]
-    if parser.description:
-        lines += [parser.description, ""]
-    usage = parser.format_usage().strip()
-    lines += [".. code-block:: text", "", *("   " + line for line in usage.splitlines()), ""]
-    subcommands: list[tuple[str, argparse.ArgumentParser]] = []
+# What the generated Markdown shows as code: option names, quoted pip commands, extras, a JSON shape.
+_CODE = re.compile(r'pip install "[^"]+"(?: (?:tensorflow|tensorflow-cpu|jax|torch)\b)?'  # and a backend
+                   r"|(?<![\w-])--?[A-Za-z][\w-]*"  # --fail-on, -h
+                   r"|\[[a-z][a-z,]*\](?= extra)"  # [plot] extra
+                   r"|\{.*\}"  # a JSON shape: {"runs": [...], ...}
+                   r"|\b\d+\*\*\d+(?: - \d+)?")  # 2**31 - 1
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]<>#|~!$])")
+
+
+def markdown_text(text: str, options: Iterable[str] = ()) -> str:
+    """Plain help text as Markdown: option names, commands and shapes as code, the rest escaped; a name
+    in ``options`` (the program's own) links to its entry.
+
+    Example:
+        >>> print(markdown_text("exit 1 with --fail-on high; the [plot] extra; *not* a list", ["--fail-on"]))
+        exit 1 with {option}`--fail-on` high; the `[plot]` extra; \\*not\\* a list
+    """
+    out, last = [], 0
+    for match in _CODE.finditer(text):
+        out.append(_MARKDOWN_SPECIAL.sub(r"\\\1", text[last:match.start()]))
+        code = match.group(0)
+        fence = "``" if "`" in code else "`"
+        out.append(f"{'{option}' if code in options else ''}{fence}{code}{fence}")
+        last = match.end()
+    out.append(_MARKDOWN_SPECIAL.sub(r"\\\1", text[last:]))
+    return "".join(out)
+
+
+def _spelling(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """How the option is typed, argparse's own metavars: ``--png PATH``, ``--target {v100,t4}``, ``RUN``."""
+    formatter = parser._get_formatter()
+    if not action.option_strings:
+        return formatter._format_args(action, action.dest)
+    if action.nargs == 0:
+        return ", ".join(action.option_strings)
+    args = formatter._format_args(action, action.dest.upper())
+    return ", ".join(f"{opt} {args}" for opt in action.option_strings)
+
+
+def _fence(name: str, argument: str, body: list[str] = ()) -> list[str]:
+    return [f"```{{{name}}} {argument}".rstrip(), *body, "```", ""]
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``{name: parser}`` of a parser's subcommands, in their order (empty without any)."""
+    found: dict[str, argparse.ArgumentParser] = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            subcommands += [(f"{name} {sub}", p) for sub, p in action.choices.items()]
+            found.update(action.choices)
+    return found
+
+
+def parser_markdown(parser: argparse.ArgumentParser) -> list[str]:
+    """One parser's reference as MyST Markdown: its usage, description, every option (Sphinx's ``option``
+    directive under a ``program``: rendered as a definition list, each with its own anchor) and its epilog.
+
+    Subcommands are not included: each is documented where the page asks for it (``lsc-argparse SPEC
+    NAME``), and the build warns about a subcommand that no page documents.
+    """
+    lines = _fence("program", parser.prog)
+    options = {opt for action in parser._actions for opt in action.option_strings}
+    if parser.description:
+        lines += [markdown_text(parser.description, options), ""]
+    lines += ["```text", *parser.format_usage().strip().splitlines(), "```", ""]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) or action.help == argparse.SUPPRESS:
             continue
-        if action.help == argparse.SUPPRESS:
-            continue
-        spelling = ", ".join(
-            f"{opt} {action.metavar or action.dest.upper()}" if action.nargs != 0 else opt
-            for opt in action.option_strings) or (action.metavar or action.dest)
-        help_lines = _help(parser, action).splitlines()
-        lines += [f".. option:: {spelling}", "", *("   " + line for line in help_lines), ""]
+        if isinstance(action, argparse._HelpAction) and parser.prog.count(" "):
+            continue  # a subcommand's -h is the command's, said once
+        help_text = _help(parser, action)
+        if action.choices and not isinstance(action, argparse._SubParsersAction):
+            help_text += f" (one of: {', '.join(map(str, action.choices))})"
+        lines += _fence("option", _spelling(parser, action), [markdown_text(help_text, options)])
     if parser.epilog:
-        lines += [parser.epilog, ""]
-    for sub_name, sub_parser in subcommands:
-        lines += _parser_lines(sub_parser, sub_name)
+        lines += [markdown_text(parser.epilog, options), ""]
     return lines
 
 
@@ -254,17 +321,47 @@ def parser_builder(spec: str) -> Any:
 
 
 class ArgparseDirective(SphinxDirective):
-    """``lsc-argparse module:function`` (or ``console:NAME:function``): the function builds an
-    ``argparse.ArgumentParser``."""
+    """``lsc-argparse SPEC [SUBCOMMAND]``: the reference of the parser that ``SPEC`` builds
+    (``module:function`` or ``console:NAME:function``), or of one of its subcommands, as Markdown."""
 
     required_arguments = 1
+    optional_arguments = 1
 
     def run(self) -> list[nodes.Node]:
-        parser = parser_builder(self.arguments[0])()
+        spec = self.arguments[0]
+        parser = parser_builder(spec)()
+        documented = self.env.lsc_documented_commands = getattr(self.env, "lsc_documented_commands", {})
+        if len(self.arguments) > 1:
+            name = self.arguments[1]
+            found = subcommands(parser)
+            if name not in found:
+                raise self.error(f"{spec} has no subcommand {name!r}; it has {sorted(found)}")
+            parser = found[name]
+            documented.setdefault(spec, {})[name] = self.env.docname
         container = nodes.container()
-        lines = StringList(_parser_lines(parser, parser.prog))
-        self.state.nested_parse(lines, self.content_offset, container)
+        self.state.nested_parse(StringList(parser_markdown(parser)), self.content_offset, container)
         return container.children
+
+
+def _merge_documented(app: Sphinx, env: Any, docnames: list[str], other: Any) -> None:
+    for spec, names in getattr(other, "lsc_documented_commands", {}).items():
+        env.lsc_documented_commands = getattr(env, "lsc_documented_commands", {})
+        env.lsc_documented_commands.setdefault(spec, {}).update(names)
+
+
+def _purge_documented(app: Sphinx, env: Any, docname: str) -> None:
+    for names in getattr(env, "lsc_documented_commands", {}).values():
+        for name in [n for n, doc in names.items() if doc == docname]:
+            del names[name]
+
+
+def check_commands(app: Sphinx, env: Any) -> None:
+    """Every subcommand of a parser that a page documents is documented on some page."""
+    for spec, names in getattr(env, "lsc_documented_commands", {}).items():
+        for name in subcommands(parser_builder(spec)()):
+            if name not in names:
+                LOGGER.warning("subcommand %s of %s has no reference: add ```{lsc-argparse} %s %s``` to a "
+                               "page", name, spec, spec, name, type="lsc", subtype="command")
 
 
 def contract_entries(module_name: str) -> dict[str, dict[str, str]]:
@@ -324,5 +421,8 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("lsc-contract", ContractDirective)
     app.connect("builder-inited", generate_missing_pages)
     app.connect("env-check-consistency", check_faces)
+    app.connect("env-check-consistency", check_commands)
+    app.connect("env-merge-info", _merge_documented)
+    app.connect("env-purge-doc", _purge_documented)
     app.connect("missing-reference", resolve_reference)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

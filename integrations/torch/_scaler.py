@@ -281,6 +281,7 @@ class LossScaler(torch.amp.GradScaler):
         self._outcome_cursor = self._cursor_at(self._host_state() if enabled else None)
         # What follows the optimizers (hold): LR schedulers and EMAs held on skipped steps.
         self._holder = Holder()
+        self._state_reader: Any = None  # read_state's ScalerReader, made at the first read
         self._stepped: weakref.WeakValueDictionary[int, torch.optim.Optimizer] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------------------- forensics
@@ -970,6 +971,31 @@ class LossScaler(torch.amp.GradScaler):
         if self._path is None:
             return self._host_state()
         return self._path.read()
+
+    def read_state(self) -> LossScaleState:
+        """The state for a :class:`~lossscale_callbacks.LoggingLoop` to read at its log interval:
+        ``loop.maybe_observe(step, scaler.read_state)`` and ``loop.finish(scaler.read_state())``.
+
+        :meth:`get_state`, carrying what the loop judges besides: the interval's step outcomes (which
+        steps were skipped and why), the counts of the LR schedulers and EMAs that follow the optimizer
+        (held or not), and, where a ``torch.distributed`` process group of two or more ranks exists (DDP,
+        FSDP), every rank's state, gathered in one ``all_gather`` of four numbers per rank: the loop then
+        compares the ranks and names any that disagree, with its scale (the ``ranks_disagree`` health
+        rule). It is :class:`~lossscale_callbacks.torch.ScalerReader`'s ``read`` on this scaler. The
+        gather is a collective: every rank must call it at the same reads, as a loop run on every rank
+        does; :meth:`get_state` never communicates and carries nothing.
+
+        Example:
+            >>> scaler = LossScaler(device="cpu", init_scale=1024.0)
+            >>> scaler.read_state() == scaler.get_state()  # one process: the same numbers
+            True
+        """
+        if self._state_reader is None:
+            # The reader builds on this class (it reads stock scalers too): imported when first needed.
+            from lossscale_callbacks.torch._reader import ScalerReader
+
+            self._state_reader = ScalerReader(self)
+        return self._state_reader.read()
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). One host sync."""

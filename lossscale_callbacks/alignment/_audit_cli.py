@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from lossscale_callbacks._cli import fail, integer, positive_number
+from lossscale_callbacks._cli import fail, integer, positive_number, quiet_native_stderr
 from lossscale_callbacks._extras import require
 from lossscale_callbacks.alignment._check_limits import DEFAULT_MAX_UNZIPPED_MIB, ArchiveTooLargeError
 
@@ -64,8 +64,9 @@ def run_audit(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
     path = Path(args.model)
     if not path.is_file():
         return fail("audit", f"{path}: no such file (give a saved model, .keras)", err)
-    require("keras", "keras", feature="lossscale-callbacks audit")
-    audit = importlib.import_module("lossscale_callbacks.keras._audit")
+    with quiet_native_stderr():  # TensorFlow's C++ start-up lines, as check and report silence them
+        require("keras", "keras", feature="lossscale-callbacks audit")
+        audit = importlib.import_module("lossscale_callbacks.keras._audit")
     try:
         result = audit.audit_model_file(str(path), data=args.data, batches=args.batches,
                                         batch_size=args.batch_size, max_unzipped_mib=args.max_unzipped_mib)

@@ -467,6 +467,9 @@ class RunReport:
         if self.steps == 0:
             return printable(f"{self.path}: the run logged its loss scale, but no optimizer step was taken.")
         at_min = (f"about {self.steps_at_min_scale}" if self.steps_at_min_scale else "none seen")
+        if not self.steps_at_min_scale and (self.engine or {}).get("at_minimum"):
+            # An engine's overflow lines reached the minimum, but its log points never fell on it.
+            at_min = "reached (the log's overflow lines are there; the steps spent there are not logged)"
         lines = [
             f"Run: {self.path} (read as {self.reader}, {self.log_points} log points)",
             *self._restart_line(),

@@ -120,7 +120,7 @@ class FollowerCheck:
         True
         >>> words = check.observe(100, 97, [3, 17, 42], [FollowerCount("LambdaLR", "scheduler", 100)])
         >>> print(words)  # doctest: +ELLIPSIS
-        The learning-rate scheduler LambdaLR advanced on 3 skipped optimizer steps (from step 3: ...
+        The learning-rate scheduler LambdaLR advanced on 3 skipped optimizer steps (steps 3, 17, 42): ...
         >>> check.observe(200, 197, [], [FollowerCount("LambdaLR", "scheduler", 200)]) is None  # named once
         True
     """
@@ -162,7 +162,9 @@ class FollowerCheck:
         where = ""
         if listed:
             more = ", ..." if count > len(listed) else ""
-            where = f" (from step {listed[0]}: steps {', '.join(map(str, listed))}{more})"
+            # The first step listed is where it went wrong: "(step 3)", "(steps 3, 17, ...)".
+            label = "step" if len(listed) == 1 and not more else "steps"
+            where = f" ({label} {', '.join(map(str, listed))}{more})"
         held = " although it is held" if follower.held else ""
         what = _WHAT.get(follower.kind, "a follower")
         noun = "step" if count == 1 else "steps"
