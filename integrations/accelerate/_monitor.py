@@ -188,11 +188,11 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
 
     def track(self, loader: Any, *, ledger: Any = True, replay: bool | int = False, loss: Any = None,
               ids: str | None = None, model: Any = None) -> Any:
-        """The ledger of bad steps on this loop (see :meth:`ScalerStepMonitor.track`): ``loader`` is the
-        prepared one, ``model`` the prepared model. ``loss`` may call the prepared model as the loop does:
-        during a replay its forward is the one Accelerate wrapped in its autocast (kept as
-        ``_original_forward``), so that the replay sets the precision (its float32 pass runs with autocast
-        off); the run's forward is put back after each replay call."""
+        """The ledger of bad steps on this loop (the shared step monitor's ``track``, as on Fabric):
+        ``loader`` is the prepared one, ``model`` the prepared model. ``loss`` may call the prepared model
+        as the loop does: during a replay its forward is the one Accelerate wrapped in its autocast (kept
+        as ``_original_forward``), so that the replay sets the precision (its float32 pass runs with
+        autocast off); the run's forward is put back after each replay call."""
         if loss is not None and model is not None:
             loss = _replayed_without_autocast(model, loss)
         tracked = super().track(loader, ledger=ledger, replay=replay, loss=loss, ids=ids, model=model)
