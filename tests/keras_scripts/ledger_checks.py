@@ -147,10 +147,11 @@ def entries(folder: str) -> list[dict]:
     return [json.loads(e.to_json()) for e in read_ledgers(folder)]
 
 
-def ring_ops() -> int:
+def ring_ops() -> tuple[int, int]:
     """The ops the outcome ring adds to one step on this backend, the ring's step alone: TensorFlow graph ops
     (reads and writes of its variables included; no constants or identities), JAX ``jaxpr`` equations,
-    torch's dispatched aten ops."""
+    torch's dispatched aten ops; and how many of them read a value back to the host (a ``py_function``, a
+    host callback, torch's ``_local_scalar_dense``: ``.item()``, ``bool()``)."""
     opt = LossScaleOptimizer(keras.optimizers.SGD(0.1))
     opt.build([keras.Variable(np.ones(2, "float32"))])
     ring, state_vars = opt.outcome_ring, opt.loss_scale_variables
@@ -166,7 +167,8 @@ def ring_ops() -> int:
 
         graph = tf.function(record).get_concrete_function(tf.TensorSpec((), tf.bool)).graph
         skip = ("Placeholder", "Const", "Identity", "NoOp")
-        return len([op for op in graph.get_operations() if op.type not in skip])
+        kinds = [op.type for op in graph.get_operations() if op.type not in skip]
+        return len(kinds), len([k for k in kinds if "PyFunc" in k])
     if BACKEND == "jax":
         import jax
 
@@ -178,7 +180,8 @@ def ring_ops() -> int:
         state = state_vars.values()
         jaxpr = jax.make_jaxpr(next_values)(ring.rows.value, ring.written.value, state.steps, state.scale,
                                             True)
-        return len(jaxpr.jaxpr.eqns)
+        names = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
+        return len(names), len([n for n in names if "callback" in n])
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -186,9 +189,11 @@ def ring_ops() -> int:
         def __init__(self):
             super().__init__()
             self.ops = 0
+            self.reads = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops += 1
+            self.reads += "_local_scalar_dense" in str(func)
             return func(*args, **(kwargs or {}))
 
     rule_ops = step._ops_on(state_vars.scale.value.device)
@@ -197,12 +202,14 @@ def ring_ops() -> int:
     state = state_vars.values()
     with Count() as counter:
         ring.record_torch(state, finite, rule_ops)
-    return counter.ops
+    return counter.ops, counter.reads
 
 
 def main(out: str) -> None:
     x, y = data()
-    result = {"backend": BACKEND, "ring_ops": ring_ops(), "maxima": maxima(net(), x)}
+    ops_added, host_reads = ring_ops()
+    result = {"backend": BACKEND, "ring_ops": ops_added, "ring_host_reads": host_reads,
+              "maxima": maxima(net(), x)}
     runs = {}
     for name, tf_data in (("numpy", False), ("tf_data", True)):
         folder = os.path.join(out, name)
