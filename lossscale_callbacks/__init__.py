@@ -6,7 +6,7 @@ The core (this package) never imports a framework. Framework callbacks live in
 ``lossscale_callbacks.alignment``. Each package exports what users type; what a user needs to write a
 sink, a health rule, a run reader or an integration is in :mod:`lossscale_callbacks.extend`, the test
 oracles a backend proves itself with in :mod:`lossscale_callbacks.testing`. Every other module is private,
-the families of them in rooms that export nothing (``report``, ``forensics``, ``loop``).
+the families of them in rooms that export nothing (``report``, ``forensics``, ``loop``, ``ledger``).
 
 Example:
     >>> from lossscale_callbacks import DynamicPolicy, initial_state, next_state
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and editors; at
     from lossscale_callbacks._state import LossScaleState
     from lossscale_callbacks._update import initial_state, next_state
     from lossscale_callbacks._version import __version__
+    from lossscale_callbacks.ledger._skip import skip_samples
     from lossscale_callbacks.loop._logging_loop import LoggingLoop
     from lossscale_callbacks.skips._spike import SpikeRule
 
@@ -47,6 +48,7 @@ __all__ = [
     "__version__",
     "initial_state",
     "next_state",
+    "skip_samples",
 ]
 
 
@@ -67,6 +69,7 @@ __getattr__ = lazy_attributes(__name__, {
     "__version__": "lossscale_callbacks._version",
     "initial_state": "lossscale_callbacks._update",
     "next_state": "lossscale_callbacks._update",
+    "skip_samples": "lossscale_callbacks.ledger._skip",
 })
 
 

@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         policy_values_from_markdown,
     )
     from lossscale_callbacks._policy import Policy, check_policy, is_policy, policy_from_config
+    from lossscale_callbacks._ranks import process_rank
     from lossscale_callbacks._sinks import GuardedSink, ManagedSink
     from lossscale_callbacks._stacklevel import user_stacklevel
     from lossscale_callbacks._state import STATE_FIELDS
@@ -117,6 +118,9 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks.fp8._formats import E4M3, E5M2, Fp8Format
     from lossscale_callbacks.fp8._ranks import Fp8Ranks
     from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead
+    from lossscale_callbacks.ledger._book import Ledger, bad_steps
+    from lossscale_callbacks.ledger._entry import MicroBatch, Replay
+    from lossscale_callbacks.ledger._samples import SampleTracker
     from lossscale_callbacks.loop._clock import interval_args
     from lossscale_callbacks.loop._logging_loop import LoggingArgs, logging_args
     from lossscale_callbacks.loop._rank_agreement import RankedState, RankStates
@@ -136,6 +140,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         carry,
         decode_records,
         nonfinite_cause,
+        step_code,
     )
     from lossscale_callbacks.skips._spike import SpikeRule, check_spike
 
@@ -191,6 +196,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
             "The code of a step applied with non-finite gradients (monitoring only)."),
         "decode_records": ("skips._outcomes",
             "A device ring's records since the last read, oldest first, and how many were overwritten."),
+        "step_code": ("skips._outcomes",
+            "A step's outcome code from its skip decision, branch-free on an Ops: what a ring writes."),
         "nonfinite_cause": ("skips._outcomes",
             "What a skipped non-finite step is called under a policy: overflow (fp16) or nonfinite."),
         "carry": ("skips._outcomes",
@@ -311,6 +318,19 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "ModelTooDeepError": ("alignment._check_limits",
             "A model too deep to load or trace within the recursion limit."),
     },
+    "The ledger of bad steps": {
+        "Ledger": ("ledger._book",
+            "One rank's bad steps: bounded, written as JSON lines beside the dashboards, told in words."),
+        "bad_steps": ("ledger._book",
+            "An interval's bad steps (cause, scale, applied) from the skip truth's IntervalOutcomes."),
+        "MicroBatch": ("ledger._entry",
+            "One micro-batch of a bad step: its place and its sample identities."),
+        "Replay": ("ledger._entry",
+            "What replaying a bad step found: same scale, lower scale, float32, layers."),
+        "SampleTracker": ("ledger._samples",
+            "Sample identities per micro-batch on the host, filed under their optimizer step, bounded."),
+        "process_rank": ("_ranks", "This process's global rank (0 outside a distributed job)."),
+    },
     "Re-exported from lossscale_callbacks.extend, so that an integration imports one module": {
         "require": ("_extras",
             "Import an integration's outside package, or raise MissingExtraError naming the pip extra."),
@@ -373,8 +393,10 @@ __all__ = [
     "LayerHeadroom",
     "LayerInfo",
     "LayerPrecision",
+    "Ledger",
     "LoggingArgs",
     "ManagedSink",
+    "MicroBatch",
     "MissingExtraError",
     "ModelDim",
     "ModelTooDeepError",
@@ -385,14 +407,17 @@ __all__ = [
     "PrecisionInfo",
     "RankStates",
     "RankedState",
+    "Replay",
     "Role",
     "RunReadError",
     "RunSeries",
+    "SampleTracker",
     "Snapshot",
     "SpikeRule",
     "TensorRead",
     "Verdict",
     "advise",
+    "bad_steps",
     "carry",
     "check_archive",
     "check_batch_size",
@@ -423,9 +448,11 @@ __all__ = [
     "policy_bounds_from_markdown",
     "policy_from_config",
     "policy_values_from_markdown",
+    "process_rank",
     "require",
     "sampled_within",
     "smallest_keep_set",
+    "step_code",
     "user_stacklevel",
     "validate_state",
     "warn_if_nothing_checked",

@@ -61,6 +61,13 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
             "ours + empty batch-end callback / ours", "ours + LossScaleCallback / ours + empty")),
         rf"^LossScaleCallback host work: {NUM} us per batch, \d+ us per log",
     ]),
+    "ledger_overhead.py": ([], [
+        *(rf"^{arm}\s+{NUM}\s+\d+$" for arm in ("off", "off2", "ledger", "replay")),
+        *(rf"^{arm} / off: {NUM} \(median of \d+ rounds; min {NUM}, max {NUM}; quartiles {NUM}-{NUM}; "
+          rf"wall {NUM}\)$" for arm in ("off2", "ledger", "replay")),
+        *(rf"^{arm} host work: -?{NUM} us per step \(-?{NUM} of this step\)$"
+          for arm in ("ledger", "replay")),
+    ]),
     "report_read.py": (["--dir", "{tmp}"], [
         r"^3000 events \(30 with loss_scale/\*\)",
         rf"^lossscale-callbacks report: {NUM} s, peak \d+ MiB$",

@@ -23,7 +23,7 @@ FACES: dict[str, list[str]] = {
     "lossscale_callbacks": [
         "METRIC_NAMES", "DynamicPolicy", "FixedPolicy", "InMemorySink", "LoggingLoop", "LossScaleHealthError",
         "LossScaleHealthWarning", "LossScaleState", "Sink", "SpikeRule", "__version__", "initial_state",
-        "next_state"],
+        "next_state", "skip_samples"],
     "lossscale_callbacks.alignment": [
         "AlignmentReport", "Finding", "NoRuleAppliedWarning", "analyze", "check_alignment"],
     "lossscale_callbacks.keras": [
@@ -63,29 +63,30 @@ EXTENSION: dict[str, list[str]] = {
         "FP8_TAG_PREFIX", "FP16_MIN_SUBNORMAL", "GROWTH_INTERVAL", "HISTOGRAM_EXPONENTS", "INT64_MAX",
         "MAX_SCALE", "MIN_SCALE", "OVERALL_SKIP_RATE", "POLICY_TAG", "SCALE", "SCHEDULER", "SKIPPED_STEPS",
         "SPIKE_CODE", "STATE_FIELDS", "STEP_METRIC", "TAG_PREFIX", "TOTAL_APPLIED_STEPS",
-        "TOTAL_SKIPPED_STEPS", "TRAINER_STEP", "ActivationTrace", "AuditResult", "Capture",
-        "DelayedHistory", "FollowerCount", "Fp8Format", "Fp8Ranks", "Fp8Read", "FrameworkAdvice",
-        "GradientRange", "GuardedSink", "IntervalForensics", "IntervalOutcomes", "LayerHeadroom",
-        "LayerInfo", "LayerPrecision", "LoggingArgs", "ManagedSink", "MissingExtraError", "ModelDim",
-        "ModelTooDeepError", "OpPrecision", "OpRecord", "Pass", "Policy", "PrecisionInfo", "RankStates",
-        "RankedState", "Role", "RunReadError", "RunSeries", "Snapshot", "SpikeRule", "TensorRead",
-        "Verdict", "advise", "carry", "check_archive", "check_batch_size", "check_bool", "check_choice",
-        "check_diagnose", "check_int", "check_known", "check_number", "check_policy", "check_spike",
-        "decode_records", "einsum_gemm", "ended_inside_record", "get_target", "host_number",
-        "interval_args", "is_event_file_name", "is_policy", "is_regular_file", "largest_finite_scale",
-        "layer_of", "lazy_attributes", "logging_args", "matmul_gemm", "nonfinite_cause", "observed_state",
-        "policy_bounds_from_markdown", "policy_from_config", "policy_values_from_markdown", "require",
-        "sampled_within", "smallest_keep_set", "user_stacklevel", "validate_state",
-        "warn_if_nothing_checked"],
+        "TOTAL_SKIPPED_STEPS", "TRAINER_STEP", "ActivationTrace", "AuditResult", "Capture", "DelayedHistory",
+        "FollowerCount", "Fp8Format", "Fp8Ranks", "Fp8Read", "FrameworkAdvice", "GradientRange",
+        "GuardedSink", "IntervalForensics", "IntervalOutcomes", "LayerHeadroom", "LayerInfo",
+        "LayerPrecision", "Ledger", "LoggingArgs", "ManagedSink", "MicroBatch", "MissingExtraError",
+        "ModelDim", "ModelTooDeepError", "OpPrecision", "OpRecord", "Pass", "Policy", "PrecisionInfo",
+        "RankStates", "RankedState", "Replay", "Role", "RunReadError", "RunSeries", "SampleTracker",
+        "Snapshot", "SpikeRule", "TensorRead", "Verdict", "advise", "bad_steps", "carry", "check_archive",
+        "check_batch_size", "check_bool", "check_choice", "check_diagnose", "check_int", "check_known",
+        "check_number", "check_policy", "check_spike", "decode_records", "einsum_gemm", "ended_inside_record",
+        "get_target", "host_number", "interval_args", "is_event_file_name", "is_policy", "is_regular_file",
+        "largest_finite_scale", "layer_of", "lazy_attributes", "logging_args", "matmul_gemm",
+        "nonfinite_cause", "observed_state", "policy_bounds_from_markdown", "policy_from_config",
+        "policy_values_from_markdown", "process_rank", "require", "sampled_within", "smallest_keep_set",
+        "step_code", "user_stacklevel", "validate_state", "warn_if_nothing_checked"],
     "lossscale_callbacks.torch.integration": [
-        "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "has_deepspeed_scaler", "warn_no_scaler"],
+        "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "check_replay", "has_deepspeed_scaler",
+        "ledger_capture", "loss_of_output", "warn_no_scaler"],
     "lossscale_callbacks.testing": [
         "ConformanceCase", "assert_conforms", "conformance_cases", "reference_headroom",
         "reference_histogram", "reference_run", "stack_states"],
 }
 # The core's rooms: private sub-packages that hold a family of modules and export nothing.
-ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.fp8", "lossscale_callbacks.loop",
-         "lossscale_callbacks.report", "lossscale_callbacks.skips")
+ROOMS = ("lossscale_callbacks.forensics", "lossscale_callbacks.fp8", "lossscale_callbacks.ledger",
+         "lossscale_callbacks.loop", "lossscale_callbacks.report", "lossscale_callbacks.skips")
 FRAMEWORKS = ("tensorflow", "torch", "keras", "lightning", "pytorch_lightning", "wandb", "tensorboard",
               "accelerate", "transformers", "ray")
 

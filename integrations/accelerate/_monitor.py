@@ -22,7 +22,7 @@ from lossscale_callbacks.integration import (
     logging_args,
     observed_state,
 )
-from lossscale_callbacks.torch.integration import ScalerStepMonitor
+from lossscale_callbacks.torch.integration import ScalerStepMonitor, ledger_capture
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -186,6 +186,21 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
         self.reader.resume_counts(state.steps, state.skipped_steps, loading=True)
         self._resumed = state
 
+    def track(self, loader: Any, *, ledger: Any = True, replay: bool | int = False, loss: Any = None,
+              ids: str | None = None, model: Any = None) -> Any:
+        """The ledger of bad steps on this loop (the shared step monitor's ``track``, as on Fabric):
+        ``loader`` is the prepared one, ``model`` the prepared model. ``loss`` may call the prepared model
+        as the loop does: during a replay its forward is the one Accelerate wrapped in its autocast (kept
+        as ``_original_forward``), so that the replay sets the precision (its float32 pass runs with
+        autocast off); the run's forward is put back after each replay call."""
+        if loss is not None and model is not None:
+            loss = _replayed_without_autocast(model, loss)
+        tracked = super().track(loader, ledger=ledger, replay=replay, loss=loss, ids=ids, model=model)
+        capture = ledger_capture(self.scaler)
+        if capture is not None:  # the step's autocast is the one prepare() put inside the forward: fp16
+            capture.set_autocast(self.accelerator.device.type, torch.float16)
+        return tracked
+
     def step(self, log_step: int | None = None) -> Snapshot | None:
         """Call after each ``optimizer.step()``: counts the step, and reads the scaler when an interval ends.
 
@@ -211,3 +226,24 @@ class AccelerateLossScaleMonitor(ScalerStepMonitor):
         if self.reader.started and not self.accelerator.sync_gradients:
             return None  # an accumulation step: the prepared optimizer did not step
         return self._count_step(log_step)
+
+
+def _replayed_without_autocast(model: Any, loss: Any) -> Any:
+    """``loss`` run with the prepared module's own forward (without the autocast of ``prepare``)."""
+    inner = getattr(model, "module", model)  # under DDP the wrapped module holds the patched forward
+    original = inner.__dict__.get("_original_forward") if hasattr(inner, "__dict__") else None
+    if original is None:
+        return loss
+
+    def replay_loss(batch: Any) -> Any:
+        patched = inner.__dict__.get("forward")
+        inner.forward = original
+        try:
+            return loss(batch)
+        finally:
+            if patched is None:
+                del inner.forward
+            else:
+                inner.forward = patched
+
+    return replay_loss

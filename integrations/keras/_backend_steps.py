@@ -38,6 +38,7 @@ from lossscale_callbacks.keras._forensics_device import Packed
 if TYPE_CHECKING:  # the optimizer's modules import this one
     from lossscale_callbacks.integration import Policy
     from lossscale_callbacks.keras._forensics_wiring import ForensicsWiring
+    from lossscale_callbacks.keras._outcome_ring import OutcomeRing
     from lossscale_callbacks.keras._state_variables import LossScaleVariables
 
 
@@ -56,6 +57,9 @@ class StepOptimizer(Protocol):
 
     @property
     def forensics(self) -> ForensicsWiring | None: ...
+
+    @property
+    def outcome_ring(self) -> OutcomeRing: ...
 
     @property
     def variables(self) -> list[Any]: ...
@@ -142,7 +146,12 @@ class TensorFlowStep(_Step):
         """The state as one int64 vector: the float32 scale's bits, then the counters (TensorFlow's ops:
         a third of keras.ops' Python cost per read)."""
         tf = self._tf
-        return tf.stack([tf.cast(tf.bitcast(state.scale, tf.int32), tf.int64), *state[1:]])
+        return tf.stack([self.scale_bits(state.scale), *state[1:]])
+
+    def scale_bits(self, scale: Any) -> Any:
+        """The float32 scale's bits as an int64 (exact both ways)."""
+        tf = self._tf
+        return tf.cast(tf.bitcast(scale, tf.int32), tf.int64)
 
     def unscale(self, grad: Any, scale: Any) -> Any:
         return self._tf_ops.unscale(grad, scale)  # also tf.IndexedSlices
@@ -207,6 +216,9 @@ class TensorFlowStep(_Step):
             return tf.constant(True)
 
         tf.cond(finite, apply, lambda: tf.constant(False))
+        if opt.outcome_ring.rows is not None:  # before the state moves: the step's number and scale
+            state = opt.loss_scale_variables.values()
+            opt.outcome_ring.record(state, finite, self.scale_bits(state.scale), self._tf_ops.TF_OPS)
         opt.loss_scale_variables.advance(finite, self._tf_ops.TF_OPS)
 
     def _apply_or_skip_cross_replica(self, distribution: Any, opt: StepOptimizer, finite: Any, grads: Any,
@@ -291,6 +303,12 @@ class _KerasOpsStep(_Step):
             return list(trainable_values), list(inner_values)
 
         new_trainable, new_inner = ops.cond(finite, apply_inner, skip)
+        ring = opt.outcome_ring
+        if ring.rows is not None:  # the step's outcome into the device ring (before the state moves)
+            rows, written = ring.next_values(by_variable[id(ring.rows)], by_variable[id(ring.written)],
+                                             state.steps, self.scale_bits(state.scale), finite,
+                                             keras_ops.KERAS_OPS)
+            by_variable[id(ring.rows)], by_variable[id(ring.written)] = rows, written
         new_state = next_state(opt.policy, state, finite, keras_ops.KERAS_OPS)
         for var, value in zip(fields, new_state, strict=True):
             by_variable[id(var)] = ops.cast(value, var.dtype)
@@ -399,6 +417,13 @@ class JaxStep(_KerasOpsStep):
         """The state as one integer vector: the float32 scale's bits, then the counters (one jitted call)."""
         return self._pack(*state)
 
+    def scale_bits(self, scale: Any) -> Any:
+        """The float32 scale's bits in the counters' dtype (exact both ways)."""
+        import jax
+        import jax.numpy as jnp
+
+        return jax.lax.bitcast_convert_type(scale, jnp.int32).astype(keras_ops.counter_dtype())
+
     def apply(self, opt: StepOptimizer, grads: list[Any], variables: list[Any] | None,
               unscaled: bool) -> None:
         """The stateless step on the current values, written back to the variables.
@@ -457,8 +482,13 @@ class TorchStep(_KerasOpsStep):
         """The state as one int64 vector: the float32 scale's bits, then the counters (torch's own ops)."""
         import torch
 
-        bits = state.scale.view(torch.int32).to(state.growth_counter.dtype)
-        return torch.stack([bits, *state[1:]])
+        return torch.stack([self.scale_bits(state.scale), *state[1:]])
+
+    def scale_bits(self, scale: Any) -> Any:
+        """The float32 scale's bits as an int64 (exact both ways)."""
+        import torch
+
+        return scale.view(torch.int32).to(torch.int64)
 
     def apply(self, opt: StepOptimizer, grads: list[Any], variables: list[Any] | None,
               unscaled: bool) -> None:
@@ -479,7 +509,10 @@ class TorchStep(_KerasOpsStep):
             trace.host_fold(self.take_trace(trace, grads), applied, state_vars.fields.steps.value)
         if applied:
             opt.inner_optimizer.apply(unscaled_grads, variables)
-        state_vars.advance(finite, self._ops_on(state_vars.scale.value.device))
+        rule_ops = self._ops_on(state_vars.scale.value.device)
+        if opt.outcome_ring.rows is not None:  # device ops only: the step's outcome into the ring
+            opt.outcome_ring.record_torch(state_vars.values(), finite, rule_ops)
+        state_vars.advance(finite, rule_ops)
 
     def _ops_on(self, device: Any) -> Any:
         # torch's own ops: 5x fewer Python calls than keras.ops per step, the same bits.

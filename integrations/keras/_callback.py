@@ -24,6 +24,7 @@ from lossscale_callbacks.integration import (
     LoggingArgs,
     Policy,
     Snapshot,
+    carry,
     check_bool,
     check_int,
     check_known,
@@ -35,6 +36,7 @@ from lossscale_callbacks.keras._config import record_in_compile_config
 from lossscale_callbacks.keras._fit_sampling import FitSampling
 from lossscale_callbacks.keras._forensics_wiring import check_diagnose_settings
 from lossscale_callbacks.keras._forward_trace import activation_arguments
+from lossscale_callbacks.keras._ledger import KerasLedger
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer, wrap
 
 if TYPE_CHECKING:
@@ -90,6 +92,17 @@ class LossScaleCallback(keras.callbacks.Callback):
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend; on
             JAX and torch it warns and training goes on).
+        ledger: the ledger of bad steps (see :mod:`~lossscale_callbacks.keras._ledger` and the "Which
+            batch" page): ``True`` writes ``bad_steps.rank<r>.jsonl`` beside ``tensorboard=`` (in memory
+            without it), a folder writes there. Each skipped step with its epoch and batch index in the
+            epoch, its cause and scale (the optimizer's device ring, read with the state: no read of its
+            own), and the layers the forensics name (``diagnose=``); its words join the summary. No replay:
+            a callback never sees the batch ``fit`` feeds its compiled step.
+        unshuffled: ``(rows, batch_size)`` of ``fit``'s NumPy inputs when given with ``shuffle=False``:
+            each entry then lists its batch's rows too (Keras tells a callback neither; with shuffling on,
+            its permutation is exposed nowhere, so the epoch and batch index are the identity).
+        replay: not available in Keras ``fit`` (the torch integrations' replay of a bad step): ``True``
+            raises a ``ValueError`` that says why.
 
     Raises:
         ValueError: an argument is invalid, named (``tensorboard=""``, ``wandb={"mode": "x"}``,
@@ -114,9 +127,14 @@ class LossScaleCallback(keras.callbacks.Callback):
         diagnose: bool | str = False,
         headroom_every: int = 1000,
         trace_every: int | None = 100,
+        ledger: Any = False,
+        unshuffled: tuple[int, int] | None = None,
+        replay: bool = False,
         **logging: Unpack[LoggingArgs],
     ) -> None:
         super().__init__()
+        self._ledger = KerasLedger(ledger, unshuffled, replay)
+        self._tensorboard = logging.get("tensorboard")
         log_every, self.every = interval_args("LossScaleCallback", log_every, every, allowed=("epoch",),
                                               default=(100, None))
         check_policy("policy", policy)
@@ -201,19 +219,29 @@ class LossScaleCallback(keras.callbacks.Callback):
     # ---- reading ----
 
     def _read_state(self) -> Any:
+        """The state read (one transfer), carrying the skip truth's outcomes since the previous read and
+        the ledger, which took the interval's bad steps from them (with ``forensics`` when given)."""
         # On JAX, fit() keeps the variables' values in its own state during an epoch; a callback
         # that reads variables syncs them back first (Keras' documented way; no copy of the arrays).
         sync = getattr(self._model, "jax_state_sync", None)  # once: ``self.model`` would sync as well
         if keras.backend.backend() == "jax" and callable(sync):
             sync()
         assert self.optimizer is not None
-        return self.optimizer.read_state()
+        state, outcomes = self.optimizer.read_state_and_outcomes()
+        return carry(state, outcomes=outcomes, ledger=self._ledger.book)
+
+    def _take_bad_steps(self, state: Any, forensics: Any) -> None:
+        """The ledger's entries of the read ``state`` carried (its outcomes), with the interval's layers."""
+        if self._ledger.on:
+            self._ledger.record(state.outcomes, forensics)
 
     def _observe(self, logs: dict[str, Any] | None, names: tuple[str, ...]) -> Snapshot:
         """One host read of the state, through the logging loop; the metrics ``names`` into ``logs``."""
         assert self.optimizer is not None
         state = self._read_state()
-        snapshot = self.loop.observe(state, forensics=self._forensics(state))
+        forensics = self._forensics(state)
+        self._take_bad_steps(state, forensics)
+        snapshot = self.loop.observe(state, forensics=forensics)
         if logs is not None and names:
             metrics = snapshot.metrics()
             logs.update({name: _Count(metrics[name]) if name in COUNT_METRICS else metrics[name]
@@ -248,6 +276,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.optimizer = self._install()  # no-op when set_model installed it already
         # Each fit() is a run of the loop: its own W&B run and event file, the optimizer's policy.
         self.loop.start(policy=self.optimizer.policy, writer=_is_chief(self.model))
+        if self._ledger.on:
+            self._ledger.start(self._tensorboard)
         self._primed = False
         self._fit_sampling.begin(self.optimizer, self._model)
         if self.check_alignment and self.alignment_report is None:
@@ -274,10 +304,13 @@ class LossScaleCallback(keras.callbacks.Callback):
         # the first interval; then each batch is one step.
         if not self._primed:
             state = self._read_state()
+            self._take_bad_steps(state, None)  # skipped steps since the last read (a custom loop's, a resume)
             self._steps = int(state.steps)
             self.loop.resume_at(self._steps, lambda: state)
             self._primed = True
         self._epoch_start = self._steps
+        if self._ledger.on:
+            self._ledger.epoch_begin(epoch, self._steps)
         self._fit_sampling.new_epoch()
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -303,10 +336,13 @@ class LossScaleCallback(keras.callbacks.Callback):
         assert self.optimizer is not None
         state = self._read_state()
         last = self.loop.last
+        forensics = None
         if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
-            self.loop.observe(state, forensics=self._forensics(state))
+            forensics = self._forensics(state)
+            self.loop.observe(state, forensics=forensics)
+        self._take_bad_steps(state, forensics)
         self._fit_sampling.end(self._model)
-        self.loop.finish(state)  # the summary, and the sinks of tensorboard=/wandb= closed
+        self.loop.finish(state)  # the summary (the ledger's lines in it); tensorboard=/wandb= sinks closed
 
 
 class _Count(float):

@@ -25,7 +25,14 @@ import numpy as np
 from keras import ops
 
 from lossscale_callbacks import DynamicPolicy, LossScaleState
-from lossscale_callbacks.integration import STATE_FIELDS, Policy, check_known, validate_state
+from lossscale_callbacks.integration import (
+    STATE_FIELDS,
+    IntervalOutcomes,
+    Policy,
+    check_int,
+    check_known,
+    validate_state,
+)
 from lossscale_callbacks.keras import _config as config
 from lossscale_callbacks.keras._arguments import (
     check_base_optimizer_kwargs,
@@ -40,6 +47,7 @@ from lossscale_callbacks.keras._forensics_wiring import (
     check_diagnose_settings,
 )
 from lossscale_callbacks.keras._forward_trace import ForwardTrace
+from lossscale_callbacks.keras._outcome_ring import DEFAULT_CAPACITY, OutcomeRing
 from lossscale_callbacks.keras._seed_api import PendingUnscales, SeedAPI, delegated_hyperparameters
 from lossscale_callbacks.keras._state_variables import LossScaleVariables
 
@@ -93,6 +101,10 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
             :meth:`watch` names the layers by the model's layer objects, in its order (gradients are
             matched to layers by variable). Not in the config.
         headroom_every: steps between headroom samples.
+        outcome_capacity: the skipped steps the device ring of step outcomes keeps between two reads of
+            :meth:`read_state_and_outcomes` (default 64; more are counted, the oldest not listed). Each step
+            writes the ring on the device (see :mod:`~lossscale_callbacks.keras._outcome_ring`). Not in the
+            config.
 
     Raises:
         ValueError: an argument is invalid (named), e.g. an inner optimizer that is already a loss
@@ -117,9 +129,11 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         *,
         diagnose: bool | str = False,
         headroom_every: int = 1000,
+        outcome_capacity: int = DEFAULT_CAPACITY,
         **kwargs: Any,
     ) -> None:
         forensics = ForensicsWiring(check_diagnose_settings(diagnose, headroom_every))
+        ring = OutcomeRing(check_int("outcome_capacity", outcome_capacity, maximum=2**20))
         step = backend_step()
         check_base_optimizer_kwargs(kwargs)
         resolved = resolve_policy(dynamic, initial_scale, dynamic_growth_steps, policy)
@@ -137,6 +151,8 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         # As Keras does: the inner optimizer must not scale the loss a second time.
         inner_optimizer.loss_scale_factor = None
         self._state_variables = LossScaleVariables(self, resolved, step.pack_state)
+        self._outcome_ring = ring
+        self._state_variables.on_assign = ring.restart  # a state that comes in: the record starts after it
         # An attribute of its own: Keras saves it under optimizer/loss_scale_counters and
         # tf.train.Checkpoint tracks it (see state_variables).
         self.loss_scale_counters = self._state_variables.counters
@@ -168,8 +184,8 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         """Every variable this optimizer steps: its own, the loss-scale counters, the forensics tally (with
         ``diagnose``; never saved), the inner optimizer's."""
         trace = self._forward_trace.variable_list if self._forward_trace is not None else []
-        return (self._variables + self.loss_scale_counters.variables + self._forensics_wiring.variable_list
-                + trace + self.inner_optimizer.variables)
+        return (self._variables + self.loss_scale_counters.variables + self._outcome_ring.variable_list
+                + self._forensics_wiring.variable_list + trace + self.inner_optimizer.variables)
 
     # Names of Keras' own LossScaleOptimizer, for code written against it.
     @property
@@ -186,6 +202,37 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         Call it at a log interval, never per step.
         """
         return self._state_variables.read()
+
+    @property
+    def outcome_ring(self) -> OutcomeRing:
+        """The device ring of step outcomes (see :meth:`read_state_and_outcomes`)."""
+        return self._outcome_ring
+
+    def read_state_and_outcomes(self) -> tuple[LossScaleState, IntervalOutcomes]:
+        """The state and what happened to the steps since the previous call: **one host transfer**.
+
+        The outcomes (an :class:`~lossscale_callbacks.extend.IntervalOutcomes`) list every step skipped
+        since the previous call with its cause (``"overflow"``, or ``"nonfinite"`` at a fixed scale of 1)
+        and the scale it used, oldest first, from the device ring each step writes (at most
+        ``outcome_capacity`` of them; the counts stay exact). ``LossScaleCallback`` calls it at each log
+        interval; call it yourself in a custom loop, at your interval (one reader: each call takes the steps
+        since the previous one).
+
+        Example:
+            >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
+            >>> var = keras.Variable(1.0)
+            >>> _ = opt.minimize(lambda: var * float("inf"), var_list=var)
+            >>> _ = opt.minimize(lambda: var**2, var_list=var)
+            >>> state, outcomes = opt.read_state_and_outcomes()
+            >>> [(o.step, o.cause, o.scale) for o in outcomes.outcomes], outcomes.applied
+            ([(1, 'overflow', 8.0)], 1)
+        """
+        ring = self._outcome_ring
+        if ring.rows is None:  # not built: no step taken
+            state = self.read_state()
+            return state, IntervalOutcomes(int(state.steps) + 1, int(state.steps))
+        state, flat = self._state_variables.read_with(ring.flat())
+        return state, ring.decode(state, flat, self._policy)
 
     def assign_state(self, state: LossScaleState | dict[str, Any]) -> None:
         """Overwrite (some of) the state; fields missing from a dict keep their value. All or nothing.
@@ -227,6 +274,7 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
             super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
         finally:
             self._building_base = False
+        self._outcome_ring.build()
         self._forensics_wiring.build(self)
 
     def _scaled(self, loss: Any) -> Any:

@@ -93,6 +93,8 @@ skipped_steps=np.int64(0), steps=np.int64(0))
             aggregation="only_first_replica", name="loss_scale")
         self.counters = LossScaleCounters(dtype, policy.constants.hysteresis, self._finish_load)
         self._staged: tuple[list[Any], list[np.ndarray]] | None = None
+        # Called with (steps, skipped_steps) after a state is assigned whole (the outcome ring's restart).
+        self.on_assign: Callable[[int, int], None] | None = None
 
     @property
     def fields(self) -> LossScaleState:
@@ -112,13 +114,21 @@ skipped_steps=np.int64(0), steps=np.int64(0))
         the five values are one stacked tensor on the device and one copy to the host.
         """
         host = np.asarray(ops.convert_to_numpy(self._pack(self.values()))).astype(np.int64)
-        scale = host[:1].astype(np.int32).view(np.float32)[0]
-        return LossScaleState(scale, *host[1:])
+        return _unpacked(host)
+
+    def read_with(self, extra: Sequence[Any]) -> tuple[LossScaleState, np.ndarray]:
+        """:meth:`read` and ``extra`` (integer tensors of the counters' dtype) in the **same** transfer: the
+        state and the extra values as host int64."""
+        packed = ops.concatenate([self._pack(self.values()), *extra])
+        host = np.asarray(ops.convert_to_numpy(packed)).astype(np.int64)
+        return _unpacked(host[:5]), host[5:]
 
     def assign(self, state: LossScaleState) -> None:
         """Write a state that :func:`~lossscale_callbacks._validation.validate_state` returned."""
         for value, var in zip(state, self.fields, strict=True):
             var.assign(ops.cast(value, var.dtype))
+        if self.on_assign is not None:
+            self.on_assign(int(state.steps), int(state.skipped_steps))
 
     def advance(self, finite: Any, rule_ops: Any) -> None:
         """One step of the core's rule on the device: no growth/backoff logic lives here, no host read."""
@@ -164,3 +174,9 @@ skipped_steps=np.int64(0), steps=np.int64(0))
             if var is not self.scale and var is not self.growth_counter:
                 var.assign(value)
         self.assign(state)
+
+
+def _unpacked(host: np.ndarray) -> LossScaleState:
+    """The state from its packed host values: the float32 scale's bits, then the four counters."""
+    scale = host[:1].astype(np.int32).view(np.float32)[0]
+    return LossScaleState(scale, *host[1:5])

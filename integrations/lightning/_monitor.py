@@ -23,6 +23,7 @@ from lossscale_callbacks.integration import (
     logging_args,
 )
 from lossscale_callbacks.lightning._compat import bases
+from lossscale_callbacks.lightning._ledger import LightningLedger
 from lossscale_callbacks.lightning._loggers import logger_sink
 from lossscale_callbacks.torch import LossScaler, ScalerReader
 from lossscale_callbacks.torch.integration import has_deepspeed_scaler, warn_no_scaler
@@ -96,6 +97,14 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             :class:`~lossscale_callbacks.torch.LossScaler` (a stock scaler has none: the monitor
             warns); layers are named after the LightningModule's modules. No host read is added to
             the training step.
+        ledger: the ledger of bad steps (with ``LossScalePlugin``): ``True`` writes
+            ``bad_steps.rank<r>.jsonl`` beside the dashboards (``tensorboard=``, else the trainer's
+            ``log_dir``), a folder writes there; each bad step with its epoch, ``batch_idx`` and the train
+            sampler's indices; its words join the summary. No host read is added to the step.
+        replay: replay each bad step's batch (``training_step``) on the same weights, with its RNG state,
+            at the same scale, the policy's minimum and in float32: ``True`` (at most 4 per log
+            interval) or the most per interval. See the "Which batch" page for what it costs.
+        ids: the batch's own id field (a mapping key or attribute) instead of the sampler's indices.
 
     Raises:
         ValueError: an argument is invalid (checked here, with ``tensorboard=``/``wandb=``).
@@ -116,6 +125,9 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         check_alignment: bool = False,
         alignment_kwargs: dict[str, Any] | None = None,
         diagnose: bool | str = False,
+        ledger: Any = False,
+        replay: bool | int = False,
+        ids: str | None = None,
         **logging: Unpack[LoggingArgs],
     ) -> None:
         log_every, self.every = interval_args("LossScaleMonitor", log_every, every,
@@ -126,6 +138,10 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         if alignment_kwargs is not None and not isinstance(alignment_kwargs, dict):
             raise ValueError(f"alignment_kwargs must be None or a dict, got {alignment_kwargs!r}")
         self.diagnose = check_diagnose(diagnose)
+        self.ledger = LightningLedger(ledger, replay, ids)
+        if self.ledger.replay and not self.ledger.on:
+            raise ValueError("replay needs the ledger: LossScaleMonitor(ledger=True, replay=True)")
+        self._tensorboard = logging.get("tensorboard")
         self.loop = LoggingLoop(None, log_every=log_every, stop=self._stop,
                                 **logging_args("LossScaleMonitor", logging))
         self.prog_bar = prog_bar
@@ -171,6 +187,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
             warnings.warn("[lossscale-callbacks] LossScaleMonitor(diagnose=...) needs the "
                           "lossscale-callbacks scaler (plugins=[LossScalePlugin()]); Lightning's own "
                           "scaler has no forensics. Logging goes on without them.", UserWarning, stacklevel=2)
+        if self.ledger.on and self._scaler is not None:
+            self.ledger.setup(trainer, pl_module, self._scaler, self._tensorboard)
 
     @staticmethod
     def _warn_no_scaler(trainer: Any) -> None:
@@ -195,6 +213,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
     # ---------------------------------------------------------------------------- training
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.ledger.on and self._scaler is not None:  # before the first epoch's loader iterator
+            self.ledger.epoch_start(trainer, self._scaler)
         # After a checkpoint was restored: count steps from here.
         self._last_global_step = trainer.global_step
         self._read_at = trainer.global_step
@@ -212,7 +232,13 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                         if writer else [])
         self.loop.resume_at(trainer.global_step, self.reader.read if trainer.global_step > 0 else None)
 
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.ledger.on and self._scaler is not None:
+            self.ledger.epoch_start(trainer, self._scaler)
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.ledger.on and self._scaler is not None:
+            self.ledger.batch_start(trainer, self._scaler, batch, batch_idx)
         if self.check_alignment and not self._alignment_done:
             self._alignment_done = True
             self._run_alignment(trainer, pl_module, batch)
@@ -221,6 +247,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
                            batch_idx: int) -> None:
         if self.reader is None:
             return
+        if self.ledger.on and self._scaler is not None and not outputs and pl_module.automatic_optimization:
+            self.ledger.batch_skipped(self._scaler)  # training_step returned None: no part of a step
         self._count_steps(trainer)
         if self._due(trainer):
             self._observe(trainer)
@@ -273,6 +301,8 @@ class LossScaleMonitor(*bases("callbacks", "Callback")):  # type: ignore[misc]
         sink_step = getattr(epoch_loop, "_batches_that_stepped", None)
         state = self._with_trainer_step(self.reader.read(), trainer)
         snapshot = self.loop.observe(state, sink_step=sink_step, forensics=self.reader.read_forensics())
+        if self.ledger.on and self._scaler is not None:
+            self.ledger.read(self._scaler)
         metrics = {**snapshot.metrics(), **self.loop.outcome_metrics(), **self.loop.rank_metrics()}
         callback_metrics = trainer.callback_metrics
         for name, value in metrics.items():

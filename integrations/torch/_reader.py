@@ -220,7 +220,10 @@ class ScalerReader:
             return ranked
         interval = self._read_outcomes(state, ours)
         counts = self.followers.counts() if self.followers is not None else []
-        return carry(ranked, outcomes=interval, followers=counts)
+        # The ledger of bad steps (our scaler's, after track()) took the interval's bad steps in this read;
+        # the loop tells them in the summary.
+        book = getattr(self.scaler, "ledger", None) if ours is not None else None
+        return carry(ranked, outcomes=interval, followers=counts, ledger=book)
 
     def _read_outcomes(self, state: LossScaleState, ours: IntervalOutcomes | None) -> IntervalOutcomes:
         """The interval's outcomes: ours lists every non-ordinary step; a stock scaler's are counts only."""

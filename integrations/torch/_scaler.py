@@ -24,12 +24,13 @@ Where the host synchronises (and nowhere else):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -64,6 +65,7 @@ from lossscale_callbacks.torch._checkpoint import (
 from lossscale_callbacks.torch._forensics import GradForensics
 from lossscale_callbacks.torch._grad_scaler_compat import policy_from_grad_scaler_settings
 from lossscale_callbacks.torch._held import Holder
+from lossscale_callbacks.torch._ledger import LedgerCapture, check_replay
 from lossscale_callbacks.torch._outcome_ring import DEFAULT_CAPACITY, OutcomeRing
 from lossscale_callbacks.torch._spike import SpikeWindow
 from lossscale_callbacks.torch._update_paths import PathState, make_path
@@ -269,6 +271,7 @@ class LossScaler(torch.amp.GradScaler):
         self._headroom_every = headroom_every
         self.forensics: GradForensics | None = GradForensics(diagnose, headroom_every) if diagnose else None
         self._watched: weakref.ref | None = None
+        self._ledger: LedgerCapture | None = None
         # The step outcomes (made with the path) and what the last read_outcomes saw: the ring's
         # records written, its counts per code, the steps and the skipped steps.
         self._outcome_capacity = outcome_capacity
@@ -312,6 +315,83 @@ class LossScaler(torch.amp.GradScaler):
                 self.forensics.watch(model)
         else:
             self.forensics.headroom_every = headroom_every
+
+    def track(self, loader: Any = None, *, ledger: Any = None, replay: bool | int = False,
+              loss: Callable[[Any], Any] | None = None, ids: str | None = None) -> Any:
+        """Record who is in each micro-batch (the ledger of bad steps) and, with ``replay``, replay bad steps.
+
+        ``loader`` (a ``DataLoader``, or a framework's wrapper of one) comes back yielding the same
+        batches; its sampler's indices are recorded on the host as the loader takes them (no host read,
+        no copy from a device). Each batch it yields is one micro-batch of the coming optimizer step
+        (gradient accumulation: every batch until ``update()`` is the same step's).
+
+        The bad steps become entries of the ledger (one JSON line each, ``bad_steps.rank<r>.jsonl``)
+        when the interval's outcomes are read (:meth:`read_outcomes`, which the monitors and the logging
+        loop call at the log interval): the step, the rank, the micro-batches with their samples, the
+        scale and the cause from the skip truth, the replay's verdict. :attr:`ledger` holds them.
+
+        Args:
+            loader: the training loader (``None``: only set the options, for a monitor that feeds the
+                batches itself).
+            ledger: the folder the ledger is written to (put it beside the dashboards, e.g. the
+                TensorBoard log directory); ``None``: kept in memory only.
+            replay: replay a bad step's batch right after it, before the next batch, on the same weights
+                with the step's RNG state: ``True`` (at most 4 per log interval) or the most per interval.
+                See :mod:`lossscale_callbacks.torch._replay` for what it costs and leaves unchanged.
+            loss: for replay: the forward and the loss of one batch, as your step computes them, without
+                the ``autocast`` block: ``lambda batch: loss_fn(model(batch[0]), batch[1])``. Needs
+                :meth:`watch` (the model whose gradients are checked).
+            ids: the batch's own id field (a mapping key or attribute) instead of the sampler's indices.
+
+        Returns:
+            The tracked loader, or ``None`` without one.
+
+        Raises:
+            ValueError: a bad ``replay``; ``replay`` without ``loss``, or without a watched model.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 1)
+            >>> data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+            >>> scaler = LossScaler(device="cpu").watch(model)
+            >>> loader = scaler.track(torch.utils.data.DataLoader(data, batch_size=8))
+            >>> [len(batch[0]) for batch in loader]
+            [8, 8]
+        """
+        budget = check_replay(replay)
+        if budget and loss is None:
+            raise ValueError("replay needs loss=: the forward and the loss of one batch, e.g. "
+                             "loss=lambda batch: loss_fn(model(batch[0]), batch[1])")
+        if loss is not None and not callable(loss):
+            raise ValueError(f"loss must be a callable taking a batch, got {loss!r}")
+        if ids is not None and not isinstance(ids, str):
+            raise ValueError(f"ids must be None or the name of the batch's id field, got {ids!r}")
+        capture = self._ledger
+        if capture is None or (capture.replay_budget, capture.loss_of, capture.ids, capture.directory) != (
+                budget, loss, ids, ledger):
+            capture = LedgerCapture(replay=budget, loss_of=loss, ids=ids, directory=ledger)
+            capture.rebase(self._host_state().steps if self._path is None else self.get_state().steps)
+            capture.attach(self, self._watched() if self._watched is not None else None)
+            self._ledger = capture
+        return capture.track(loader) if loader is not None else None
+
+    @property
+    def ledger(self) -> Any:
+        """The ledger of bad steps (after :meth:`track` and a read of the outcomes): its ``entries`` and,
+        in words, ``sentences()``; ``None`` before."""
+        return self._ledger.book if self._ledger is not None else None
+
+    @contextlib.contextmanager
+    def _forensics_set_aside(self) -> Iterator[None]:
+        """The forward trace's hook sees none of a replay's calls: its calls so far are set aside."""
+        tracer = self.forensics.tracer if self.forensics is not None else None
+        calls = tracer._calls if tracer is not None else None
+        if tracer is not None:
+            tracer._calls = []
+        try:
+            yield
+        finally:
+            if tracer is not None:
+                tracer._calls = calls
 
     def read_forensics(self) -> IntervalForensics | None:
         """The forensics accumulated since the last call (``None`` with ``diagnose=False``). One host read
@@ -758,6 +838,9 @@ class LossScaler(torch.amp.GradScaler):
             found_inf = flags[0]
             for flag in flags[1:]:
                 found_inf = torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True))
+            if self._ledger is not None:  # host bookkeeping; a replay of a bad step, before the scale moves
+                with self._forensics_set_aside():
+                    self._ledger.end_step(on_host, found_inf, path.scale)
             rule_flag, code = self._step_code(found_inf)
             path.update(rule_flag, code)
             self._last_found_inf, self._last_code = found_inf, code
@@ -880,7 +963,10 @@ class LossScaler(torch.amp.GradScaler):
         if interval > self._ring.capacity and self._ring.grow(interval):
             self._path.recorder = self._ring  # a captured CUDA graph is captured again with the new rows
         self._outcome_cursor = _OutcomeCursor(tuple(counts), state.steps, state.skipped_steps)
-        return state, IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
+        result = IntervalOutcomes(cursor.steps + 1, state.steps, outcomes, by_cause, missed)
+        if self._ledger is not None:  # the ledger of bad steps takes the interval's from this one read
+            self._ledger.record(result)
+        return state, result
 
     # -------------------------------------------------------------------------- host reads
 

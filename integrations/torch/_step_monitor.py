@@ -64,6 +64,7 @@ class ScalerStepMonitor:
                  **logging: Unpack[LoggingArgs]) -> None:
         log_every, _ = interval_args(type(self).__name__, log_every, None)  # no interval but the count
         self.reader = ScalerReader(scaler, followers=followers)
+        self._tensorboard = logging.get("tensorboard")
         self.loop = LoggingLoop(self.reader.policy, log_every=log_every, writer=writer,
                                 **logging_args(type(self).__name__, logging))
         self.loop.start(sinks=run_sinks)
@@ -116,9 +117,30 @@ class ScalerStepMonitor:
         return self.loop.maybe_observe(self._ticks, self._read, sink_step=log_step,
                                        read_forensics=self.reader.read_forensics)
 
+    def track(self, loader: Any, *, ledger: Any = True, replay: bool | int = False, loss: Any = None,
+              ids: str | None = None, model: Any = None) -> Any:
+        """The ledger of bad steps on this loop (our ``LossScaler`` only): ``loader`` comes back yielding
+        the same batches, its sampler's indices recorded on the host; the bad steps are written at each
+        interval's read (``bad_steps.rank<r>.jsonl`` beside the dashboards: ``tensorboard=``, else
+        ``ledger``'s folder), and told in the summary. ``replay``, ``loss`` and ``ids`` as in
+        :meth:`LossScaler.track`; ``model`` is the model whose gradients a replay checks (else the
+        scaler's watched one).
+
+        Raises:
+            ValueError: a stock scaler (no ledger), or a bad argument.
+        """
+        scaler = self.reader.scaler
+        if self.reader.kind != "ours":
+            raise ValueError("the ledger of bad steps needs the lossscale-callbacks scaler (its outcomes and "
+                             "replay): a stock GradScaler has neither")
+        if model is not None:
+            scaler.watch(model)
+        folder = (self._tensorboard or None) if ledger is True else (ledger or None)
+        return scaler.track(loader, ledger=folder, replay=replay, loss=loss, ids=ids)
+
     def _read(self) -> Any:
         """The interval's read (every rank's state too, under torch.distributed); re-bases the count."""
-        state = self.reader.read()
+        state = self.reader.read()  # with the skip truth's outcomes: the ledger takes its bad steps there
         ranks = getattr(state, "ranks", None)
         self._ticks = ranks.rows[0][3] if ranks is not None else int(state.steps)
         return state
@@ -129,7 +151,7 @@ class ScalerStepMonitor:
         Closes the sinks made from ``tensorboard=``/``wandb=``; the framework's loggers are its own
         to close.
         """
-        return self.loop.finish(self._read())
+        return self.loop.finish(self._read())  # the ledger's words come with the read, as every read's
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the step count (and a stock scaler's skipped steps, which

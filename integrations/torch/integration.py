@@ -21,8 +21,10 @@ from lossscale_callbacks.integration import lazy_attributes
 if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imported on first use
     from lossscale_callbacks.torch._deepspeed_reader import has_deepspeed_scaler
     from lossscale_callbacks.torch._grad_scaler_compat import GRAD_SCALER_KEYS
+    from lossscale_callbacks.torch._ledger import check_replay, ledger_capture
     from lossscale_callbacks.torch._ops import TorchOps
     from lossscale_callbacks.torch._reader import warn_no_scaler
+    from lossscale_callbacks.torch._replay import loss_of_output
     from lossscale_callbacks.torch._step_monitor import ScalerStepMonitor
 
 # section -> {name: (the module that defines it, what an integration uses it for: one line)}.
@@ -37,10 +39,17 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
         "GRAD_SCALER_KEYS": ("torch._grad_scaler_compat",
                              "The keys of a torch.amp.GradScaler state dict (LossScaler writes them too)."),
         "TorchOps": ("torch._ops", "The update rule's ops on torch tensors (float32 scale, int64 counters)."),
+        "ledger_capture": ("torch._ledger",
+                           "A LossScaler's ledger capture (after track()): feed it batches and samplers."),
+        "check_replay": ("torch._ledger",
+                         "The replay argument checked: False, True or replays per log interval."),
+        "loss_of_output": ("torch._replay",
+                           "The loss in what a training step returned: a tensor, or a mapping's loss."),
     },
 }
 
-__all__ = ["GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "has_deepspeed_scaler", "warn_no_scaler"]
+__all__ = ["GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "check_replay", "has_deepspeed_scaler",
+           "ledger_capture", "loss_of_output", "warn_no_scaler"]
 
 _MODULES = {name: f"lossscale_callbacks.{module}" for entries in _CONTRACT.values()
             for name, (module, _) in entries.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from lossscale_callbacks.integration import (
     logging_args,
 )
 from lossscale_callbacks.torch import LossScaler, ScalerReader
-from lossscale_callbacks.torch.integration import warn_no_scaler
+from lossscale_callbacks.torch.integration import check_replay, ledger_capture, loss_of_output, warn_no_scaler
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -88,6 +89,16 @@ class LossScaleTrainerCallback(TrainerCallback):
             whose kernel skips where ``optimizer_step_was_skipped`` cannot see, the learning rate
             follows a device count, no host read. ``state.global_step`` still counts attempted steps
             (``max_steps`` ends the run): a run that skipped steps is flagged once.
+        ledger: the ledger of bad steps (installs a ``LossScaler``): ``True`` writes
+            ``bad_steps.rank<r>.jsonl`` into ``output_dir``, a folder writes there; each bad step with the
+            train sampler's indices (or ``ids``'s column); its words join the summary. No host read is
+            added to a step.
+        replay: replay each bad step's inputs (the model's forward and its ``loss``) on the same weights
+            with its RNG state, at the same scale, the policy's minimum and in float32: ``True`` (at most
+            4 per log interval) or the most per interval. See the "Which batch" page.
+        ids: a column of the train dataset (a ``datasets`` index column) that identifies the samples,
+            read at the sampler's indices for the bad steps only (the Trainer drops the column from the
+            batches: ``remove_unused_columns``).
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
             ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
             its Args); ``health="stop"`` sets ``should_training_stop``; the default ``echo`` writes
@@ -112,11 +123,22 @@ class LossScaleTrainerCallback(TrainerCallback):
 
     def __init__(self, *, policy: Policy | None = None, diagnose: bool | str = False,
                  scaler: torch.amp.GradScaler | None = None, log_every: int | None = None,
-                 every: str | None = None, hold: bool = True, **logging: Unpack[LoggingArgs]) -> None:
+                 every: str | None = None, hold: bool = True, ledger: Any = False,
+                 replay: bool | int = False, ids: str | None = None, **logging: Unpack[LoggingArgs]) -> None:
         self.diagnose = check_diagnose(diagnose)
         self.hold = check_bool("hold", hold)
         log_every, self.every = interval_args("LossScaleTrainerCallback", log_every, every,
                                               allowed=("trainer",), default=(None, "trainer"))
+        if not (ledger is None or isinstance(ledger, (bool, str, os.PathLike))):
+            raise ValueError(f"ledger must be True, False or a folder, got {ledger!r}")
+        self.ledger = ledger or False
+        self.replay = check_replay(replay)
+        if self.replay and not self.ledger:
+            raise ValueError("replay needs the ledger: LossScaleTrainerCallback(ledger=True, replay=True)")
+        if ids is not None and not isinstance(ids, str):
+            raise ValueError(f"ids must be None or the name of the train dataset's id column, got {ids!r}")
+        self.ids = ids
+        self._batch_hook: Any = None
         if policy is not None:
             check_policy("policy", policy)
         self.policy = policy
@@ -142,7 +164,8 @@ class LossScaleTrainerCallback(TrainerCallback):
     @property
     def installs(self) -> bool:
         """Whether :meth:`attach` installs a scaler (``policy``, ``diagnose`` or ``scaler`` given)."""
-        return self.policy is not None or bool(self.diagnose) or self._given_scaler is not None
+        return (self.policy is not None or bool(self.diagnose) or self._given_scaler is not None
+                or bool(self.ledger))
 
     def attach(self, trainer: Trainer) -> LossScaleTrainerCallback:
         """Add this callback to ``trainer`` (before ``trainer.train()``), installing the scaler if asked.
@@ -167,8 +190,10 @@ class LossScaleTrainerCallback(TrainerCallback):
                                  "loss scaler: it needs TrainingArguments(fp16=True)")
             self.installed = install_loss_scaler(trainer.accelerator, self._given_scaler, policy=self.policy,
                                                  diagnose=self.diagnose)
-            if self.diagnose:
+            if self.diagnose or self.ledger:
                 self.installed.watch(trainer.model)
+            if self.ledger:
+                self._track(trainer)
         callbacks = trainer.callback_handler.callbacks
         if self in callbacks:
             callbacks.remove(self)
@@ -176,6 +201,35 @@ class LossScaleTrainerCallback(TrainerCallback):
         callbacks.insert(flow[-1] + 1 if flow else 0, self)
         self._trainer = weakref.ref(trainer)
         return self
+
+    def _track(self, trainer: Trainer) -> None:
+        """The ledger on the installed scaler: each training forward of the model is a received micro-batch
+        (its inputs kept for replay); the sampler's indices name its samples."""
+        model, scaler = trainer.model, self.installed
+        folder = trainer.args.output_dir if self.ledger is True else self.ledger
+
+        def loss(batch: dict[str, Any]) -> Any:
+            # Accelerate wraps the prepared model's forward in its autocast: the replay calls the forward
+            # it wrapped (kept as _original_forward), under the replay's own autocast (or none: float32).
+            forward = getattr(model, "_original_forward", None) or model
+            return loss_of_output(forward(**batch))
+
+        scaler.track(None, ledger=folder, replay=self.replay, loss=loss if self.replay else None)
+        capture = ledger_capture(scaler)
+        capture.set_autocast(trainer.args.device.type, torch.float16)  # fp16=True: what an install needs
+        if self.ids is not None:
+            if self.ids not in getattr(trainer.train_dataset, "column_names", ()):
+                raise ValueError(f"ids={self.ids!r}: the train dataset has no such column (a "
+                                 "datasets.Dataset with an index column is needed)")
+            capture.column = (trainer.train_dataset, self.ids)
+
+        def received(module: Any, args: Any, kwargs: Any) -> None:
+            if module.training and torch.is_grad_enabled() and not args and not capture.replaying:
+                capture.on_batch(dict(kwargs))
+
+        if self._batch_hook is not None:
+            self._batch_hook.remove()
+        self._batch_hook = model.register_forward_pre_hook(received, with_kwargs=True, prepend=True)
 
     # ------------------------------------------------------------------------------ training
 
@@ -196,6 +250,9 @@ class LossScaleTrainerCallback(TrainerCallback):
             if all(f.obj is not scheduler for f in scaler.held):
                 scaler.hold(scheduler)  # a fused optimizer (the default adamw_torch_fused) included
         self.reader = ScalerReader(scaler, followers=[scheduler] if scheduler is not None else [])
+        capture = ledger_capture(scaler) if self.ledger else None
+        if capture is not None:
+            capture.watch_sampler(trainer.callback_handler.train_dataloader)
         self.reader.count_from(state.global_step)  # a stock GradScaler checkpoints no count: from here
         # state.global_step counts attempted optimizer steps, and max_steps ends the run: a follower too.
         self._step_base = (state.global_step, *self.reader.progress())
@@ -291,4 +348,6 @@ class LossScaleTrainerCallback(TrainerCallback):
             self._read_at = state.global_step
             self.loop.observe(self._with_global_step(self.reader.read(), state), sink_step=state.global_step,
                               forensics=self.reader.read_forensics())
-        self.loop.finish()  # prints the summary on the main process, closes the sinks it opened
+        # The ledger's words came with the reads. Prints the summary on the main process, closes the sinks
+        # it opened.
+        self.loop.finish()

@@ -14,11 +14,14 @@ fresh for each run (:meth:`LoggingLoop.start`) and tested alone:
 * ``_segments``: repeated reads, restarts, segments and the sinks' step offsets;
 * ``_rank_agreement``: every rank's state compared at a read;
 * ``_verdicts``: the health rules of a policy, the forensics' and the advice's verdicts;
+* ``_skip_truth``: each step's outcome as metrics, the not-held check, its sentence;
+* ``_ledger``: the ledger of bad steps a read carries, its lines in the summary, its file closed;
 * ``_fp8``: the fp8 scales of a run, read by an fp8 monitor (its metrics, rebuilt steps and findings);
 * ``_summary``: the end-of-run text.
 
-Where a new job plugs in (the skip truth of each step, a ledger of bad steps written beside the
-dashboards, fp8 scale health): a room here, made in ``_begin_run``; in :meth:`LoggingLoop.observe` its
+Where a new job plugs in (as the skip truth and the ledger of bad steps did; fp8 scale health): a room
+here, made in ``_begin_run``; what it needs of a read comes with the state (``carry``: the outcomes, the
+followers' counts, the ledger) and is taken before the state is checked; in :meth:`LoggingLoop.observe` its
 metrics join the read's ``metrics`` before the one write, its verdicts join those handed to ``_act``
 (warned, raised or stopped on, and alerted to the sinks), and what it writes besides goes to
 ``self._sinks.out`` (the writer's sinks, nothing on other ranks); its sentence for the summary joins the
@@ -45,6 +48,7 @@ from lossscale_callbacks.fp8._reads import Fp8Read
 from lossscale_callbacks.fp8._rules import split_fp8_health
 from lossscale_callbacks.loop._clock import IntervalClock
 from lossscale_callbacks.loop._fp8 import Fp8Scales
+from lossscale_callbacks.loop._ledger import LedgerRoom
 from lossscale_callbacks.loop._rank_agreement import RankAgreement, split_health
 from lossscale_callbacks.loop._run_sinks import RunSinks
 from lossscale_callbacks.loop._segments import Segments
@@ -240,6 +244,7 @@ class LoggingLoop:
         self._diagnosis = Diagnosis()
         self._skips = SkipTruth()
         self._fp8 = Fp8Scales(self._fp8_rules, self._ranks_rule)
+        self._ledger = LedgerRoom()
         self.summary: str | None = None
         self.should_stop = False  # a "stop" rule fired in this run
         self.tracker = MetricsTracker(1.0)
@@ -318,6 +323,7 @@ class LoggingLoop:
         """
         ranks = getattr(state, "ranks", None)
         outcomes = getattr(state, "outcomes", None)
+        self._ledger.seen(getattr(state, "ledger", None))
         state = observed_state(state)
         self._interval.read()
         if self._segments.repeated(state, self.tracker.last):
@@ -371,6 +377,7 @@ class LoggingLoop:
         # What the state carries for the skip truth (torch's ScalerReader): the interval's step outcomes
         # and what follows the optimizer (each scheduler's, EMA's, trainer's own step count).
         outcomes, followers = getattr(state, "outcomes", None), getattr(state, "followers", ())
+        self._ledger.seen(getattr(state, "ledger", None))  # the ledger of bad steps: its words at the end
         state = observed_state(state)
         self._interval.read()
         out, last, segments = self._sinks.out, self.tracker.last, self._segments
@@ -460,7 +467,7 @@ class LoggingLoop:
             self.summary = text = self._fp8.summary(note)
         else:
             sentences = [self._skips.sentence(), self._ranks.sentence(), self._segments.sentence(),
-                         self._fp8.sentence()]
+                         self._ledger.sentence(), self._fp8.sentence()]
             self.summary = text = run_summary(self.tracker, min_scale, sentences, self.health,
                                               self._diagnosis, out, note)
         if self.writer:
@@ -469,6 +476,7 @@ class LoggingLoop:
             out.flush()
             if self.echo is not None:
                 self.echo(text)
+        self._ledger.close()
         self._sinks.close_owned()
         return text
 
@@ -488,5 +496,7 @@ class LoggingLoop:
 
     def close(self) -> None:
         """Close every sink: the owned ones and the caller's (releasing files and runs; a disabled sink
-        is closed too). A loop that must leave the caller's sinks open ends its runs with :meth:`finish`."""
+        is closed too), and the file of the ledger of bad steps. A loop that must leave the caller's sinks
+        open ends its runs with :meth:`finish`."""
+        self._ledger.close()
         self._sinks.close()

@@ -38,7 +38,8 @@ def run_summary(tracker: MetricsTracker, min_scale: float | None, sentences: Ite
     Args:
         tracker: the run's tracker (its last snapshot; the minimum it judges by, for the advice).
         min_scale: the policy's minimum (``None`` without a policy).
-        sentences: what the loop's rooms add to the first paragraph, in order, each with its leading space.
+        sentences: what the loop's rooms add to the first paragraph, in order, each with its leading space
+            (or a leading newline: lines of their own, as the ledger's bad steps).
         health: the run's health rules (``LoggingLoop.health``; ``None``: off), for their assessment.
         diagnosis: the run's forensics, for their words and the precision advice (written to ``out`` too).
         out: where the advice is written (``loss_scale/advice``).

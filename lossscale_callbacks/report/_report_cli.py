@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -86,10 +87,66 @@ class RunOutcome:
     install: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The run for ``--json``: the report's numbers when it was read, else why not."""
+        """The run for ``--json``: the report's numbers when it was read, else why not; the ledger of bad
+        steps beside it when there is one (``"ledger"``: its entries and the bad samples)."""
         head = {"path": self.path, "reader": self.reader, "status": self.status, "reason": self.reason,
                 "install": self.install}
-        return head if self.report is None else {**self.report.to_json(), **head}
+        out = head if self.report is None else {**self.report.to_json(), **head}
+        ledger = _ledger_json(self.path)
+        if ledger is not None:
+            out["ledger"] = ledger
+        return out
+
+
+def _has_ledger(path: str) -> bool:
+    """Whether a ledger of bad steps lies beside the run (looked for without loading the ledger's modules)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    return bool(glob.glob(os.path.join(glob.escape(folder), "bad_steps.rank*.jsonl")))
+
+
+def _ledger_json(path: str) -> dict[str, Any] | None:
+    if not _has_ledger(path):
+        return None
+    from lossscale_callbacks.ledger._read import bad_samples, read_ledgers
+
+    entries = read_ledgers(path)
+    return {"entries": [json.loads(e.to_json()) for e in entries],
+            "bad_samples": [{"sample": b.sample, "steps": list(b.steps), "ranks": list(b.ranks),
+                             "verdicts": list(b.verdicts), "layers": list(b.layers)}
+                            for b in bad_samples(entries)]}
+
+
+def _ledger_text(path: str) -> str | None:
+    """The report's section on the ledger beside the run: the bad samples, then the bad steps in words."""
+    if not _has_ledger(path):
+        return None
+    from lossscale_callbacks.ledger._read import ledger_markdown, read_ledgers
+
+    text = ledger_markdown(read_ledgers(path))
+    return f"Ledger of bad steps:\n{text}" if text else None
+
+
+def _write_skip_list(path: str, folder: str) -> str:
+    """``--skip-list``: the skip list of the ledger beside the run, into ``folder``."""
+    from lossscale_callbacks.ledger._read import read_ledgers
+    from lossscale_callbacks.ledger._skip import write_skip_list
+
+    samples, batches = write_skip_list(read_ledgers(path), folder)
+    return f"Skip list: {samples} and {batches} (Lightning's skip_batches.json format)"
+
+
+def _ledger_only(args: argparse.Namespace) -> int:
+    """A folder that holds a ledger of bad steps and no run (a loop with no dashboard): the ledger alone."""
+    if args.json:
+        print(json.dumps({"run": args.run, "runs": [], "ledger": _ledger_json(args.run)}, indent=2,
+                         sort_keys=True))
+    else:
+        print(printable(f"{args.run}: no dashboard run here, only a ledger of bad steps."))
+        print(printable(_ledger_text(args.run) or "Ledger of bad steps: empty."))
+    if getattr(args, "skip_list", None):
+        message = _write_skip_list(args.run, args.skip_list)
+        print(printable(message), file=sys.stderr if args.json else sys.stdout)
+    return EXIT_OK
 
 
 def judge_run(found: FoundRun, min_scale: float | None = None) -> RunOutcome:
@@ -222,8 +279,17 @@ def _single(outcome: RunOutcome, args: argparse.Namespace, png_format: str | Non
         writer.finish(png, counts, error=_none_read(args, counts))
     else:
         print(outcome.report.text())
+        ledger = _ledger_text(outcome.path)
+        if ledger:
+            print(printable(ledger))
         if png:
             print(printable(f"Picture: {png}"))
+    if getattr(args, "skip_list", None):
+        if not _has_ledger(outcome.path):
+            return _fail(args, f"{outcome.path}: --skip-list needs a ledger of bad steps beside the run "
+                               "(bad_steps.rank<r>.jsonl); there is none")
+        message = _write_skip_list(outcome.path, args.skip_list)
+        print(printable(message), file=sys.stderr if args.json else sys.stdout)
     return _exit_status(args, counts)
 
 
@@ -269,6 +335,8 @@ def run_report(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(args, str(exc))
     runs = discover_runs(args.run)
+    if not runs and os.path.isdir(args.run) and _has_ledger(args.run):
+        return _ledger_only(args)
     if not runs:
         return _fail(args, f"{args.run}: no such file or folder" if not os.path.lexists(args.run) else
                      f"{args.run}: no TensorBoard or W&B run here (no events.out.tfevents.* file and no "
@@ -328,6 +396,10 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
                         "(.png, .svg or .pdf; the folder must hold one readable run; needs the [plot] extra)")
     parser.add_argument("--min-scale", type=positive_number("--min-scale"), default=None, metavar="X",
                         help="the policy's min_scale (default: as logged by the run, else 1)")
+    parser.add_argument("--skip-list", metavar="DIR", default=None,
+                        help="write the skip list of the ledger of bad steps beside the run into DIR: "
+                             "skip_samples.json (what skip_samples() reads) and skip_batches.json "
+                             "(Lightning's SpikeDetection format); one run only")
     parser.add_argument("--fail-unhealthy", action="store_true",
                         help="exit with status 1 when any run has a health problem, holds damaged records "
                              "or could not be read (for CI)")
