@@ -118,7 +118,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from lossscale_callbacks.fp8._formats import E4M3, E5M2, Fp8Format
     from lossscale_callbacks.fp8._ranks import Fp8Ranks
     from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead
-    from lossscale_callbacks.ledger._book import Ledger, bad_steps
+    from lossscale_callbacks.ledger._book import Ledger, bad_steps, check_ledger
     from lossscale_callbacks.ledger._entry import MicroBatch, Replay
     from lossscale_callbacks.ledger._samples import SampleTracker
     from lossscale_callbacks.loop._clock import interval_args
@@ -323,6 +323,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
             "One rank's bad steps: bounded, written as JSON lines beside the dashboards, told in words."),
         "bad_steps": ("ledger._book",
             "An interval's bad steps (cause, scale, applied) from the skip truth's IntervalOutcomes."),
+        "check_ledger": ("ledger._book",
+            "An integration's ledger= argument checked: False, True or a folder, else a ValueError."),
         "MicroBatch": ("ledger._entry",
             "One micro-batch of a bad step: its place and its sample identities."),
         "Replay": ("ledger._entry",
@@ -426,6 +428,7 @@ __all__ = [
     "check_diagnose",
     "check_int",
     "check_known",
+    "check_ledger",
     "check_number",
     "check_policy",
     "check_spike",

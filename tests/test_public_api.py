@@ -73,6 +73,7 @@ EXTENSION: dict[str, list[str]] = {
         "RankStates", "RankedState", "Replay", "Role", "RunReadError", "RunSeries", "SampleTracker",
         "Snapshot", "SpikeRule", "TensorRead", "Verdict", "advise", "bad_steps", "carry", "check_archive",
         "check_batch_size", "check_bool", "check_choice", "check_diagnose", "check_int", "check_known",
+        "check_ledger",
         "check_number", "check_policy", "check_spike", "decode_records", "einsum_gemm", "ended_inside_record",
         "get_target", "host_number", "interval_args", "is_event_file_name", "is_policy", "is_regular_file",
         "largest_finite_scale", "layer_of", "lazy_attributes", "logging_args", "matmul_gemm",

@@ -21,25 +21,20 @@ from the iterator inside ``fit``), so it cannot run it again; each entry says so
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from lossscale_callbacks.integration import Ledger, MicroBatch, bad_steps, check_int, process_rank
+from lossscale_callbacks.integration import (
+    Ledger,
+    MicroBatch,
+    bad_steps,
+    check_int,
+    check_ledger,
+    process_rank,
+)
 
 __all__ = ["NO_REPLAY", "KerasLedger", "check_unshuffled"]
 
 NO_REPLAY = "keras: a callback never sees the batch fit feeds its compiled step"
-
-
-def check_ledger(ledger: Any) -> Any:
-    """``ledger``: ``False`` (off), ``True`` (beside the dashboards: ``tensorboard=``) or a folder.
-
-    Raises:
-        ValueError: anything else, naming ``ledger``.
-    """
-    if ledger is None or isinstance(ledger, (bool, str, os.PathLike)):
-        return ledger or False
-    raise ValueError(f"ledger must be True, False or a folder, got {ledger!r}")
 
 
 def check_unshuffled(unshuffled: Any) -> tuple[int, int] | None:

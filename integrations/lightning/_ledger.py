@@ -15,27 +15,16 @@ no loss for the library to replay: the ledger records the bad steps without repl
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import torch
 
+from lossscale_callbacks.integration import check_ledger
 from lossscale_callbacks.torch import LossScaler
 from lossscale_callbacks.torch.integration import check_replay, ledger_capture, loss_of_output
 
-__all__ = ["LightningLedger", "check_ledger"]
-
-
-def check_ledger(ledger: Any) -> Any:
-    """``ledger``: ``False`` (off), ``True`` (beside the trainer's logs) or a folder.
-
-    Raises:
-        ValueError: anything else, naming ``ledger``.
-    """
-    if ledger is None or isinstance(ledger, (bool, str, os.PathLike)):
-        return ledger or False
-    raise ValueError(f"ledger must be True, False or a folder, got {ledger!r}")
+__all__ = ["LightningLedger"]
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from lossscale_callbacks.integration import (
     carry,
     check_bool,
     check_diagnose,
+    check_ledger,
     check_policy,
     interval_args,
     logging_args,
@@ -129,9 +129,7 @@ class LossScaleTrainerCallback(TrainerCallback):
         self.hold = check_bool("hold", hold)
         log_every, self.every = interval_args("LossScaleTrainerCallback", log_every, every,
                                               allowed=("trainer",), default=(None, "trainer"))
-        if not (ledger is None or isinstance(ledger, (bool, str, os.PathLike))):
-            raise ValueError(f"ledger must be True, False or a folder, got {ledger!r}")
-        self.ledger = ledger or False
+        self.ledger = check_ledger(ledger)
         self.replay = check_replay(replay)
         if self.replay and not self.ledger:
             raise ValueError("replay needs the ledger: LossScaleTrainerCallback(ledger=True, replay=True)")

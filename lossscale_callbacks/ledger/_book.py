@@ -29,7 +29,23 @@ from lossscale_callbacks.ledger._entry import Entry, MicroBatch, Replay
 from lossscale_callbacks.ledger._read import ledger_file
 from lossscale_callbacks.ledger._words import group_sentences
 
-__all__ = ["MAX_ENTRIES", "Ledger", "bad_steps"]
+__all__ = ["MAX_ENTRIES", "Ledger", "bad_steps", "check_ledger"]
+
+
+def check_ledger(ledger: Any) -> bool | str | os.PathLike[str]:
+    """An integration's ``ledger=`` argument: ``False`` or ``None`` (off), ``True`` (beside the
+    dashboards) or a folder.
+
+    Raises:
+        ValueError: anything else, naming ``ledger``.
+
+    Example:
+        >>> check_ledger(None), check_ledger("runs/ledger")
+        (False, 'runs/ledger')
+    """
+    if ledger is None or isinstance(ledger, (bool, str, os.PathLike)):
+        return ledger or False
+    raise ValueError(f"ledger must be True, False or a folder, got {ledger!r}")
 
 MAX_ENTRIES = 10_000
 
