@@ -11,7 +11,7 @@ import dataclasses
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from lossscale_callbacks._metrics import Snapshot
 from lossscale_callbacks._validation import INT64_MAX, check_choice, check_int, check_number
@@ -416,6 +416,39 @@ def evaluate(rules: Iterable[Rule], history: Sequence[Snapshot]) -> list[Verdict
 
 
 HealthSpec = None | bool | str | Rule | Iterable[Rule]
+
+
+def split_rules(spec: Any, kinds: type | tuple[type, ...],
+                defaults: Callable[[str], tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...] | None]:
+    """``health=`` split in two: what is left for the loss-scale rules, and the rules of ``kinds`` that a
+    room of the logging loop judges by itself (the ranks' agreement, the followers, the fp8 scales).
+
+    ``True`` or an action brings ``defaults(action)``; a rule of ``kinds`` brings itself (leaving no
+    loss-scale rule); a list brings the rules of ``kinds`` in it (taken out of the list); another single
+    rule brings none (``()``); ``None``/``False``, and anything that is not a list, ``None``.
+
+    Example:
+        >>> rates = lambda action: (SkipRate(action=action),)
+        >>> rest, mine = split_rules([ConsecutiveSkips(), SkipRate()], SkipRate, rates)
+        >>> [type(r).__name__ for r in rest], [type(r).__name__ for r in mine]
+        (['ConsecutiveSkips'], ['SkipRate'])
+        >>> split_rules("raise", SkipRate, rates)[1][0].action
+        'raise'
+    """
+    if spec is None or spec is False:
+        return spec, None
+    if spec is True or isinstance(spec, str):
+        action = "warn" if spec is True else spec
+        return spec, defaults(action) if action in ACTIONS else None
+    if isinstance(spec, kinds):
+        return [], (spec,)
+    if callable(spec):
+        return spec, ()
+    try:
+        rules = list(spec)
+    except TypeError:
+        return spec, None
+    return [r for r in rules if not isinstance(r, kinds)], tuple(r for r in rules if isinstance(r, kinds))
 
 
 class HealthMonitor:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from lossscale_callbacks._health import ACTIONS, Verdict
+from lossscale_callbacks._health import ACTIONS, Verdict, split_rules
 from lossscale_callbacks._validation import check_choice, check_number
 from lossscale_callbacks.fp8._formats import fp8_format
 from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead, merged_tensors
@@ -265,22 +265,7 @@ def split_fp8_health(spec: Any) -> tuple[Any, tuple[object, ...] | None]:
         >>> rest, [type(r).__name__ for r in fp8]
         ([], ['Fp8ZeroAmax'])
     """
-    if spec is None or spec is False:
-        return spec, None
-    if spec is True:
-        return spec, default_fp8_rules()
-    if isinstance(spec, str):
-        return spec, default_fp8_rules(spec) if spec in ACTIONS else None
-    if isinstance(spec, FP8_RULE_TYPES):
-        return [], (spec,)
-    if callable(spec):
-        return spec, ()
-    try:
-        rules = list(spec)
-    except TypeError:
-        return spec, None
-    return ([r for r in rules if not isinstance(r, FP8_RULE_TYPES)],
-            tuple(r for r in rules if isinstance(r, FP8_RULE_TYPES)))
+    return split_rules(spec, FP8_RULE_TYPES, default_fp8_rules)
 
 
 class Fp8Health:

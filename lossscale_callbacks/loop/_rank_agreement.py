@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from lossscale_callbacks._health import ACTIONS, Verdict
+from lossscale_callbacks._health import ACTIONS, Verdict, split_rules
 from lossscale_callbacks._metrics import RANKS_DISAGREE, RANKS_TAG
 from lossscale_callbacks._sinks import SinkGroup
 from lossscale_callbacks._state import LossScaleState
@@ -149,22 +149,8 @@ def split_health(spec: Any) -> tuple[Any, RanksDisagree | None]:
     of rules brings the :class:`RanksDisagree` in it (taken out of the list); ``None``/``False``
     none.
     """
-    if spec is None or spec is False:
-        return spec, None
-    if spec is True:
-        return spec, RanksDisagree()
-    if isinstance(spec, str):
-        return spec, RanksDisagree(spec) if spec in ACTIONS else None
-    if isinstance(spec, RanksDisagree):
-        return [], spec
-    if callable(spec):
-        return spec, None
-    try:
-        rules = list(spec)
-    except TypeError:
-        return spec, None
-    ours = [r for r in rules if isinstance(r, RanksDisagree)]
-    return [r for r in rules if not isinstance(r, RanksDisagree)], (ours[-1] if ours else None)
+    spec, rules = split_rules(spec, RanksDisagree, lambda action: (RanksDisagree(action),))
+    return spec, (rules[-1] if rules else None)
 
 
 class RankAgreement:

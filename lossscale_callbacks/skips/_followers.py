@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from lossscale_callbacks._health import ACTIONS
+from lossscale_callbacks._health import ACTIONS, split_rules
 from lossscale_callbacks._validation import check_choice
 
 SCHEDULER, EMA, TRAINER_STEP = "scheduler", "ema", "trainer_step"
@@ -71,18 +71,8 @@ class NotHeld:
 def split_not_held(spec: Any) -> tuple[Any, NotHeld | None]:
     """``health=`` without the :class:`NotHeld` rule, and the rule it asks for: ``True`` or an action brings
     ``NotHeld()``; a list brings the one in it (taken out); ``None``/``False``/a single rule none."""
-    if spec is None or spec is False or (callable(spec) and not isinstance(spec, NotHeld)):
-        return spec, None
-    if spec is True or isinstance(spec, str):
-        return spec, NotHeld()
-    if isinstance(spec, NotHeld):
-        return [], spec
-    try:
-        rules = list(spec)
-    except TypeError:
-        return spec, None
-    ours = [r for r in rules if isinstance(r, NotHeld)]
-    return [r for r in rules if not isinstance(r, NotHeld)], (ours[-1] if ours else None)
+    spec, rules = split_rules(spec, NotHeld, lambda action: (NotHeld(),))  # named, never raised on
+    return spec, (rules[-1] if rules else None)
 
 
 class FollowerCount(NamedTuple):
