@@ -58,8 +58,7 @@ class LossScaleCallback(keras.callbacks.Callback):
     state once (the only host read it adds) and hands it to its
     :class:`~lossscale_callbacks.LoggingLoop`. **Put it before** the callbacks that read ``logs``
     (``TensorBoard``, ``CSVLogger``, ``EarlyStopping``, W&B's): Keras passes one ``logs`` dict down the
-    list. Saving, CSV columns and the cost are on the documentation's
-    "Keras" page.
+    list. Saving, CSV columns and the cost are on the documentation's "Keras" page.
 
     Args:
         log_every: every this many optimizer steps (the optimizer's iterations, skipped steps included,
@@ -82,27 +81,20 @@ class LossScaleCallback(keras.callbacks.Callback):
             the health warnings and the summary. No host read is added to the step.
         headroom_every: optimizer steps between float16 headroom samples with ``diagnose``.
         trace_every: with ``diagnose``, optimizer steps between traced forward passes (per layer the
-            largest ``|output|`` and the layer that produced the first non-finite activation, on the
-            device). In ``fit`` on TensorFlow and JAX the traced steps run a train function of
-            their own, chosen on the host, so the other steps carry nothing of the trace, and the
-            step after the epoch's loss turned non-finite is traced too (once per epoch: Keras'
-            loss is a running mean); with ``steps_per_execution > 1``, several replicas, or a
-            custom loop, the device schedules the traces in the step (and traces the step after
-            any untraced skip). ``diagnose="every_step"`` traces every step; ``None``: none.
+            largest ``|output|`` and the layer that first produced a non-finite activation, on the
+            device; in ``fit`` on TensorFlow and JAX the traced steps run a train function of their own,
+            so the others carry nothing of it: the "Keras" page says when the device schedules them).
+            ``diagnose="every_step"`` traces every step; ``None``: none.
         check_alignment: run the Tensor Core alignment checker once at the first
             ``on_train_begin``, print its report and write it to the sinks (TensorFlow backend; on
             JAX and torch it warns and training goes on).
-        ledger: the ledger of bad steps (see :mod:`~lossscale_callbacks.keras._ledger` and the "Which
-            batch" page): ``True`` writes ``bad_steps.rank<r>.jsonl`` beside ``tensorboard=`` (in memory
-            without it), a folder writes there. Each skipped step with its epoch and batch index in the
-            epoch, its cause and scale (the optimizer's device ring, read with the state: no read of its
-            own), and the layers the forensics name (``diagnose=``); its words join the summary. No replay:
-            a callback never sees the batch ``fit`` feeds its compiled step.
-        unshuffled: ``(rows, batch_size)`` of ``fit``'s NumPy inputs when given with ``shuffle=False``:
-            each entry then lists its batch's rows too (Keras tells a callback neither; with shuffling on,
-            its permutation is exposed nowhere, so the epoch and batch index are the identity).
-        replay: not available in Keras ``fit`` (the torch integrations' replay of a bad step): ``True``
-            raises a ``ValueError`` that says why.
+        ledger: the ledger of bad steps (the "Which batch" page): ``True`` writes it beside
+            ``tensorboard=`` (in memory without it), a folder there: each skipped step with its epoch and
+            batch index, cause, scale (read with the state: no read of its own) and, with ``diagnose=``,
+            the layers named. No replay: a callback never sees the batch ``fit`` feeds its step.
+        unshuffled: ``(rows, batch_size)`` of ``fit``'s NumPy inputs given with ``shuffle=False``: each
+            entry then lists its batch's rows too (Keras exposes a shuffled order nowhere).
+        replay: not available in Keras ``fit``: ``True`` raises a ``ValueError`` that says why.
 
     Raises:
         ValueError: an argument is invalid, named (``tensorboard=""``, ``wandb={"mode": "x"}``,

@@ -48,7 +48,8 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
     its optimizer: then the steps are not counted, and everything read from the histories still is.
 
     Args:
-        log_every: optimizer steps between reads (>= 1, at most the history's length minus 2).
+        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop`, in optimizer steps (>= 1;
+            at most the history's length minus 2).
         count_every: optimizer steps between counted steps (>= 1; 1 counts every step).
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``,
             ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given; a ``"stop"`` rule sets

@@ -93,18 +93,14 @@ class LossScaleOptimizer(SeedAPI, keras.optimizers.LossScaleOptimizer):
         policy: any core policy (hysteresis, min/max scale, factors) instead of the three
             seed arguments.
         name: the optimizer's name.
-        diagnose: overflow forensics, on every backend (see :mod:`lossscale_callbacks.forensics._gradients`
-            and :mod:`~lossscale_callbacks.keras._forensics_wiring`): ``True`` records on the device
-            why each skipped step was skipped, which layers' gradients were non-finite and in which
-            layer the overflow started, and samples the float16 headroom every ``headroom_every``
-            steps; ``"every_step"`` samples every step. Read with :meth:`read_forensics`;
-            :meth:`watch` names the layers by the model's layer objects, in its order (gradients are
-            matched to layers by variable). Not in the config.
+        diagnose: overflow forensics on every backend (:mod:`lossscale_callbacks.forensics._gradients`):
+            ``True`` records on the device why each skipped step was skipped, which layers' gradients
+            were non-finite and where the overflow started, and samples the float16 headroom every
+            ``headroom_every`` steps (``"every_step"``: every step). Read with :meth:`read_forensics`;
+            :meth:`watch` names the layers by the model's layer objects. Not in the config.
         headroom_every: steps between headroom samples.
-        outcome_capacity: the skipped steps the device ring of step outcomes keeps between two reads of
-            :meth:`read_state_and_outcomes` (default 64; more are counted, the oldest not listed). Each step
-            writes the ring on the device (see :mod:`~lossscale_callbacks.keras._outcome_ring`). Not in the
-            config.
+        outcome_capacity: the skipped steps the device ring of step outcomes keeps between two reads
+            (default 64; more are counted, the oldest not listed). Not in the config.
 
     Raises:
         ValueError: an argument is invalid (named), e.g. an inner optimizer that is already a loss

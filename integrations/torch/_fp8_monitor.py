@@ -55,7 +55,7 @@ class Fp8ScaleMonitor:
 
     Args:
         model: the model (wrappers such as DDP and ``torch.compile``'s are looked through).
-        log_every: optimizer steps between reads (>= 1).
+        log_every: the interval of :class:`~lossscale_callbacks.LoggingLoop`, in optimizer steps (>= 1).
         count_every: optimizer steps between counted steps (>= 1; 1 counts every step).
         process_group: the group the ranks are compared in (default: the whole world).
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``, ``health=``,

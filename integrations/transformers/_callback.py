@@ -62,9 +62,8 @@ class LossScaleTrainerCallback(TrainerCallback):
     end of training), or every ``log_every`` optimizer steps (the Trainer is asked to log then), the
     callback reads the Trainer's loss scaler once (never per step) and adds the metrics to the ``logs``
     that TensorBoard, W&B, MLflow... and the progress bar receive, at the Trainer's ``global_step`` like
-    its loss. The logs of ``evaluate()`` and ``predict()`` are left
-    alone. The core's :class:`~lossscale_callbacks.LoggingLoop` runs the health rules and prints the
-    summary on the main process.
+    its loss (not the logs of ``evaluate()``, ``predict()``). The core's
+    :class:`~lossscale_callbacks.LoggingLoop` runs the health rules and prints the summary on rank 0.
 
     The scaler read is the Trainer's (Accelerate's ``GradScaler``, whose skips are counted on the
     device) or, with ``policy``, ``diagnose`` or ``scaler`` given, the one :meth:`attach` installs
@@ -89,16 +88,13 @@ class LossScaleTrainerCallback(TrainerCallback):
             whose kernel skips where ``optimizer_step_was_skipped`` cannot see, the learning rate
             follows a device count, no host read. ``state.global_step`` still counts attempted steps
             (``max_steps`` ends the run): a run that skipped steps is flagged once.
-        ledger: the ledger of bad steps (installs a ``LossScaler``): ``True`` writes
-            ``bad_steps.rank<r>.jsonl`` into ``output_dir``, a folder writes there; each bad step with the
-            train sampler's indices (or ``ids``'s column); its words join the summary. No host read is
-            added to a step.
-        replay: replay each bad step's inputs (the model's forward and its ``loss``) on the same weights
-            with its RNG state, at the same scale, the policy's minimum and in float32: ``True`` (at most
-            4 per log interval) or the most per interval. See the "Which batch" page.
-        ids: a column of the train dataset (a ``datasets`` index column) that identifies the samples,
-            read at the sampler's indices for the bad steps only (the Trainer drops the column from the
-            batches: ``remove_unused_columns``).
+        ledger: the ledger of bad steps (installs a ``LossScaler``; the "Which batch" page): ``True``
+            writes it into ``output_dir``, a folder there; each bad step with the train sampler's indices
+            (or ``ids``'s column). No host read is added to a step.
+        replay: replay each bad step on the same weights and RNG state, at the same scale, the minimum
+            and in float32: ``True`` (at most 4 per log interval) or the most per interval.
+        ids: a column of the train dataset (a ``datasets`` index) naming the samples, read at the
+            sampler's indices for the bad steps only.
         **logging: the shared logging arguments (``tensorboard=``, ``wandb=``, ``sinks=``,
             ``health=``, ``echo=``), handed to :class:`~lossscale_callbacks.LoggingLoop` as given (see
             its Args); ``health="stop"`` sets ``should_training_stop``; the default ``echo`` writes
