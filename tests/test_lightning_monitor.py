@@ -173,7 +173,7 @@ def test_the_library_reads_the_device_only_at_the_log_interval(optimizer, per_st
     with HostReadCounter(only_under=LIBRARY) as counter:
         trainer, loggers = _fit(pl, LossScaleMonitor(), model=model, max_steps=8, log_every_n_steps=4)
     assert [s for s, _ in loggers[0].series("loss_scale/scale")] == [3, 7]
-    interval = [("cpu", "_update_paths.py"), ("tolist", "_update_paths.py")]  # the state, one copy
+    interval = [("cpu", "_update_paths.py"), ("numpy", "_update_paths.py")]  # the state, one copy
     assert counter.reads == (per_step * 4 + interval) * 2
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 1
 

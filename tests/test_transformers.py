@@ -126,7 +126,7 @@ def test_the_trainers_tensorboard_files_hold_the_scale_and_the_skips(tmp_path, k
 
 
 def test_no_host_read_in_a_step_only_at_the_trainers_log_steps(tmp_path):
-    for kind, read in (("ours", [("cpu", "_update_paths.py"), ("tolist", "_update_paths.py")]),
+    for kind, read in (("ours", [("cpu", "_update_paths.py"), ("numpy", "_update_paths.py")]),
                        ("stock", [("cpu", "_stock.py"), ("tolist", "_stock.py")])):
         tiny_accelerate.reset_accelerate()
         # The Trainer's default optimizer (fused AdamW) decides the skip on the device for both scalers.
