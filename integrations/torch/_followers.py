@@ -31,9 +31,24 @@ from lossscale_callbacks.torch._held import describe, scheduler_graph, unwrap_op
 _FOLLOWER_TYPES = (LRScheduler, ReduceLROnPlateau, AveragedModel)
 
 
+def _with_subclasses(classes: Iterable[type]) -> set[type]:
+    found: set[type] = set()
+    todo = list(classes)
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.add(cls)
+            todo.extend(cls.__subclasses__())
+    return found
+
+
 def find_followers() -> list[Any]:
-    """Every LR scheduler and ``AveragedModel`` alive in this process (one pass over gc's objects)."""
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), _FOLLOWER_TYPES)]  # type(): no __class__
+    """Every LR scheduler and ``AveragedModel`` alive in this process: once, when a reader is made and at
+    its first read. An instance refers to its class, so gc's referrers of the follower classes are the
+    candidates (one pass in C over gc's objects: half the time of a Python loop over them, about 0.1 s
+    in a process that loaded TensorFlow, Lightning and Transformers)."""
+    classes = _with_subclasses(_FOLLOWER_TYPES)
+    return [obj for obj in gc.get_referrers(*classes) if type(obj) in classes]  # type(): no __class__
 
 
 def _averages_these(ema: Any, shapes: Counter) -> bool:
