@@ -18,6 +18,7 @@ import io
 import os
 import runpy
 import sys
+import time
 import warnings
 
 import keras
@@ -43,6 +44,7 @@ def main(out: str, scripts: list[str]) -> None:
         _as_fresh(filters)
         sys.argv = [os.path.join(HERE, script), folder]
         printed = io.StringIO()
+        start = time.perf_counter()
         try:
             with contextlib.redirect_stdout(printed):
                 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -50,6 +52,8 @@ def main(out: str, scripts: list[str]) -> None:
             sys.argv = argv
             lines = printed.getvalue().splitlines()
             sys.stdout.write("".join(f"{line}\n" for line in lines if not line.startswith("RESULT ")))
+        # what each script costs the suite, in the failure output and for whoever trims it
+        print(f"[run_checks] {script}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         (line,) = (line for line in lines if line.startswith("RESULT "))
         print(f"RESULT {script} {line[len('RESULT '):]}", flush=True)
 
