@@ -182,8 +182,15 @@ class _Follower:
     def device_counters(self) -> list[torch.Tensor]:
         return []
 
+    _originals: dict[str, Any]  # the instance attributes the hold replaced (None: there was none)
+
     def release(self) -> None:
-        raise NotImplementedError
+        """Everything back: the object's own attributes as they were before the hold."""
+        for name, original in self._originals.items():
+            if original is None:
+                self.obj.__dict__.pop(name, None)
+            else:
+                self.obj.__dict__[name] = original
 
 
 class HeldScheduler(_Follower):
@@ -369,11 +376,7 @@ class HeldScheduler(_Follower):
 
     def release(self) -> None:
         """Everything back: the scheduler's methods, the optimizer's float learning rates."""
-        for name, original in self._originals.items():
-            if original is None:
-                self.obj.__dict__.pop(name, None)
-            else:
-                self.obj.__dict__[name] = original
+        super().release()
         for hook in self._opt_hooks:
             hook.remove()
         if self.mode == "device":
@@ -468,13 +471,6 @@ class HeldEMA(_Follower):
 
     def steps_taken(self) -> int:
         return self._taken
-
-    def release(self) -> None:
-        for name, original in self._originals.items():
-            if original is None:
-                self.obj.__dict__.pop(name, None)
-            else:
-                self.obj.__dict__[name] = original
 
 
 class Holder:
