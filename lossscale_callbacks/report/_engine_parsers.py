@@ -537,6 +537,14 @@ class _OverflowParser(_Parser):
         for _, done, total, kind in counters:
             self._tick(done, total, kind)
 
+    def _in_line_order(self, line: str, matches: list[tuple[int, Any]]) -> None:
+        """The line's messages and the terminal's counters, each handled where it stands in the line."""
+        for _, part in _parts(line, matches, self.line_counters):
+            if isinstance(part, tuple):
+                self._tick(*part)
+            else:
+                self._message(part)  # DeepSpeed's and apex's parsers (one match each)
+
     def _tick(self, done: int, total: int, kind: str) -> None:
         """A counter of the terminal: ``done`` steps done (a tqdm bar's smaller total is another bar)."""
         if not self.uses_counters:
@@ -908,11 +916,7 @@ class DeepSpeedParser(_OverflowParser):
                 self.wordings.add("deepspeed.at-minimum")
                 return True
             return self._setting(line)
-        for _, part in _parts(line, matches, self.line_counters):
-            if isinstance(part, tuple):
-                self._tick(*part)
-            else:
-                self._message(part)
+        self._in_line_order(line, matches)
         return True
 
     def _message(self, match: re.Match[str]) -> None:
@@ -1142,11 +1146,7 @@ class ApexParser(_OverflowParser):
         if "[deepspeed]" in line or "[deepscale]" in line or ("Rank" in line and "Skipping step." in line):
             return False  # DeepSpeed's
         matches = _drop_overlaps(matches)
-        for _, part in _parts(line, matches, self.line_counters):
-            if isinstance(part, tuple):
-                self._tick(*part)
-            else:
-                self._message(part)
+        self._in_line_order(line, matches)
         return True
 
     def _message(self, match: re.Match[str] | None) -> None:
