@@ -3,7 +3,7 @@
     python benchmarks/skip_overhead.py [--rounds 11] [--steps 20] [--width 2048] [--batch 256]
                                        [--json out.json] [--quick]
 
-Three arms of the same model in one process, taking turns step by step (the order rotating), each a
+Four arms of the same model in one process, taking turns step by step (the order rotating), each a
 whole training step as the PyTorch AMP recipe writes it (``scaler.scale(loss).backward()``,
 ``scaler.step``, ``scaler.update``, ``scheduler.step()``, ``ema.update_parameters(model)``) with
 ``LossScaler``:
@@ -11,14 +11,17 @@ whole training step as the PyTorch AMP recipe writes it (``scaler.scale(loss).ba
 * ``off``: the scheduler (``LambdaLR``) and the EMA (``AveragedModel`` with ``get_ema_multi_avg_fn``)
   stepped as stock, no spike rule (the step outcomes are recorded in every arm: they are the scaler's);
 * ``spike``: ``LossScaler(spike=SpikeRule())`` (6σ over 128 steps), the rest as ``off``;
-* ``hold``: ``scaler.hold(scheduler)`` and ``scaler.hold(ema)``, the rest as ``off``.
+* ``hold``: ``scaler.hold(scheduler)`` and ``scaler.hold(ema)``, the rest as ``off``;
+* ``off_again``: ``off`` once more (the ``A/A`` column: how far two like arms differ).
+
+The arms are made afresh every round (see :func:`rounds_of`).
 
 Models, on one thread: an MLP (256 -> 2048 x 3 -> 256, 8.9M parameters, batch 256, float32: torch's
 CPU float16 matmuls are emulated) and a *launch-bound* one (64 layers of 32 x 32, batch 8), where a
 step's time is the ops' dispatch, as a small model's step is on a GPU: the worst case for a few more
 ops. AdamW fused (the device path: the hold's device ops) and foreach (the host path). The process's
 CPU time per step; the table gives the median of the per-turn ratios against ``off`` (``rounds *
-steps`` turns). Target: ``spike`` / ``off`` <= 1.02 on the MLP.
+steps`` turns). Target: ``spike`` / ``off`` <= 1.02.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 
 from _quick import parse_args
 
-ARMS = ("off", "spike", "hold")
+ARMS = ("off", "spike", "hold", "off_again")
 
 
 def _model(shape: str, width: int, batch: int) -> tuple:
@@ -46,9 +49,8 @@ def _model(shape: str, width: int, batch: int) -> tuple:
     return model, torch.randn(batch, 256)
 
 
-def rounds_of(rounds: int, steps: int, fused: bool, shape: str, width: int, batch: int
-              ) -> dict[str, list[float]]:
-    """Per arm, the CPU time of each of its ``rounds * steps`` steps, in turns."""
+def _arms(shape: str, width: int, batch: int, fused: bool, order: tuple[str, ...]) -> dict[str, tuple]:
+    """Each arm's model, optimizer, scheduler, EMA, scaler and batch, made in ``order``."""
     import torch
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -57,7 +59,7 @@ def rounds_of(rounds: int, steps: int, fused: bool, shape: str, width: int, batc
     from lossscale_callbacks.torch._scaler import LossScaler
 
     arms = {}
-    for name in ARMS:
+    for name in order:
         model, x = _model(shape, width, batch)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 1e-3 * s))
@@ -68,35 +70,47 @@ def rounds_of(rounds: int, steps: int, fused: bool, shape: str, width: int, batc
             scaler.hold(sched)
             scaler.hold(ema, optimizer=opt)
         arms[name] = (model, opt, sched, ema, scaler, x)
+    return arms
 
-    def step(name: str) -> None:
-        model, opt, sched, ema, scaler, x = arms[name]
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(model(x).pow(2).mean()).backward()
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        ema.update_parameters(model)
 
-    for name in ARMS:
-        for _ in range(3):
-            step(name)
-    # The arms take turns step by step (the order rotating), so a burst of load on a shared machine
-    # falls on all three alike; each turn's times make one ratio.
+def _step(arm: tuple) -> None:
+    model, opt, sched, ema, scaler, x = arm
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(model(x).pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    ema.update_parameters(model)
+
+
+def rounds_of(rounds: int, steps: int, fused: bool, shape: str, width: int, batch: int
+              ) -> dict[str, list[float]]:
+    """Per arm, the CPU time of each of its ``rounds * steps`` steps, in turns.
+
+    Every round makes the arms afresh, in a rotated order: where an arm's tensors lie in memory moves its
+    step time by up to 2 % (two arms made alike differ that much), so one set of arms would measure where
+    they lie; over the rounds that averages out (the ``A/A`` arm shows what is left)."""
     times: dict[str, list[float]] = {name: [] for name in ARMS}
-    for turn in range(rounds * steps):
-        for name in ARMS[turn % 3:] + ARMS[:turn % 3]:
-            start = time.process_time()
-            step(name)
-            times[name].append(time.process_time() - start)
-    for name in ARMS:  # the interval's read: the held objects brought up to date, outside the timing
-        arms[name][4].sync_held()
+    for index in range(rounds):
+        arms = _arms(shape, width, batch, fused, ARMS[index % len(ARMS):] + ARMS[:index % len(ARMS)])
+        for name in ARMS:
+            for _ in range(3):
+                _step(arms[name])
+        # The arms take turns step by step (the order rotating), so a burst of load on a shared machine
+        # falls on all of them alike; each turn's times make one ratio.
+        for turn in range(steps):
+            for name in ARMS[turn % len(ARMS):] + ARMS[:turn % len(ARMS)]:
+                start = time.process_time()
+                _step(arms[name])
+                times[name].append(time.process_time() - start)
+        for name in ARMS:  # the interval's read: the held objects brought up to date, outside the timing
+            arms[name][4].sync_held()
     return times
 
 
 def summarize(times: dict[str, list[float]]) -> dict[str, float]:
     out = {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in ARMS}
-    for name in ("spike", "hold"):
+    for name in ARMS[1:]:
         out[f"{name}/off"] = statistics.median(a / b for a, b in zip(times[name], times["off"], strict=True))
     return out
 
@@ -121,10 +135,11 @@ def main(argv: list[str] | None = None) -> None:
                                                                args.width, args.batch))
     finally:
         torch.set_num_threads(threads)
-    print(f"{'model':<22}{'off ms':>10}{'spike ms':>10}{'hold ms':>10}{'spike/off':>11}{'hold/off':>10}")
+    print(f"{'model':<22}{'off ms':>10}{'spike ms':>10}{'hold ms':>10}{'spike/off':>11}{'hold/off':>10}"
+          f"{'A/A':>8}")
     for row, r in results.items():
         print(f"{row:<22}{r['off_ms']:>10.3f}{r['spike_ms']:>10.3f}{r['hold_ms']:>10.3f}"
-              f"{r['spike/off']:>11.4f}{r['hold/off']:>10.4f}")
+              f"{r['spike/off']:>11.4f}{r['hold/off']:>10.4f}{r['off_again/off']:>8.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

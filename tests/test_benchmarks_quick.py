@@ -75,7 +75,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
         rf"^ours / TensorBoard's: {NUM} \(time\)$",
     ]),
     "skip_overhead.py": ([], [
-        rf"^{row}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
+        rf"^{row}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for row in ("mlp_foreach", "mlp_fused", "launch_bound_foreach", "launch_bound_fused")
     ]),
     "sink_write.py": ([], [

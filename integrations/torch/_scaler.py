@@ -823,11 +823,12 @@ class LossScaler(torch.amp.GradScaler):
         path = self._require_state("update")
         # One pass over the optimizers stepped since the last update (usually one): this method runs
         # every step, and its Python is a good part of its cost on a CPU.
-        flags, checked, on_host = [], False, False
+        flags, skips, checked, on_host = [], [], False, False
         for opt_state in self._per_optimizer.values():
             checked = checked or opt_state.checked
             if opt_state.found_inf is not None:
                 flags.append(opt_state.found_inf)
+                skips.append(opt_state.skip)
                 known = opt_state.skipped_on_host
                 on_host = None if known is None or on_host is None else on_host or known
         if new_scale is None and not checked:
@@ -841,7 +842,7 @@ class LossScaler(torch.amp.GradScaler):
             if self._ledger is not None:  # host bookkeeping; a replay of a bad step, before the scale moves
                 with self._forensics_set_aside():
                     self._ledger.end_step(on_host, found_inf, path.scale)
-            rule_flag, code = self._step_code(found_inf)
+            rule_flag, code = self._step_code(found_inf, skips[0] if len(flags) == 1 else None)
             path.update(rule_flag, code)
             self._last_found_inf, self._last_code = found_inf, code
             self._last_skipped_on_host = on_host
@@ -851,27 +852,29 @@ class LossScaler(torch.amp.GradScaler):
             path.scale.fill_(replacement)
         self._per_optimizer = defaultdict(_OptimizerState)
 
-    def _step_code(self, found_inf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step_code(self, found_inf: torch.Tensor, merged: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rule's input and the step's outcome code (``None``: the code is the overflow flag itself).
 
         The code is :func:`~lossscale_callbacks.skips._outcomes.step_code` in arithmetic (tested equal):
         the rule sees whether the gradients were finite (or nothing, when non-finite steps are applied),
         never the spike rule's decision. The spike window takes the step's values only when it was an
-        ordinary applied step."""
+        ordinary applied step. ``merged`` is the one optimizer's skip flag, ``max(found_inf, spike)``,
+        when it was made from this ``found_inf`` (saves remaking it)."""
         spike = self._spike.decide() if self._spike is not None else None
         if self.skip_nonfinite:
             rule_flag = found_inf
             code = None
-            if spike is not None:  # f + 2s(1 - f): an overflow wins over a spike
-                code = torch.addcmul(found_inf, spike, 1.0 - found_inf, value=SPIKE_CODE)
+            if spike is not None:  # 2 max(f, s) - f: an overflow (1) wins over a spike (2)
+                skip = torch.maximum(found_inf, spike) if merged is None else merged
+                code = torch.lerp(found_inf, skip, float(SPIKE_CODE))
+                self._spike.commit(skip == 0)
         else:
             rule_flag = self._zero
             code = found_inf * APPLIED_NONFINITE_CODE
             if spike is not None:  # 3f + s(2 - 3f): a spike skip wins over an applied non-finite step
                 code = torch.addcmul(code, spike, SPIKE_CODE - code)
-        if self._spike is not None:
-            assert code is not None
-            self._spike.commit(code == 0)
+                self._spike.commit(code == 0)
         return rule_flag, code
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
