@@ -4,10 +4,11 @@ a Keras ``fit`` of a model quantized to float8 with ``Fp8ScaleCallback``, each a
     python benchmarks/fp8_overhead.py [--rounds 5] [--steps 200] [--width 1024] [--backends jax]
                                       [--json out.json] [--quick]
 
-Three arms in one process, alternating round by round (the order reversed every other round), wall time
+Four arms in one process, made afresh every round in a rotated order (see :func:`alternate`), wall time
 per step; the table gives the median of the per-round ratios against ``bare``. Arms: ``bare`` (no monitor),
-``monitor`` (the defaults: a read every 100 steps, one counted step in 100) and ``every`` (``count_every=1``:
-what a counted step costs). The torchao arm is an MLP of ``Float8Linear`` layers (``tensorwise``) in a
+``monitor`` (the defaults: a read every 100 steps, one counted step in 100), ``every`` (``count_every=1``:
+what a counted step costs) and ``bare_again`` (``bare`` once more: the ``A/A`` column, how far two like arms
+differ). The torchao arm is an MLP of ``Float8Linear`` layers (``tensorwise``) in a
 plain loop; each Keras backend named runs in a process of its own (Keras picks its backend at import), an
 MLP of fp8 ``Dense`` layers in ``fit``, timed from the first batch's end to the last's (the start and the end
 of a ``fit``, where the callback reads the histories once and writes the summary, are left out: a run of
@@ -30,17 +31,23 @@ from _quick import parse_args
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-ARMS = {"bare": None, "monitor": 100, "every": 1}
+ARMS = {"bare": None, "monitor": 100, "every": 1, "bare_again": None}
 
 
-def alternate(rounds: int, arms: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
-    """Per arm, the seconds per step of each round (one warm-up round first, not kept)."""
-    for run in arms.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    order = list(arms)
+def alternate(rounds: int, make: Callable[[tuple[str, ...]], dict[str, Callable[[], float]]]
+              ) -> dict[str, list[float]]:
+    """Per arm, the seconds per step of each round. Every round makes the arms afresh (``make``, in a
+    rotated order), runs each once untimed (a warm-up: Keras compiles its train function), then times each
+    once: two arms made alike differ by a few % by where their buffers lie, which a single set of arms
+    would measure (``bare_again`` shows what is left)."""
+    names = tuple(ARMS)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for index in range(rounds):
-        for name in (order if index % 2 == 0 else order[::-1]):
+        order = names[index % len(names):] + names[:index % len(names)]
+        arms = make(order)
+        for name in order:
+            arms[name]()
+        for name in order:
             times[name].append(arms[name]())
     return times
 
@@ -73,7 +80,7 @@ def torchao_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]
             return (time.perf_counter() - start) / steps
         return run
 
-    return alternate(rounds, {name: arm(every) for name, every in ARMS.items()})
+    return alternate(rounds, lambda order: {name: arm(ARMS[name]) for name in order})
 
 
 def keras_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]]:
@@ -114,12 +121,12 @@ def keras_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]]:
             return timer.per_step()
         return run
 
-    return alternate(rounds, {name: arm(every) for name, every in ARMS.items()})
+    return alternate(rounds, lambda order: {name: arm(ARMS[name]) for name in order})
 
 
 def summarize(times: dict[str, list[float]]) -> dict[str, float]:
     out = {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in ARMS}
-    for name in ("monitor", "every"):
+    for name in ("monitor", "every", "bare_again"):
         ratios = (a / b for a, b in zip(times[name], times["bare"], strict=True))
         out[f"{name}/bare"] = statistics.median(ratios)
     return out
@@ -158,10 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{os.cpu_count()} CPU cores, {args.rounds} alternating rounds of {args.steps} steps, "
           f"width {args.width}\n")
     print(f"{'setup':<20} {'bare ms':>9} {'monitor ms':>11} {'every ms':>9} {'monitor/bare':>13} "
-          f"{'every/bare':>11}")
+          f"{'every/bare':>11} {'A/A':>6}")
     for name, r in results.items():
         print(f"{name:<20} {r['bare_ms']:>9.3f} {r['monitor_ms']:>11.3f} {r['every_ms']:>9.3f} "
-              f"{r['monitor/bare']:>13.3f} {r['every/bare']:>11.3f}")
+              f"{r['monitor/bare']:>13.3f} {r['every/bare']:>11.3f} {r['bare_again/bare']:>6.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -48,7 +48,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     ]),
     # torchao in the script's process, Keras' fit on JAX in one of its own.
     "fp8_overhead.py": (["--backends", "jax"], [
-        rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
+        rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
         for name in ("torchao_tensorwise", "keras_fit_jax")
     ]),
     "keras_trace_overhead.py": (["--backends", "torch"], [

@@ -213,3 +213,30 @@ def test_the_docs_table_names_every_field_as_the_schema_says():
     assert list(rows) == list(FIELDS)
     for field, words in FIELDS.items():
         assert rows[field] == words.replace("|", "\\|"), field
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.one_of(st.floats(1e-3, 1e3), st.just(math.nan)), margin=st.sampled_from([0.0, 1.0]),
+       maxima=st.lists(st.one_of(st.floats(0, 1e6), st.sampled_from([0.0, math.inf, math.nan])),
+                       max_size=40))
+def test_the_rebuilt_scales_are_next_scale_step_by_step(first, margin, maxima):
+    """The vectorised rebuild is the rule applied one step at a time (a window that makes no scale keeps
+    the previous one)."""
+    history = DelayedHistory(length=8, lag=2, fmt=E4M3, margin=margin)
+    expected = [first]
+    for window_max in maxima:
+        expected.append(history.next_scale(window_max, expected[-1]))
+    got = history._scales(first, np.asarray(maxima, dtype=np.float64)).tolist()
+    assert np.array_equal(got, expected, equal_nan=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.one_of(st.floats(-1e6, 1e6), st.just(math.inf)), min_size=1, max_size=60),
+       width=st.integers(1, 20))
+def test_the_sliding_maximum_is_every_windows_maximum(values, width):
+    from lossscale_callbacks.fp8._delayed import sliding_max
+
+    array = np.asarray(values, dtype=np.float64)
+    expected = ([max(values[i:i + width]) for i in range(len(values) - width + 1)]
+                if len(values) >= width else [])
+    assert sliding_max(array, width).tolist() == expected

@@ -33,12 +33,12 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import keras
 import numpy as np
 from keras import ops
 
 from lossscale_callbacks.integration import E4M3, E5M2, DelayedHistory, Fp8Format, Fp8Read, TensorRead
 from lossscale_callbacks.keras._forward_trace import traced_layers
+from lossscale_callbacks.keras._jax_live import LiveVariables
 
 __all__ = ["LAG", "TALLY", "Fp8Layers", "fp8_layers"]
 
@@ -97,6 +97,7 @@ class Fp8Layers:
         self.counting = False  # set while the counting train function runs (torch) or traces (TF, JAX)
         self.counting_enabled = True  # False: the optimizer cannot store the tallies (see Fp8ScaleCallback)
         self._watched: list[_Watched] = []
+        self._live = LiveVariables()
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -144,6 +145,11 @@ class Fp8Layers:
         for w in self._watched:
             w.layer.__dict__.pop("quantized_call", None)
         self._watched = []
+        self._live.forget()
+
+    def new_fit(self) -> None:
+        """A ``fit`` starts: the model's variables are indexed again at its first live read."""
+        self._live.forget()
 
     def _call(self, w: _Watched, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("training"):
@@ -176,29 +182,26 @@ class Fp8Layers:
 
     # ------------------------------------------------------------------ reading
 
-    def _sync(self, model: Any) -> None:
-        sync = getattr(model, "jax_state_sync", None)
-        if keras.backend.backend() == "jax" and callable(sync):
-            sync()
-
     def read(self, step: int, model: Any = None) -> Fp8Read:
         """One host read after ``step`` optimizer steps: every layer's scales, histories and tally; the
-        tallies start again from zero. The first read only sets the baseline of the histories."""
-        if model is not None:
-            self._sync(model)
+        tallies start again from zero. The first read only sets the baseline of the histories. During
+        JAX's ``fit`` the values come from the trainer's live state (see
+        :mod:`lossscale_callbacks.keras._jax_live`): no sync of every variable."""
+        live = self._live
+        live.open(model)
         tensors = []
         for w in self._watched:
-            host = {name: np.asarray(ops.convert_to_numpy(getattr(w.layer, name)), "float64")
+            host = {name: np.asarray(ops.convert_to_numpy(live.value(getattr(w.layer, name))), "float64")
                     for name in ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
                                  "outputs_grad_scale", "outputs_grad_amax_history")}
-            tally = np.asarray(ops.convert_to_numpy(w.tally), "float64")
-            w.tally.assign(np.zeros(TALLY_SIZE, "float32"))
+            tally = np.asarray(ops.convert_to_numpy(live.value(w.tally)), "float64")
+            live.zero(w.tally)
             calls = int(tally[0])
             for index, (role, prefix, fmt) in enumerate(_ROLES):
                 ring = host[f"{prefix}_amax_history"]
                 oldest_first = np.concatenate([ring[1:], ring[:1]])  # Keras writes the newest at index 0
                 keras_scale = float(host[f"{prefix}_scale"])
-                view = w.histories[role].observe(step, oldest_first.tolist(), _multiplier(keras_scale))
+                view = w.histories[role].observe(step, oldest_first, _multiplier(keras_scale))
                 sat, sat_share, und_share = tally[1 + 3 * index: 4 + 3 * index]
                 last = view.rows[-1] if view.rows else None
                 tensors.append(TensorRead(

@@ -143,6 +143,7 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if not self.layers.layers:
             self._install(self.model)
+        self.layers.new_fit()
         self.loop.start(writer=_is_chief(self.model))
         sync = getattr(self._model, "jax_state_sync", None)
         if keras.backend.backend() == "jax" and callable(sync):

@@ -37,7 +37,7 @@ import numpy as np
 
 from lossscale_callbacks.fp8._formats import Fp8Format
 
-__all__ = ["DelayedHistory", "DelayedView"]
+__all__ = ["DelayedHistory", "DelayedView", "sliding_max"]
 
 # A window whose largest amax is matched (within a factor 2) by at most this many steps is dominated by
 # one value: an outlier, not a change of range.
@@ -71,6 +71,25 @@ class DelayedView:
     replaced_after: int | None = None
     stale_ratio: float | None = None
     history_max: float | None = None
+
+
+def sliding_max(values: np.ndarray, width: int) -> np.ndarray:
+    """The maximum of every ``width`` consecutive values, in O(len(values)) (van Herk and Gil-Werman: within
+    blocks of ``width``, the running maximum from each block's start and from its end; a window spans at
+    most two blocks, so it is the larger of the second block's prefix and the first block's suffix). A
+    read rebuilds ``K`` steps' windows of a 1,024-step history: ``K * 1024`` comparisons the direct way.
+
+    Example:
+        >>> sliding_max(np.array([1.0, 3.0, 2.0, 0.0, 5.0]), 2).tolist()
+        [3.0, 3.0, 2.0, 5.0]
+    """
+    count = len(values) - width + 1
+    if count <= 0:
+        return np.zeros(0)
+    blocks = np.concatenate([values, np.full(-len(values) % width, -np.inf)]).reshape(-1, width)
+    prefix = np.maximum.accumulate(blocks, axis=1).ravel()
+    suffix = np.maximum.accumulate(blocks[:, ::-1], axis=1)[:, ::-1].ravel()
+    return np.maximum(suffix[:count], prefix[width - 1: width - 1 + count])
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -175,12 +194,25 @@ class DelayedHistory:
         loaded_max = float(np.max(loaded)) if len(loaded) else 0.0
         return dataclasses.replace(view, replaced_after=previous, stale_ratio=_ratio(loaded_max, latest))
 
+    def _scales(self, first: float, maxima: np.ndarray) -> np.ndarray:
+        """The scales of consecutive steps: ``first``, then each made by :meth:`next_scale` from the window
+        maximum before it (``maxima``, one a step), in one pass: a window that makes no scale (zero, not
+        finite) keeps the one before, i.e. a forward fill."""
+        made = np.empty(len(maxima) + 1)
+        made[0] = first
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            made[1:] = np.where(np.isfinite(maxima) & (maxima > 0),
+                                self.fmt.max / maxima / 2.0**self.margin, np.nan)
+        source = np.where(np.isnan(made), 0, np.arange(len(made)))
+        source[0] = 0  # the first scale stands, whatever it is (NaN included: next_scale keeps it too)
+        return made[np.maximum.accumulate(source)]
+
     def _window_maxima(self, first: int, last: int) -> np.ndarray:
         """The window maxima of the scales of steps ``first`` to ``last``, at once (NaN counts as Inf: a
         non-finite window keeps the previous scale either way); an amax not known counts as 0."""
         known = self._span(first - self.lag - self.length + 1, last - self.lag)
         known[np.isnan(known)] = np.inf
-        return np.lib.stride_tricks.sliding_window_view(known, self.length).max(axis=1)
+        return sliding_max(known, self.length)
 
     def _rebuild(self, view: DelayedView, previous: int, prev_scale: float | None,
                  step: int) -> tuple[DelayedView, float]:
@@ -191,15 +223,15 @@ class DelayedHistory:
             return view, math.nan  # the reads are too far apart for this history: nothing rebuilt
         maxima = self._window_maxima(previous + 2, step + 1)  # one window per step from previous + 2 on
         amaxes = self._span(previous + 1, step)
-        rows: list[tuple[int, float, float]] = []
-        scale = prev_scale
-        for i, amax in enumerate(amaxes.tolist()):
-            if i:
-                scale = self.next_scale(float(maxima[i - 1]), scale)
-            rows.append((previous + 1 + i, amax, scale))
-        rebuilt = self.next_scale(float(maxima[-1]), scale)
-        saturated = tuple((s, a * m / self.fmt.max) for s, a, m in rows
-                          if math.isfinite(a) and a * m >= self.fmt.saturation)
+        scales = self._scales(prev_scale, maxima[:-1])
+        rebuilt = self.next_scale(float(maxima[-1]), float(scales[-1]))
+        steps = range(previous + 1, step + 1)
+        rows = tuple(zip(steps, amaxes.tolist(), scales.tolist(), strict=True))
+        with np.errstate(invalid="ignore"):
+            held = amaxes * scales  # what each step's scale made of its amax
+            hit = np.flatnonzero(np.isfinite(amaxes) & (held >= self.fmt.saturation))
+        overshoot = held[hit] / self.fmt.max
+        saturated = tuple(zip((previous + 1 + hit).tolist(), overshoot.tolist(), strict=True))
         last_step, last_amax, last_scale = rows[-1]
         used = self.fmt.max / last_scale / 2.0**self.margin if last_scale > 0 else math.nan
         ratio = used / last_amax if last_amax > 0 and math.isfinite(used) else None
@@ -211,5 +243,5 @@ class DelayedHistory:
             if top > 0 and np.count_nonzero(window >= top / 2) <= DOMINANT_STEPS:
                 outlier = lo + int(np.argmax(window))
                 until = outlier + self.lag + self.length - 1
-        return dataclasses.replace(view, rows=tuple(rows), saturated_steps=saturated, history_ratio=ratio,
+        return dataclasses.replace(view, rows=rows, saturated_steps=saturated, history_ratio=ratio,
                                    outlier_step=outlier, coarse_until=until), rebuilt

@@ -156,12 +156,12 @@ class Fp8Read:
         """Delayed scaling: ``{step: {amax and scale tags: value}}``, the rebuilt steps before the read's."""
         out: dict[int, dict[str, float]] = {}
         for tensor in self.tensors:
+            amax_tag = tag(tensor.layer, tensor.role, "amax")
+            scale_tag = tag(tensor.layer, tensor.role, "scale")
             for step, amax, scale in tensor.rows:
-                if step >= self.step:
-                    continue
-                row = out.setdefault(step, {})
-                row[tag(tensor.layer, tensor.role, "amax")] = float(amax)
-                row[tag(tensor.layer, tensor.role, "scale")] = float(scale)
+                if step < self.step:
+                    row = out.setdefault(step, {})
+                    row[amax_tag], row[scale_tag] = float(amax), float(scale)
         return out
 
 
