@@ -10,13 +10,15 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from repo_scripts import load_script
 
 from lossscale_callbacks import _metrics as m
 from lossscale_callbacks._sinks import SinkFailureWarning
 from lossscale_callbacks.tensorboard import TensorBoardSink
 from lossscale_callbacks.tensorboard._reader import RunReadError, iter_events, read_run, read_texts
-from lossscale_callbacks.tensorboard._sink import LAYOUT_CATEGORY
+from lossscale_callbacks.tensorboard._sink import LAYOUT_CATEGORY, _EventFileWriter
 
 PYTHON = sys.executable
 
@@ -198,7 +200,7 @@ def test_full_disk_mid_run_warns_once(tmp_path, monkeypatch):
     def full(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sink._writer._records, "_writer", type("Full", (), {"write": full, "flush": full,
+    monkeypatch.setattr(sink._writer._records, "_handle", type("Full", (), {"write": full, "flush": full,
                                                                             "close": handle.close})())
     with pytest.warns(SinkFailureWarning, match="No space left") as caught:
         for step in range(2, 10):
@@ -305,3 +307,34 @@ def test_a_log_directory_deleted_mid_run_warns_once_and_the_rest_of_the_run_is_k
     assert [w.category for w in caught] == [LogDirRemovedWarning] and not sink.disabled  # once, no failure
     assert read_run(str(run))[m.SCALE] == [(s, 4.0) for s in range(2, 6)]
     assert [tag for tag, _, _ in read_texts(str(run))] == ["loss_scale/policy", "loss_scale/summary"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(step=st.one_of(st.just(0), st.integers(-(2**63), 2**63 - 1)),
+       wall_time=st.one_of(st.just(0.0), st.floats(0, 2e9)),
+       metrics=st.dictionaries(st.text(min_size=0, max_size=12),
+                               st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                                         st.sampled_from([3.5e38, -3.5e38, 3.4028235e38, 1e-46, -0.0])),
+                               max_size=6),
+       described_share=st.floats(0, 1))
+def test_scalar_events_are_encoded_exactly_as_protobuf_serializes_them(step, wall_time, metrics,
+                                                                       described_share):
+    """The direct encoding of a step's scalars is byte for byte the serialized protobuf ``Event``, tags
+    described before (no metadata) or not (their first value carries it), any step, any float."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+
+    from lossscale_callbacks.tensorboard._records import ScalarEncoder, crc32c
+
+    writer = _EventFileWriter("unused", 1.0, "")
+    tags = list(metrics)
+    writer._described.update(tags[: round(described_share * len(tags))])
+    reference = _EventFileWriter("unused", 1.0, "")
+    reference._described.update(writer._described)
+    values = [reference._scalar(tag, value) for tag, value in metrics.items()]
+    expected = event_pb2.Event(wall_time=wall_time, step=step,
+                               summary=summary_pb2.Summary(value=values)).SerializeToString()
+    encoder = ScalarEncoder(writer._described, writer._scalar)
+    assert encoder.event(wall_time, step, metrics) == expected
+    assert writer._described == reference._described == set(tags)
+    # The checksum the records carry is CRC-32C (the check value of "123456789").
+    assert crc32c(b"123456789") == 0xE3069283

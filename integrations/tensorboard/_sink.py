@@ -1,8 +1,9 @@
 """TensorBoard sink: loss-scale metrics as scalars, reports as markdown text, a ready "Loss scale" view.
 
-Writes TensorBoard event files with the ``tensorboard`` package alone (its protobuf classes and
-its record framing): neither TensorFlow nor torch is imported, so the sink costs nothing to
-import and works in a plain NumPy loop, a Keras run and a Lightning run alike.
+Writes TensorBoard event files with the ``tensorboard`` package alone (its protobuf classes; the
+records framed and a step's scalars encoded by :mod:`lossscale_callbacks.tensorboard._records`):
+neither TensorFlow nor torch is imported, so the sink costs nothing to import and works in a plain
+NumPy loop, a Keras run and a Lightning run alike.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.plugins.text import metadata as text_metadata
-from tensorboard.summary.writer.record_writer import RecordWriter
 
 from lossscale_callbacks.integration import (
     DASHBOARD_CHARTS,
@@ -31,6 +31,7 @@ from lossscale_callbacks.integration import (
     check_number,
     user_stacklevel,
 )
+from lossscale_callbacks.tensorboard._records import RecordFile, ScalarEncoder
 
 __all__ = ["LAYOUT_CATEGORY", "LogDirRemovedWarning", "TensorBoardSink", "loss_scale_layout"]
 
@@ -69,8 +70,9 @@ class _EventFileWriter:
         self._lock = threading.RLock()
         self.path: str | None = None
         self._file = None
-        self._records: RecordWriter | None = None
+        self._records: RecordFile | None = None
         self._described: set[str] = set()
+        self._encoder = ScalarEncoder(self._described, self._scalar)
         self._last_flush = 0.0
         self._last_step = 0
         self._policy_text: str | None = None  # written again into a file that replaces a deleted one
@@ -100,7 +102,7 @@ class _EventFileWriter:
         if self._policy_text is not None:
             self._text(POLICY_TAG, self._policy_text)
 
-    def _open(self) -> RecordWriter:
+    def _open(self) -> RecordFile:
         if self._records is not None:
             if not self._removed():
                 return self._records
@@ -113,8 +115,9 @@ class _EventFileWriter:
         path = os.path.join(self.log_dir, name)
         handle = open(path, "wb")  # kept open for the life of the sink; closed in close()
         self._file, self.path = handle, path
-        self._records = RecordWriter(handle)
+        self._records = RecordFile(handle)
         self._described = set()
+        self._encoder.reset(self._described)
         self._emit(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         layout = loss_scale_layout().SerializeToString()
         value = summary_pb2.Summary.Value(
@@ -153,11 +156,10 @@ class _EventFileWriter:
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         with self._lock:
-            self._open()
-            values = [self._scalar(tag, float(value)) for tag, value in metrics.items()]
+            records = self._open()
             self._last_step = int(step)
-            summary = summary_pb2.Summary(value=values)
-            self._emit(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+            values = {tag: float(value) for tag, value in metrics.items()}
+            records.write(self._encoder.event(time.time(), self._last_step, values))
             self._maybe_flush()
 
     def write_text(self, tag: str, markdown: str) -> None:
@@ -227,8 +229,9 @@ class TensorBoardSink(ManagedSink):
     ``log_dir`` may be the same folder Keras' ``TensorBoard`` callback writes to (e.g.
     ``logs/train``): each writer has its own event file and TensorBoard merges them.
 
-    A write costs about 65 microseconds (measured by ``benchmarks/sink_write.py``; most of it
-    is TensorBoard's pure-Python record checksum), paid once per log interval.
+    A write costs a few microseconds plus about one per value (``benchmarks/sink_write.py``): the
+    records' checksum in C (``google-crc32c``, with the ``tensorboard`` extra) and a step's scalars
+    encoded without a protobuf object per value (:mod:`lossscale_callbacks.tensorboard._records`).
 
     Neither TensorFlow nor torch is imported. Nothing is created until the first write, and
     only on rank 0 (see :func:`lossscale_callbacks._ranks.process_rank`); writes from several

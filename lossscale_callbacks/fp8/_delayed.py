@@ -86,6 +86,13 @@ def sliding_max(values: np.ndarray, width: int) -> np.ndarray:
     count = len(values) - width + 1
     if count <= 0:
         return np.zeros(0)
+    if count <= width:
+        # Fewer windows than a window is long (a read: K steps of an L-step history, K < L): every window
+        # holds the middle values[count - 1:width]; window i adds values[i:count - 1] before it and
+        # values[width:width + i] after it, so a running maximum of each side, not of whole blocks.
+        before = np.append(np.maximum.accumulate(values[count - 2::-1])[::-1] if count > 1 else [], -np.inf)
+        after = np.insert(np.maximum.accumulate(values[width:]), 0, -np.inf)
+        return np.maximum(np.maximum(before, after), values[count - 1:width].max())
     blocks = np.concatenate([values, np.full(-len(values) % width, -np.inf)]).reshape(-1, width)
     prefix = np.maximum.accumulate(blocks, axis=1).ravel()
     suffix = np.maximum.accumulate(blocks[:, ::-1], axis=1)[:, ::-1].ravel()
