@@ -2,14 +2,15 @@
 a Keras ``fit`` of a model quantized to float8 with ``Fp8ScaleCallback``, each against the run without it.
 
     python benchmarks/fp8_overhead.py [--rounds 5] [--steps 200] [--width 1024] [--backends jax]
-                                      [--json out.json] [--quick]
+                                      [--tensorboard] [--json out.json] [--quick]
 
 Four arms in one process, made afresh every round in a rotated order (see :func:`alternate`), wall time
 per step; the table gives the median of the per-round ratios against ``bare``. Arms: ``bare`` (no monitor),
 ``monitor`` (the defaults: a read every 100 steps, one counted step in 100), ``every`` (``count_every=1``:
 what a counted step costs) and ``bare_again`` (``bare`` once more: the ``A/A`` column, how far two like arms
-differ). The torchao arm is an MLP of ``Float8Linear`` layers (``tensorwise``) in a
-plain loop; each Keras backend named runs in a process of its own (Keras picks its backend at import), an
+differ). With ``--tensorboard`` the monitors write to a TensorBoard folder, as users run them (every
+rebuilt step's amax and scale of delayed scaling goes to the dashboard at each read). The torchao arm is an
+MLP of ``Float8Linear`` layers (``tensorwise``) in a plain loop; each Keras backend named runs in a process of its own (Keras picks its backend at import), an
 MLP of fp8 ``Dense`` layers in ``fit``, timed from the first batch's end to the last's (the start and the end
 of a ``fit``, where the callback reads the histories once and writes the summary, are left out: a run of
 thousands of steps amortizes them). Target: ``monitor`` / ``bare`` <= 1.02.
@@ -52,7 +53,14 @@ def alternate(rounds: int, make: Callable[[tuple[str, ...]], dict[str, Callable[
     return times
 
 
-def torchao_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]]:
+def _logging(tensorboard: bool) -> dict:
+    """The monitors' logging arguments: no sink, or a TensorBoard folder (as a user runs them)."""
+    import tempfile
+
+    return {"health": None, "echo": None, **({"tensorboard": tempfile.mkdtemp()} if tensorboard else {})}
+
+
+def torchao_rounds(rounds: int, steps: int, width: int, tensorboard: bool = False) -> dict[str, list[float]]:
     import torch
     from torchao.float8 import convert_to_float8_training
 
@@ -67,7 +75,7 @@ def torchao_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]
         convert_to_float8_training(net)
         optimizer = torch.optim.SGD(net.parameters(), lr=1e-4)
         monitor = (None if count_every is None else
-                   Fp8ScaleMonitor(net, log_every=100, count_every=count_every, health=None, echo=None))
+                   Fp8ScaleMonitor(net, log_every=100, count_every=count_every, **_logging(tensorboard)))
 
         def run() -> float:
             start = time.perf_counter()
@@ -83,7 +91,7 @@ def torchao_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]
     return alternate(rounds, lambda order: {name: arm(ARMS[name]) for name in order})
 
 
-def keras_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]]:
+def keras_rounds(rounds: int, steps: int, width: int, tensorboard: bool = False) -> dict[str, list[float]]:
     import keras
     import numpy as np
 
@@ -114,7 +122,7 @@ def keras_rounds(rounds: int, steps: int, width: int) -> dict[str, list[float]]:
         model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
         timer = StepTimer()
         callbacks = ([] if count_every is None else
-                     [Fp8ScaleCallback(log_every=100, count_every=count_every, health=None, echo=None)])
+                     [Fp8ScaleCallback(log_every=100, count_every=count_every, **_logging(tensorboard))])
 
         def run() -> float:
             model.fit(x, y, batch_size=128, epochs=1, shuffle=False, verbose=0, callbacks=[*callbacks, timer])
@@ -138,11 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps per arm and round")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--backends", default="jax", help="Keras backends, comma-separated ('' for none)")
+    parser.add_argument("--tensorboard", action="store_true", help="the monitors write to TensorBoard")
     parser.add_argument("--keras-here", action="store_true", help="this process's Keras backend only")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parse_args(parser, argv, rounds=2, steps=5, width=64)
     if args.keras_here:
-        results = {"here": summarize(keras_rounds(args.rounds, args.steps, args.width))}
+        results = {"here": summarize(keras_rounds(args.rounds, args.steps, args.width, args.tensorboard))}
         with open(args.json, "w") as f:
             json.dump(results, f)
         return
@@ -150,13 +159,14 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [b for b in backends if b not in ("tensorflow", "jax", "torch")]
     if unknown:
         parser.error(f"--backends must name some of tensorflow, jax, torch, got {args.backends!r}")
-    results = {"torchao_tensorwise": summarize(torchao_rounds(args.rounds, args.steps, args.width))}
+    results = {"torchao_tensorwise": summarize(torchao_rounds(args.rounds, args.steps, args.width,
+                                                              args.tensorboard))}
     for backend in backends:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "here.json")
             command = [sys.executable, os.path.abspath(__file__), "--keras-here",
                        "--rounds", str(args.rounds), "--steps", str(args.steps), "--width", str(args.width),
-                       "--json", out,
+                       "--json", out, *(["--tensorboard"] if args.tensorboard else []),
                        *(["--quick"] if args.quick else [])]
             subprocess.run(command, env=dict(os.environ, KERAS_BACKEND=backend), check=True,
                            stdout=subprocess.DEVNULL)
