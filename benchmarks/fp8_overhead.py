@@ -10,8 +10,8 @@ per step; the table gives the median of the per-round ratios against ``bare``. A
 what a counted step costs) and ``bare_again`` (``bare`` once more: the ``A/A`` column, how far two like arms
 differ). With ``--tensorboard`` the monitors write to a TensorBoard folder, as users run them (every
 rebuilt step's amax and scale of delayed scaling goes to the dashboard at each read). The torchao arm is an
-MLP of ``Float8Linear`` layers (``tensorwise``) in a plain loop; each Keras backend named runs in a process of its own (Keras picks its backend at import), an
-MLP of fp8 ``Dense`` layers in ``fit``, timed from the first batch's end to the last's (the start and the end
+MLP of ``Float8Linear`` layers (``tensorwise``) in a plain loop; each Keras backend named runs in a process
+of its own (Keras picks its backend at import), an MLP of fp8 ``Dense`` layers in ``fit``, timed from the first batch's end to the last's (the start and the end
 of a ``fit``, where the callback reads the histories once and writes the summary, are left out: a run of
 thousands of steps amortizes them). Target: ``monitor`` / ``bare`` <= 1.02.
 """
