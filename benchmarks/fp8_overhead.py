@@ -4,16 +4,17 @@ a Keras ``fit`` of a model quantized to float8 with ``Fp8ScaleCallback``, each a
     python benchmarks/fp8_overhead.py [--rounds 5] [--steps 200] [--width 1024] [--backends jax]
                                       [--tensorboard] [--json out.json] [--quick]
 
-Four arms in one process, made afresh every round in a rotated order (see :func:`alternate`), wall time
-per step; the table gives the median of the per-round ratios against ``bare``. Arms: ``bare`` (no monitor),
+Four arms in one process, made afresh every round in a rotated order (see :func:`alternate`), wall time per
+step; the table gives the median of the per-round ratios against ``bare``. Arms: ``bare`` (no monitor),
 ``monitor`` (the defaults: a read every 100 steps, one counted step in 100), ``every`` (``count_every=1``:
 what a counted step costs) and ``bare_again`` (``bare`` once more: the ``A/A`` column, how far two like arms
-differ). With ``--tensorboard`` the monitors write to a TensorBoard folder, as users run them (every
-rebuilt step's amax and scale of delayed scaling goes to the dashboard at each read). The torchao arm is an
-MLP of ``Float8Linear`` layers (``tensorwise``) in a plain loop; each Keras backend named runs in a process
-of its own (Keras picks its backend at import), an MLP of fp8 ``Dense`` layers in ``fit``, timed from the first batch's end to the last's (the start and the end
-of a ``fit``, where the callback reads the histories once and writes the summary, are left out: a run of
-thousands of steps amortizes them). Target: ``monitor`` / ``bare`` <= 1.02.
+differ). With ``--tensorboard`` the monitors write to a TensorBoard folder, as users run them (every rebuilt
+step's amax and scale of delayed scaling goes to the dashboard at each read). The torchao arm is an MLP of
+``Float8Linear`` layers (``tensorwise``) in a plain loop; each Keras backend named runs in a process of its
+own (Keras picks its backend at import), an MLP of fp8 ``Dense`` layers in ``fit``, timed from the first
+batch's end to the last's (the start and the end of a ``fit``, where the callback reads the histories once and
+writes the summary, are left out: a run of thousands of steps amortizes them). Target: ``monitor`` / ``bare``
+<= 1.02.
 """
 
 from __future__ import annotations
