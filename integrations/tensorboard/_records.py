@@ -98,22 +98,24 @@ class ScalarEncoder:
         """A new file: its own set of described tags."""
         self._described = described
 
-    def _value(self, tag: str, value: float) -> bytes:
-        if tag not in self._described:
-            return self._value_message(tag, value).SerializeToString()
+    def _entry(self, tag: str, value: float) -> bytes:
+        """``tag``'s value as an entry of ``Summary.value`` (its field key and length, then the message)."""
         prefix = self._prefix.get(tag)
-        if prefix is None:
-            name = tag.encode("utf-8")  # an empty tag is not written (proto3 leaves out an empty string)
-            prefix = self._prefix[tag] = (b"\x0a" + varint(len(name)) + name if name else b"") + _TENSOR_HEAD
+        if prefix is not None and tag in self._described:
+            return prefix + _float32(value)
+        if tag not in self._described:
+            encoded = self._value_message(tag, value).SerializeToString()
+            return b"\x0a" + varint(len(encoded)) + encoded
+        name = tag.encode("utf-8")  # an empty tag is not written (proto3 leaves out an empty string)
+        head = (b"\x0a" + varint(len(name)) + name if name else b"") + _TENSOR_HEAD
+        # A described tag's value always has the same length: the entry's key and length go in the prefix.
+        prefix = self._prefix[tag] = b"\x0a" + varint(len(head) + 4) + head
         return prefix + _float32(value)
 
     def event(self, wall_time: float, step: int, metrics: dict[str, float]) -> bytes:
         """The serialized ``Event`` of ``step``'s ``metrics`` (values as floats)."""
-        summary = bytearray()
-        for tag, value in metrics.items():
-            encoded = self._value(tag, value)
-            summary += b"\x0a" + varint(len(encoded)) + encoded
+        summary = b"".join([self._entry(tag, value) for tag, value in metrics.items()])
         head = b"\x09" + struct.pack("<d", wall_time) if wall_time != 0 else b""
         if step != 0:
             head += b"\x10" + varint(step)
-        return head + b"\x2a" + varint(len(summary)) + bytes(summary)
+        return head + b"\x2a" + varint(len(summary)) + summary
