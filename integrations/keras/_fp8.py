@@ -38,7 +38,7 @@ from keras import ops
 
 from lossscale_callbacks.integration import E4M3, E5M2, DelayedHistory, Fp8Format, Fp8Read, TensorRead
 from lossscale_callbacks.keras._forward_trace import traced_layers
-from lossscale_callbacks.keras._jax_live import LiveVariables
+from lossscale_callbacks.keras._variable_reads import LiveVariables
 
 __all__ = ["LAG", "TALLY", "Fp8Layers", "fp8_layers"]
 
@@ -186,15 +186,17 @@ class Fp8Layers:
         """One host read after ``step`` optimizer steps: every layer's scales, histories and tally; the
         tallies start again from zero. The first read only sets the baseline of the histories. During
         JAX's ``fit`` the values come from the trainer's live state (see
-        :mod:`lossscale_callbacks.keras._jax_live`): no sync of every variable."""
+        :mod:`lossscale_callbacks.keras._variable_reads`): no sync of every variable."""
         live = self._live
         live.open(model)
+        names = ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
+                 "outputs_grad_scale", "outputs_grad_amax_history")
+        variables = [v for w in self._watched for v in (*(getattr(w.layer, n) for n in names), w.tally)]
+        values = live.numpy(variables)
         tensors = []
-        for w in self._watched:
-            host = {name: np.asarray(ops.convert_to_numpy(live.value(getattr(w.layer, name))), "float64")
-                    for name in ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
-                                 "outputs_grad_scale", "outputs_grad_amax_history")}
-            tally = np.asarray(ops.convert_to_numpy(live.value(w.tally)), "float64")
+        for index, w in enumerate(self._watched):
+            *read, tally = values[index * (len(names) + 1):(index + 1) * (len(names) + 1)]
+            host = dict(zip(names, read, strict=True))
             live.zero(w.tally)
             calls = int(tally[0])
             for index, (role, prefix, fmt) in enumerate(_ROLES):
