@@ -396,6 +396,9 @@ class ContractDirective(SphinxDirective):
     def run(self) -> list[nodes.Node]:
         module_name = self.arguments[0]
         module = importlib.import_module(module_name)
+        # The page is made from the module: read it again when the module changes (an incremental build
+        # would otherwise keep the old list, and the face check would miss a new name's entry).
+        self.env.note_dependency(module.__file__)
         faces = [face for face in _faces(self.env.app) if face != module_name]
         lines: list[str] = []
         for section, names in contract_entries(module_name).items():
