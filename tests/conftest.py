@@ -4,10 +4,16 @@ CUDA is never hidden: on a machine with a GPU the CUDA tests run, and the header
 whether they do (and why not, when they are skipped). A CUDA test carries ``@pytest.mark.cuda``:
 it is skipped, with that reason, where torch sees no CUDA device, and the summary line counts the
 CUDA tests collected. ``pytest -m cuda`` selects them (``python3 dev.py gpu`` runs them).
+
+The slow subprocess runs that several tests read (a Keras backend's check scripts, the Ray session, the
+pages' scripts) start at the start of the session and run beside the other tests (``background.py``);
+the tests that read them run last.
 """
 
 import os
 
+import background
+import keras_backend_runs
 import pytest
 from hypothesis import settings
 
@@ -55,8 +61,18 @@ def pytest_report_header(config):
     return _cuda_line()
 
 
+def _starter(item):
+    """The function that starts the background runs of ``item``'s module, or None."""
+    module = getattr(item, "module", None)
+    if getattr(module, "KERAS_CHECKS", None):
+        return keras_backend_runs.start_in_background
+    return getattr(module, "start_in_background", None)
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k have deselected: count what runs
 def pytest_collection_modifyitems(config, items):
+    if background.SESSION.lanes > 0:  # the tests reading background runs go last (stable: modules stay whole)
+        items.sort(key=lambda item: _starter(item) is not None)
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     config.stash[_CUDA_TESTS] = len(cuda_items)
     devices, why = _cuda_devices()
@@ -68,3 +84,21 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(_cuda_line(config))
+    line = background.SESSION.summary()
+    if line:
+        terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_runs(request, tmp_path_factory):
+    """Before the first test: the background runs that this session's tests read, started."""
+    starters = {}
+    for item in request.session.items:
+        starter = _starter(item)
+        if starter is not None:
+            starters.setdefault(starter, None)
+    for starter in starters:
+        starter(request.session.items, tmp_path_factory)
+    background.SESSION.start()
+    yield
+    background.SESSION.stop()

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import background
 import pytest
 from repo_scripts import ROOT, load_script
 
@@ -99,14 +100,38 @@ def test_every_benchmark_script_has_a_quick_run_here():
     assert scripts - NOT_BENCHMARKS == set(SCRIPTS)
 
 
+def _command(script: str, folder) -> list[str]:
+    extra, _ = SCRIPTS[script]
+    return [sys.executable, str(ROOT / "benchmarks" / script), "--quick",
+            *(arg.format(tmp=folder) for arg in extra)]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_in_background(items, tmp_path_factory) -> None:
+    """The quick runs start with the session (``tests/background.py``), each in a folder of its own: only
+    the shape of their figures is checked, so the tests running beside them change nothing."""
+    quick = test_benchmark_quick_run_prints_its_figures.__name__
+    for index, item in enumerate(items):
+        if item.module.__name__ != __name__ or item.originalname != quick:
+            continue
+        folder, script = tmp_path_factory.mktemp("quick"), item.callspec.params["script"]
+        background.submit(("quick", script), _command(script, folder), env=_env(), timeout=300,
+                          cwd=str(folder), order=index)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_benchmark_quick_run_prints_its_figures(script, tmp_path):
-    extra, patterns = SCRIPTS[script]
-    command = [sys.executable, str(ROOT / "benchmarks" / script), "--quick",
-               *(arg.format(tmp=tmp_path) for arg in extra)]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _, patterns = SCRIPTS[script]
+    if background.submitted(("quick", script)):
+        done = background.wait(("quick", script))
+        assert not done.timed_out, done.failure()
+    else:
+        done = subprocess.run(_command(script, tmp_path), cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, stdin=subprocess.DEVNULL, env=_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.startswith("quick mode:") or "\nquick mode:" in done.stdout
     missing = [p for p in patterns if not re.search(p, done.stdout, re.MULTILINE)]

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,16 +134,44 @@ def _cases() -> list:
     return cases
 
 
+def _missing(page: str, env: dict, source: str) -> list[str]:
+    return sorted(n for n in _needs(source) | set(env.values()) & OPTIONAL
+                  if importlib.util.find_spec(n) is None)
+
+
+def _command(page: str, env: dict, source: str, folder: Path) -> tuple[list[str], dict, int]:
+    """The page's script written to ``folder/page.py``, and how to run it there."""
+    (folder / "page.py").write_text(source)
+    return [sys.executable, "page.py"], {**os.environ, **QUIET, **PAGE_ENV.get(page, {}), **env}, 400
+
+
+def start_in_background(items, tmp_path_factory) -> None:
+    """The pages' scripts start with the session (``tests/background.py``), each in a folder of its own."""
+    for index, item in enumerate(items):
+        if item.module.__name__ != __name__ or item.originalname != "test_page_blocks_run":
+            continue
+        page, env = item.callspec.params["page"], item.callspec.params["env"]
+        source = script(page)
+        if not _missing(page, env, source):
+            folder = tmp_path_factory.mktemp("page")
+            argv, run_env, timeout = _command(page, env, source, folder)
+            background.submit(("page", item.name), argv, env=run_env, timeout=timeout, cwd=str(folder),
+                              order=index)
+
+
 @pytest.mark.parametrize(("page", "env"), _cases())
-def test_page_blocks_run(page, env, tmp_path):
+def test_page_blocks_run(page, env, tmp_path, request):
     source = script(page)
-    missing = sorted(n for n in _needs(source) | set(env.values()) & OPTIONAL
-                     if importlib.util.find_spec(n) is None)
+    missing = _missing(page, env, source)
     if missing:
         pytest.skip(f"{page} needs {', '.join(missing)}")
-    (tmp_path / "page.py").write_text(source)
-    result = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=400, env={**os.environ, **QUIET, **PAGE_ENV.get(page, {}), **env})
+    if background.submitted(("page", request.node.name)):
+        result = background.wait(("page", request.node.name))
+        assert not result.timed_out, f"{page} timed out:\n{result.failure()}"
+    else:
+        argv, run_env, timeout = _command(page, env, source, tmp_path)
+        result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+                                env=run_env)
     assert result.returncode == 0, f"{page} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     printed = result.stdout + result.stderr
     missing = [words for words in PRINTS.get(page, []) if words not in printed]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import html.parser
 import http.server
+import importlib.util
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
+import background
 import pytest
 from browser import browser_or_skip
 
@@ -95,13 +97,34 @@ def test_a_face_name_without_an_entry_is_reported():
     assert "__version__" not in lsc_docs.face_names(["lossscale_callbacks"])["lossscale_callbacks"]
 
 
+def _build(out) -> tuple[list[str], dict]:
+    argv = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", "docs", str(out)]
+    return argv, {**os.environ, **QUIET}
+
+
+_SITE: list = []  # the folder of the build started in the background
+
+
+def start_in_background(items, tmp_path_factory) -> None:
+    """The site's build starts with the session (``tests/background.py``) when a test reads the site."""
+    site_tests = [i for i, item in enumerate(items)
+                  if item.module.__name__ == __name__ and "site" in getattr(item, "fixturenames", ())]
+    if site_tests and importlib.util.find_spec("sphinx") is not None:
+        out = tmp_path_factory.mktemp("site")
+        argv, env = _build(out)
+        background.submit("site", argv, env=env, timeout=600, cwd=str(ROOT), order=site_tests[0])
+        _SITE.append(out)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     pytest.importorskip("sphinx")
-    out = tmp_path_factory.mktemp("site")
-    build = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
-                            "docs", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, **QUIET})
+    if background.submitted("site"):
+        out, build = _SITE[0], background.wait("site")
+    else:
+        out = tmp_path_factory.mktemp("site")
+        argv, env = _build(out)
+        build = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert build.returncode == 0, build.stderr[-5000:]
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(out))
     handler.log_message = lambda *args: None

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import background
 import pytest
 
 pytest.importorskip("ray.train")
@@ -22,12 +23,31 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "ray_scripts", "ray_runs.py")
 pytestmark = pytest.mark.slow
 
 
+def _command(out) -> tuple[list[str], dict, int]:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RAY_DEDUP_LOGS="1")
+    return [sys.executable, SCRIPT, str(out)], env, 900
+
+
+_OUT: list = []  # the folder of the run started in the background
+
+
+def start_in_background(items, tmp_path_factory) -> None:
+    """The Ray session starts with the session (``tests/background.py``), if a test of this module runs."""
+    index = next(i for i, item in enumerate(items) if item.module.__name__ == __name__)
+    out = tmp_path_factory.mktemp("ray")
+    argv, env, timeout = _command(out)
+    background.submit("ray", argv, env=env, timeout=timeout, order=index)
+    _OUT.append(out)
+
+
 @pytest.fixture(scope="module")
 def ray_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ray")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", RAY_DEDUP_LOGS="1")
-    proc = subprocess.run([sys.executable, SCRIPT, str(out)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    if background.submitted("ray"):
+        out, proc = _OUT[0], background.wait("ray")
+    else:
+        out = tmp_path_factory.mktemp("ray")
+        argv, env, timeout = _command(out)
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     def load(name):
