@@ -194,8 +194,9 @@ class Fp8Layers:
         variables = [v for w in self._watched for v in (*(getattr(w.layer, n) for n in names), w.tally)]
         values = live.numpy(variables)
         tensors = []
-        for index, w in enumerate(self._watched):
-            *read, tally = values[index * (len(names) + 1):(index + 1) * (len(names) + 1)]
+        per_layer = len(names) + 1
+        for at, w in enumerate(self._watched):
+            *read, tally = values[at * per_layer:(at + 1) * per_layer]
             host = dict(zip(names, read, strict=True))
             live.zero(w.tally)
             calls = int(tally[0])
