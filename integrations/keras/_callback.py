@@ -38,6 +38,7 @@ from lossscale_callbacks.keras._forensics_wiring import check_diagnose_settings
 from lossscale_callbacks.keras._forward_trace import activation_arguments
 from lossscale_callbacks.keras._ledger import KerasLedger
 from lossscale_callbacks.keras._optimizer import LossScaleOptimizer, wrap
+from lossscale_callbacks.keras._variable_reads import LiveVariables
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -134,6 +135,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self._diagnose = check_diagnose_settings(diagnose, headroom_every)  # the one check of both
         self.diagnose, self.headroom_every = self._diagnose
         self._fit_sampling = FitSampling()  # the headroom samples (JAX) and traced steps (TF, JAX) of fit
+        self._live = LiveVariables()  # JAX's fit state, lent to the variables a read reads
         self.trace_every = None if trace_every is None else check_int("trace_every", trace_every)
         self.forward_trace: dict[str, Any] | None = None  # the last interval's forward trace (NumPy fields)
         # The default shows on the progress bar only; a choice of the user's also enters epoch logs.
@@ -210,14 +212,17 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     # ---- reading ----
 
+    def _reading(self) -> Any:
+        """The block in which the callback reads (and assigns) the optimizer's variables. On JAX, ``fit``
+        keeps the variables' values in its own state during an epoch: they are lent to the variables for
+        the block, without syncing every variable of the model back (see
+        :mod:`~lossscale_callbacks.keras._variable_reads`). ``self._model``: ``self.model`` would sync."""
+        return self._live.lent(self._model)
+
     def _read_state(self) -> Any:
         """The state read (one transfer), carrying the skip truth's outcomes since the previous read and
-        the ledger, which took the interval's bad steps from them (with ``forensics`` when given)."""
-        # On JAX, fit() keeps the variables' values in its own state during an epoch; a callback
-        # that reads variables syncs them back first (Keras' documented way; no copy of the arrays).
-        sync = getattr(self._model, "jax_state_sync", None)  # once: ``self.model`` would sync as well
-        if keras.backend.backend() == "jax" and callable(sync):
-            sync()
+        the ledger, which took the interval's bad steps from them (with ``forensics`` when given). Within
+        :meth:`_reading`."""
         assert self.optimizer is not None
         state, outcomes = self.optimizer.read_state_and_outcomes()
         return carry(state, outcomes=outcomes, ledger=self._ledger.book)
@@ -230,8 +235,9 @@ class LossScaleCallback(keras.callbacks.Callback):
     def _observe(self, logs: dict[str, Any] | None, names: tuple[str, ...]) -> Snapshot:
         """One host read of the state, through the logging loop; the metrics ``names`` into ``logs``."""
         assert self.optimizer is not None
-        state = self._read_state()
-        forensics = self._forensics(state)
+        with self._reading():
+            state = self._read_state()
+            forensics = self._forensics(state)
         self._take_bad_steps(state, forensics)
         snapshot = self.loop.observe(state, forensics=forensics)
         if logs is not None and names:
@@ -268,6 +274,7 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.optimizer = self._install()  # no-op when set_model installed it already
         # Each fit() is a run of the loop: its own W&B run and event file, the optimizer's policy.
         self.loop.start(policy=self.optimizer.policy, writer=_is_chief(self.model))
+        self._live.forget()  # the model's variables are indexed again at the fit's first read
         if self._ledger.on:
             self._ledger.start(self._tensorboard)
         self._primed = False
@@ -295,7 +302,8 @@ class LossScaleCallback(keras.callbacks.Callback):
         # every on_train_begin: BackupAndRestore restores there) gives where it starts and the baseline of
         # the first interval; then each batch is one step.
         if not self._primed:
-            state = self._read_state()
+            with self._reading():
+                state = self._read_state()
             self._take_bad_steps(state, None)  # skipped steps since the last read (a custom loop's, a resume)
             self._steps = int(state.steps)
             self.loop.resume_at(self._steps, lambda: state)
@@ -326,11 +334,12 @@ class LossScaleCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         assert self.optimizer is not None
-        state = self._read_state()
-        last = self.loop.last
-        forensics = None
-        if self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step):
-            forensics = self._forensics(state)
+        with self._reading():  # fit has synced its state at the epoch's end: nothing is lent here
+            state = self._read_state()
+            last = self.loop.last
+            unread = self.optimizer.forensics is not None and (last is None or int(state.steps) != last.step)
+            forensics = self._forensics(state) if unread else None
+        if unread:
             self.loop.observe(state, forensics=forensics)
         self._take_bad_steps(state, forensics)
         self._fit_sampling.end(self._model)

@@ -38,7 +38,7 @@ from keras import ops
 
 from lossscale_callbacks.integration import E4M3, E5M2, DelayedHistory, Fp8Format, Fp8Read, TensorRead
 from lossscale_callbacks.keras._forward_trace import traced_layers
-from lossscale_callbacks.keras._variable_reads import LiveVariables
+from lossscale_callbacks.keras._variable_reads import LiveVariables, host_values
 
 __all__ = ["LAG", "TALLY", "Fp8Layers", "fp8_layers"]
 
@@ -185,20 +185,20 @@ class Fp8Layers:
     def read(self, step: int, model: Any = None) -> Fp8Read:
         """One host read after ``step`` optimizer steps: every layer's scales, histories and tally; the
         tallies start again from zero. The first read only sets the baseline of the histories. During
-        JAX's ``fit`` the values come from the trainer's live state (see
+        JAX's ``fit`` the trainer's live state is lent to these variables (see
         :mod:`lossscale_callbacks.keras._variable_reads`): no sync of every variable."""
-        live = self._live
-        live.open(model)
         names = ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
                  "outputs_grad_scale", "outputs_grad_amax_history")
         variables = [v for w in self._watched for v in (*(getattr(w.layer, n) for n in names), w.tally)]
-        values = live.numpy(variables)
+        with self._live.lent(model, variables):
+            values = host_values(variables)
+            for w in self._watched:
+                self._live.zero(w.tally)
         tensors = []
         per_layer = len(names) + 1
         for at, w in enumerate(self._watched):
             *read, tally = values[at * per_layer:(at + 1) * per_layer]
             host = dict(zip(names, read, strict=True))
-            live.zero(w.tally)
             calls = int(tally[0])
             for index, (role, prefix, fmt) in enumerate(_ROLES):
                 ring = host[f"{prefix}_amax_history"]

@@ -1,99 +1,152 @@
-"""Variables read to the host (and one zeroed) cheaply; during JAX's ``fit`` without syncing every variable.
-
-Per backend, the cheapest way to the host: ``np.asarray`` of the backend value on TensorFlow and JAX (a
-third of ``keras.ops.convert_to_numpy``'s time on TensorFlow), Keras' own conversion on torch (a
-parameter that requires grad). Zeroing assigns one zeros tensor per shape, made once, on TensorFlow and
-torch (the assign copies it: a third of assigning a NumPy array on TensorFlow); JAX gets a fresh one
-each time (below).
+"""Variables read to the host (and some assigned) at a log interval; during JAX's ``fit`` without syncing
+every variable of the model.
 
 During an epoch, JAX's ``fit`` keeps the variables' values in the trainer's own state,
 ``model._jax_state``: lists of arrays in the order of ``model.trainable_variables``,
 ``model.non_trainable_variables``, ``model.optimizer.variables`` and ``model.metrics_variables``, the
-very lists the next step is given; the variables themselves are purged. ``model.jax_state_sync()``
-assigns every one of them back (milliseconds on a small model, more on a large one) and makes the
-next step gather them all again. A reader that needs a handful of trainable variables takes their
-values from that state instead, and replaces one there when it must (a tally it starts again from
-zero). Where the state is not live (another backend, outside ``fit``, after somebody synced) it
-syncs and reads the variables, as before. Read from Keras 3.15's ``keras/src/backend/jax/trainer.py``
-(``fit``, ``jax_state_sync``); a trainer that keeps its state otherwise falls back to the sync.
+very lists the next step is given; the variables themselves are purged (a purged variable's ``value``
+is its initializer's, not its last one). ``model.jax_state_sync()`` assigns every one of them back
+(milliseconds on a small model, more on a large one: an ``assign`` each) and makes the next step
+gather them all again.
+
+A reader that needs some of them **lends** the live values to those variables instead
+(:meth:`LiveVariables.lent`): each gets the state's array as its value (no copy, no device op); what
+the reader assigns to one is put back into the state, which the next step uses; then the variables
+are purged again, as ``fit`` keeps them (a lent array is donated to the next step: a variable that
+kept it would hold a deleted array). Where the state is not live (another backend, outside ``fit``,
+after somebody synced) the variables hold their values and nothing is lent. Read from Keras 3.15's
+``keras/src/backend/jax/trainer.py`` (``fit``, ``jax_state_sync``, ``_purge_model_variables``) and
+``keras/src/backend/common/variables.py`` (``value``); a trainer that keeps its state otherwise falls
+back to the sync.
+
+Per backend, the cheapest way to the host (:func:`host_values`): ``np.asarray`` of the backend value on
+TensorFlow and JAX (a third of ``keras.ops.convert_to_numpy``'s time on TensorFlow), Keras' own
+conversion on torch (a parameter that requires grad). :meth:`LiveVariables.zero` assigns one zeros
+tensor per shape, made once, on TensorFlow and torch (the assign copies it: a third of assigning a
+NumPy array on TensorFlow); on JAX a fresh array each time (its train function donates the state's
+buffers, so no two slots may share one).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
-__all__ = ["LiveVariables"]
+__all__ = ["LiveVariables", "host_values"]
+
+# ``model._jax_state``'s lists, each with the model's list of variables it holds the values of.
+_GROUPS = (
+    ("trainable_variables", lambda m: m.trainable_variables),
+    ("non_trainable_variables", lambda m: m.non_trainable_variables),
+    ("optimizer_variables", lambda m: m.optimizer.variables if getattr(m, "optimizer", None) else []),
+    ("metrics_variables", lambda m: m.metrics_variables),
+)
+
+
+def host_values(variables: Sequence[Any]) -> list[np.ndarray]:
+    """The variables' values on the host, as float64 arrays (one copy each: joining them on the device
+    first, in one compiled TensorFlow function, was measured no faster)."""
+    if keras.backend.backend() == "torch":
+        return [np.asarray(keras.ops.convert_to_numpy(v.value), "float64") for v in variables]
+    return [np.asarray(v.value, "float64") for v in variables]
 
 
 class LiveVariables:
-    """Trainable variables of one model, read from JAX's live ``fit`` state when there is one.
+    """The variables of one model, lent JAX's live ``fit`` state while a reader reads them.
 
     Example:
         >>> live = LiveVariables()
-        >>> live.open(None)  # no model: the variables themselves are read
-        False
+        >>> with live.lent(None):  # no model: the variables themselves are read
+        ...     pass
     """
 
     def __init__(self) -> None:
-        self._values: list[Any] | None = None
-        self._index: dict[int, int] = {}
-        self._indexed: list[Any] | None = None
+        # Per group of the state: the model's variables (as indexed) and their index by identity.
+        self._indexed: dict[str, tuple[list[Any], dict[int, int]]] = {}
         self._zeros: dict[tuple[tuple[int, ...], str], Any] = {}
-
-    def open(self, model: Any) -> bool:
-        """Before a read: whether the live state is used (else ``model`` was synced, if it needed it)."""
-        self._values = None
-        if model is None or keras.backend.backend() != "jax":
-            return False
-        state = getattr(model, "_jax_state", None)
-        values = state.get("trainable_variables") if isinstance(state, dict) else None
-        if isinstance(values, list) and not getattr(model, "_jax_state_synced", True):
-            if self._indexed is None or len(self._indexed) != len(values):
-                self._indexed = list(model.trainable_variables)
-                self._index = {id(v): i for i, v in enumerate(self._indexed)}
-            if len(self._indexed) == len(values):
-                self._values = values
-                return True
-        sync = getattr(model, "jax_state_sync", None)
-        if callable(sync):
-            sync()
-        return False
 
     def forget(self) -> None:
         """The model's variables may have changed (a new ``fit``): index them again at the next read."""
-        self._indexed, self._index, self._values = None, {}, None
+        self._indexed = {}
 
-    def value(self, variable: Any) -> Any:
-        """``variable``'s current value (an array)."""
-        at = self._index.get(id(variable)) if self._values is not None else None
-        return variable.value if at is None else self._values[at]  # type: ignore[index]
+    @contextlib.contextmanager
+    def lent(self, model: Any, variables: Sequence[Any] | None = None) -> Iterator[bool]:
+        """Within the block, ``variables`` (``None``: every variable of the model) hold their current
+        values, and what is assigned to them lasts; yields whether the live state was lent.
 
-    def numpy(self, variables: list[Any]) -> list[np.ndarray]:
-        """The variables' current values on the host, as float64 arrays (one copy each: joining them on
-        the device first, in one compiled TensorFlow function, was measured no faster)."""
-        values = [self.value(v) for v in variables]
-        if keras.backend.backend() == "torch":
-            return [np.asarray(keras.ops.convert_to_numpy(v), "float64") for v in values]
-        return [np.asarray(v, "float64") for v in values]
+        Raises:
+            Whatever the block raises (the state is made whole again first).
+        """
+        slots = self._slots(model, variables)
+        if slots is None:
+            yield False
+            return
+        lent = []
+        for values, at, variable in slots:
+            array = values[at]
+            variable._value = array  # the state's own array: what jax_state_sync's assign would store
+            lent.append(array)
+        try:
+            yield True
+        finally:
+            for (values, at, variable), array in zip(slots, lent, strict=True):
+                if variable._value is not array:  # assigned in the block: the next step starts from it
+                    values[at] = variable._value
+                variable._value = None  # purged again, as fit keeps it
+
+    def _slots(self, model: Any, variables: Sequence[Any] | None) -> list[tuple[list[Any], int, Any]] | None:
+        """``(state list, index, variable)`` of each variable to lend, or ``None`` where nothing is lent
+        (the model was synced first where its state is live but not as this module reads it)."""
+        if model is None or keras.backend.backend() != "jax":
+            return None
+        state = getattr(model, "_jax_state", None)
+        if getattr(model, "_jax_state_synced", None) is not False or not isinstance(state, dict):
+            return self._sync(model)  # a no-op where it is synced (outside fit, or by somebody)
+        groups = []
+        for name, listed in _GROUPS:
+            values = state.get(name)
+            if values is None:
+                continue
+            indexed = self._indexed.get(name)
+            if indexed is None or len(indexed[0]) != len(values):
+                own = list(listed(model))
+                indexed = self._indexed[name] = (own, {id(v): i for i, v in enumerate(own)})
+            if not isinstance(values, list) or len(indexed[0]) != len(values):
+                return self._sync(model)
+            groups.append((values, indexed))
+        if variables is None:
+            slots = [(values, at, v) for values, (own, _) in groups for at, v in enumerate(own)]
+        else:
+            slots = []  # a variable in no list of the state is not purged: its own value is current
+            for variable in variables:
+                for values, (_, index) in groups:
+                    at = index.get(id(variable))
+                    if at is not None:
+                        slots.append((values, at, variable))
+                        break
+        if not all(hasattr(v, "_value") for _, _, v in slots):
+            return self._sync(model)
+        return slots
+
+    @staticmethod
+    def _sync(model: Any) -> None:
+        sync = getattr(model, "jax_state_sync", None)
+        if callable(sync):
+            sync()
+        return None
 
     def zero(self, variable: Any) -> None:
-        """Set ``variable`` to zeros: in the live state, which the next step uses (a fresh array each
-        time: JAX's train function donates its state's buffers, so no two slots may share one, and one
-        kept from an earlier step would be gone), or the variable itself."""
-        at = self._index.get(id(variable)) if self._values is not None else None
+        """Set ``variable`` to zeros (within :meth:`lent` during JAX's ``fit``): a fresh array each time on
+        JAX (see the module docstring), one kept zeros tensor on TensorFlow and torch."""
         shape, dtype = tuple(variable.shape), str(variable.dtype)
-        if at is not None:
-            import jax.numpy as jnp  # the live state is JAX's
-
-            self._values[at] = jnp.asarray(np.zeros(shape, dtype))  # type: ignore[index]  # a new buffer
-        elif keras.backend.backend() == "jax":
-            variable.assign(np.zeros(shape, dtype))  # a fresh array (see above)
-        else:
-            key = (shape, dtype)
-            if key not in self._zeros:
-                self._zeros[key] = keras.ops.zeros(shape, dtype)
-            variable.assign(self._zeros[key])
-
+        if keras.backend.backend() == "jax":
+            variable.assign(np.zeros(shape, dtype))
+            return
+        key = (shape, dtype)
+        if key not in self._zeros:
+            self._zeros[key] = keras.ops.zeros(shape, dtype)
+        variable.assign(self._zeros[key])

@@ -31,17 +31,63 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from lossscale_callbacks.fp8._formats import Fp8Format
 
-__all__ = ["DelayedHistory", "DelayedView", "sliding_max"]
+__all__ = ["DelayedHistory", "DelayedView", "StepRows", "sliding_max"]
 
 # A window whose largest amax is matched (within a factor 2) by at most this many steps is dominated by
 # one value: an outlier, not a change of range.
 DOMINANT_STEPS = 3
+
+
+class StepRows(Sequence[tuple[int, float, float]]):
+    """``(step, amax, scale)`` of consecutive rebuilt steps, kept as three arrays: a read rebuilds hundreds
+    of steps per tensor, and a tuple per step cost a quarter of the rebuild; the dashboards take the
+    arrays whole (:meth:`~lossscale_callbacks.fp8._reads.Fp8Read.step_metrics`). A sequence of tuples to
+    everything else, equal to the tuple of its tuples.
+
+    Example:
+        >>> rows = StepRows(5, np.array([1.0, 2.0]), np.array([448.0, 224.0]))
+        >>> list(rows), rows[-1], rows == ((5, 1.0, 448.0), (6, 2.0, 224.0))
+        ([(5, 1.0, 448.0), (6, 2.0, 224.0)], (6, 2.0, 224.0), True)
+    """
+
+    __slots__ = ("first", "amaxes", "scales")
+
+    def __init__(self, first: int, amaxes: np.ndarray, scales: np.ndarray) -> None:
+        self.first, self.amaxes, self.scales = int(first), amaxes, scales
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.arange(self.first, self.first + len(self.amaxes))
+
+    def __len__(self) -> int:
+        return len(self.amaxes)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]  # Sequence's two overloads
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        at = range(len(self))[index]
+        return self.first + at, float(self.amaxes[at]), float(self.scales[at])
+
+    def __iter__(self) -> Iterator[tuple[int, float, float]]:
+        return zip(range(self.first, self.first + len(self)), self.amaxes.tolist(), self.scales.tolist(),
+                   strict=True)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"StepRows({tuple(self)!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +109,7 @@ class DelayedView:
         history_max: the largest amax of the history read now.
     """
 
-    rows: tuple[tuple[int, float, float], ...] = ()
+    rows: Sequence[tuple[int, float, float]] = ()
     saturated_steps: tuple[tuple[int, float], ...] = ()
     history_ratio: float | None = None
     outlier_step: int | None = None
@@ -90,9 +136,11 @@ def sliding_max(values: np.ndarray, width: int) -> np.ndarray:
         # Fewer windows than a window is long (a read: K steps of an L-step history, K < L): every window
         # holds the middle values[count - 1:width]; window i adds values[i:count - 1] before it and
         # values[width:width + i] after it, so a running maximum of each side, not of whole blocks.
-        before = np.append(np.maximum.accumulate(values[count - 2::-1])[::-1] if count > 1 else [], -np.inf)
-        after = np.insert(np.maximum.accumulate(values[width:]), 0, -np.inf)
-        return np.maximum(np.maximum(before, after), values[count - 1:width].max())
+        sides = np.full((2, count), -np.inf)  # row 0: the values before each window, row 1: after it
+        if count > 1:
+            np.maximum.accumulate(values[count - 2::-1], out=sides[0, -2::-1])
+            np.maximum.accumulate(values[width:], out=sides[1, 1:])
+        return np.maximum(sides.max(axis=0), values[count - 1:width].max())
     blocks = np.concatenate([values, np.full(-len(values) % width, -np.inf)]).reshape(-1, width)
     prefix = np.maximum.accumulate(blocks, axis=1).ravel()
     suffix = np.maximum.accumulate(blocks[:, ::-1], axis=1)[:, ::-1].ravel()
@@ -186,8 +234,8 @@ class DelayedHistory:
                                               self._first + len(self._known) - 1)
         if lo > hi:
             return False
-        return not np.array_equal(values[lo - first: hi - first + 1],
-                                  self._known[lo - self._first: hi - self._first + 1], equal_nan=True)
+        now, before = values[lo - first: hi - first + 1], self._known[lo - self._first: hi - self._first + 1]
+        return not ((now == before).all() or np.array_equal(now, before, equal_nan=True))  # NaN: rarely
 
     def _stale(self, view: DelayedView, first: int, values: np.ndarray, previous: int) -> DelayedView:
         split = max(0, min(len(values), previous - first + 1))  # the loaded amaxes are those up to previous
@@ -232,8 +280,7 @@ class DelayedHistory:
         amaxes = self._span(previous + 1, step)
         scales = self._scales(prev_scale, maxima[:-1])
         rebuilt = self.next_scale(float(maxima[-1]), float(scales[-1]))
-        steps = range(previous + 1, step + 1)
-        rows = tuple(zip(steps, amaxes.tolist(), scales.tolist(), strict=True))
+        rows = StepRows(previous + 1, amaxes, scales)
         with np.errstate(invalid="ignore"):
             held = amaxes * scales  # what each step's scale made of its amax
             hit = np.flatnonzero(np.isfinite(amaxes) & (held >= self.fmt.saturation))

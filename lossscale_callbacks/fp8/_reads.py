@@ -25,7 +25,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from lossscale_callbacks._metrics import FP8_TAG_PREFIX
+from lossscale_callbacks.fp8._delayed import StepRows
 from lossscale_callbacks.fp8._formats import ROLES
 
 __all__ = ["FIELDS", "FINDINGS_TAG", "FP8_TAG_PREFIX", "PREFIX", "RANKS_DISAGREE", "RANKS_TAG", "Fp8Read",
@@ -106,7 +109,7 @@ class TensorRead:
     coarse_until: int | None = None
     stale_ratio: float | None = None
     replaced_after: int | None = None
-    rows: tuple[tuple[int, float, float], ...] = ()
+    rows: Sequence[tuple[int, float, float]] = ()
 
     @property
     def name(self) -> str:
@@ -155,13 +158,27 @@ class Fp8Read:
     def step_metrics(self) -> dict[int, dict[str, float]]:
         """Delayed scaling: ``{step: {amax and scale tags: value}}``, the rebuilt steps before the read's."""
         out: dict[int, dict[str, float]] = {}
+        # The tensors whose rows span the same steps (every tensor of one read, as a rule) are joined as
+        # columns and turned into rows at once: a read holds hundreds of steps of dozens of tensors.
+        spans: dict[tuple[int, int], tuple[list[str], list[np.ndarray]]] = {}
         for tensor in self.tensors:
+            rows = tensor.rows
             amax_tag = tag(tensor.layer, tensor.role, "amax")
             scale_tag = tag(tensor.layer, tensor.role, "scale")
-            for step, amax, scale in tensor.rows:
+            if isinstance(rows, StepRows):
+                tags, columns = spans.setdefault((rows.first, len(rows)), ([], []))
+                tags += (amax_tag, scale_tag)
+                columns += (rows.amaxes, rows.scales)
+                continue
+            for step, amax, scale in rows:
                 if step < self.step:
                     row = out.setdefault(step, {})
                     row[amax_tag], row[scale_tag] = float(amax), float(scale)
+        for (first, count), (tags, columns) in spans.items():
+            count = max(0, min(count, self.step - first))  # the steps before the read's
+            table = np.column_stack(columns)[:count].tolist()
+            for step, values in zip(range(first, first + count), table, strict=True):
+                out.setdefault(step, {}).update(zip(tags, values, strict=True))
         return out
 
 
