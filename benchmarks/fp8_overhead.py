@@ -15,6 +15,18 @@ own (Keras picks its backend at import), an MLP of fp8 ``Dense`` layers in ``fit
 batch's end to the last's (the start and the end of a ``fit``, where the callback reads the histories once and
 writes the summary, are left out: a run of thousands of steps amortizes them). Target: ``monitor`` / ``bare``
 <= 1.02.
+
+Two arms made alike differ by a few % on this machine (the ``A/A`` column), more than the target allows, so
+each Keras backend's cost is also measured by its parts, each with a tighter measure:
+
+* ``hooks``: the callback's own host work (its batch hooks, the reads at ``log_every`` among them), timed on
+  the main thread (``time.thread_time``: the step's own threads are not counted) in the ``monitor`` arm, over
+  the ``bare`` arm's step;
+* ``carried`` and ``counted``: what the model's ordinary and counted steps cost against the step without the
+  callback's identities, timed in **one** ``fit`` of **one** model that switches between the three train
+  functions in blocks of ``BLOCK`` steps (in a shuffled order per cycle, the first step of each block left
+  out): the same buffers, the same moment, so the layout noise between arms drops out;
+* ``parts``: ``1 + hooks + (carried - 1) + (counted - 1) / count_every``, the cost these add up to.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from _quick import parse_args
 
@@ -37,6 +50,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 _CLOCK = time.perf_counter
 
 ARMS = {"bare": None, "monitor": 100, "every": 1, "bare_again": None}
+BLOCK = 10  # steps per train function in the interleaved fit (``split_keras``)
+COUNT_EVERY = 100  # the monitor arm's count_every (ARMS["monitor"])
 
 
 def alternate(rounds: int, make: Callable[[tuple[str, ...]], dict[str, Callable[[], float]]]
@@ -118,29 +133,127 @@ def keras_rounds(rounds: int, steps: int, width: int, tensorboard: bool = False)
     x = rng.normal(size=(steps * 128, width)).astype("float32")
     y = rng.normal(size=(steps * 128, 1)).astype("float32")
 
-    def arm(count_every: int | None) -> Callable[[], float]:
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width, activation="relu"),
-                                  keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
-        model.quantize("float8")
-        model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+    def arm(count_every: int | None, hooks: list[float] | None = None) -> Callable[[], float]:
+        model = _fp8_model(keras, width)
         timer = StepTimer()
         callbacks = ([] if count_every is None else
                      [Fp8ScaleCallback(log_every=100, count_every=count_every, **_logging(tensorboard))])
+        spent = _time_hooks(callbacks[0]) if callbacks and hooks is not None else None
 
         def run() -> float:
+            before = spent[0] if spent is not None else 0.0
             model.fit(x, y, batch_size=128, epochs=1, shuffle=False, verbose=0, callbacks=[*callbacks, timer])
+            if spent is not None:  # the last call is the timed one (alternate's warm-up comes first)
+                hooks.append((spent[0] - before) / steps)
             return timer.per_step()
         return run
 
-    return alternate(rounds, lambda order: {name: arm(ARMS[name]) for name in order})
+    hooks: list[float] = []
+    times = alternate(rounds, lambda order: {name: arm(ARMS[name], hooks if name == "monitor" else None)
+                                             for name in order})
+    times["hooks"] = hooks[1::2]  # each round's timed run (the runs before are its warm-ups)
+    return times
 
 
-def summarize(times: dict[str, list[float]]) -> dict[str, float]:
+def _fp8_model(keras: Any, width: int) -> Any:
+    """The benchmark's model: 3 ``Dense`` layers quantized to float8, compiled with SGD."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
+    model.quantize("float8")
+    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+    return model
+
+
+def _time_hooks(callback: Any) -> list[float]:
+    """Wrap ``callback``'s batch hooks to add their main-thread seconds to the returned one-item list."""
+    spent = [0.0]
+    for name in ("on_train_batch_begin", "on_train_batch_end"):
+        hook = getattr(callback, name)
+
+        def timed(*args: Any, hook: Any = hook, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - start
+        setattr(callback, name, timed)
+    return spent
+
+
+def split_keras(steps: int, width: int) -> dict[str, list[float]]:
+    """Seconds per step of the three train functions of one watched model, interleaved in one ``fit`` (see
+    the module): ``bare`` (traced with the layers unwatched: no identity, no count), ``carried`` (the
+    callback's ordinary step) and ``counted`` (its counting step)."""
+    import random
+
+    import keras
+    import numpy as np
+
+    from lossscale_callbacks.keras import Fp8ScaleCallback
+    from lossscale_callbacks.keras._fit_sampling import _second_train_function
+
+    model = _fp8_model(keras, width)
+    callback = Fp8ScaleCallback(log_every=100, count_every=COUNT_EVERY, health=None, echo=None)
+    callback.set_model(model)  # watches the layers; a fresh optimizer knows their tallies
+    layers = callback.layers
+    carried = model.train_function
+    counted = callback._counted(_second_train_function(model))
+    traced_bare = _second_train_function(model)
+    first = [True]
+
+    def bare(*args: Any, **kwargs: Any) -> Any:
+        if first[0]:  # traced at its first call (TensorFlow, JAX): with the layers unwatched
+            first[0] = False
+            layers.unwatch()
+            try:
+                return traced_bare(*args, **kwargs)
+            finally:
+                layers.watch(model)
+        return traced_bare(*args, **kwargs)
+
+    functions = {"bare": bare, "carried": carried, "counted": counted}
+    names = list(functions)
+    shuffle = random.Random(0).shuffle
+    plan: list[str] = []
+    while len(plan) < steps:
+        cycle = names[:]
+        shuffle(cycle)
+        plan += [name for name in cycle for _ in range(BLOCK)]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    warm = 2 * BLOCK * len(names)  # every function traced and run a few times first
+
+    class Interleave(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            self.name = plan[batch]
+            self._model.train_function = functions[self.name]
+            self.start = _CLOCK()
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            elapsed = _CLOCK() - self.start
+            if batch >= warm and batch % BLOCK:
+                times[self.name].append(elapsed)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(len(plan) * 128, width)).astype("float32")
+    y = rng.normal(size=(len(plan) * 128, 1)).astype("float32")
+    model.fit(x, y, batch_size=128, epochs=1, shuffle=False, verbose=0, callbacks=[Interleave()])
+    return times
+
+
+def summarize(times: dict[str, list[float]], split: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Medians: each arm's seconds per step, the per-round ratios against ``bare``; with the Keras parts
+    (``hooks`` in ``times``, ``split`` from :func:`split_keras`) the parts' ratios and their sum."""
     out = {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in ARMS}
     for name in ("monitor", "every", "bare_again"):
         ratios = (a / b for a, b in zip(times[name], times["bare"], strict=True))
         out[f"{name}/bare"] = statistics.median(ratios)
+    if times.get("hooks") and split is not None:
+        out["hooks"] = statistics.median(h / b for h, b in zip(times["hooks"], times["bare"], strict=True))
+        bare = statistics.median(split["bare"])
+        out["carried"] = statistics.median(split["carried"]) / bare
+        out["counted"] = statistics.median(split["counted"]) / bare
+        out["parts"] = 1 + out["hooks"] + (out["carried"] - 1) + (out["counted"] - 1) / COUNT_EVERY
     return out
 
 
@@ -153,13 +266,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensorboard", action="store_true", help="the monitors write to TensorBoard")
     parser.add_argument("--cpu", action="store_true", help="process CPU time (all threads), not wall time")
     parser.add_argument("--keras-here", action="store_true", help="this process's Keras backend only")
+    parser.add_argument("--split-steps", type=int, default=3000,
+                        help="steps of the interleaved fit that times the Keras parts")
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parse_args(parser, argv, rounds=2, steps=5, width=64)
+    args = parse_args(parser, argv, rounds=2, steps=5, width=64, split_steps=90)
     if args.cpu:
         global _CLOCK
         _CLOCK = time.process_time
     if args.keras_here:
-        results = {"here": summarize(keras_rounds(args.rounds, args.steps, args.width, args.tensorboard))}
+        times = keras_rounds(args.rounds, args.steps, args.width, args.tensorboard)
+        results = {"here": summarize(times, split_keras(args.split_steps, args.width))}
         with open(args.json, "w") as f:
             json.dump(results, f)
         return
@@ -174,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             out = os.path.join(tmp, "here.json")
             command = [sys.executable, os.path.abspath(__file__), "--keras-here",
                        "--rounds", str(args.rounds), "--steps", str(args.steps), "--width", str(args.width),
+                       "--split-steps", str(args.split_steps),
                        "--json", out, *(["--tensorboard"] if args.tensorboard else []),
                        *(["--cpu"] if args.cpu else []),
                        *(["--quick"] if args.quick else [])]
@@ -188,6 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in results.items():
         print(f"{name:<20} {r['bare_ms']:>9.3f} {r['monitor_ms']:>11.3f} {r['every_ms']:>9.3f} "
               f"{r['monitor/bare']:>13.3f} {r['every/bare']:>11.3f} {r['bare_again/bare']:>6.3f}")
+    parts = {name: r for name, r in results.items() if "parts" in r}
+    if parts:
+        print(f"\nthe Keras callback by its parts (hooks: main-thread time over bare; carried, counted: "
+              f"interleaved in one fit, {BLOCK}-step blocks)\n")
+        print(f"{'setup':<20} {'hooks':>7} {'carried':>8} {'counted':>8} {'parts':>7}")
+        for name, r in parts.items():
+            print(f"{name:<20} {r['hooks']:>7.4f} {r['carried']:>8.4f} {r['counted']:>8.4f} "
+                  f"{r['parts']:>7.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -58,6 +58,18 @@ def test_an_outlier_at_step_30_is_counted_there_only_and_caught_up_at_step_32(re
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_each_read_counts_its_own_interval_with_nothing_else_reading_the_model(results, backend):
+    """The counts start again from zero after each read. On JAX that write goes into ``fit``'s live state
+    (``_variable_reads``), and was lost there before (the state Keras shows is a copy): the next read then
+    repeated the clipped values. Nothing else reads the model here, so nothing syncs that state."""
+    series = results(backend)["unwitnessed"]["series"]
+    saturated = _points(series, "saturated")
+    assert saturated[20] > 500 and saturated[10] == saturated[30] == saturated[40] == 0, saturated
+    assert _points(series, "saturated_steps") == {10: 0, 20: 1, 30: 0, 40: 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_the_coarse_scale_finding_names_d2_and_the_history_and_a_short_history_ends_it(results, backend):
     run = results(backend)
     coarse = [v for v in run["outlier"]["verdicts"] if v[0] == "fp8_coarse_scale" and "`d2`'s input" in v[2]]

@@ -3,19 +3,24 @@ every variable of the model.
 
 During an epoch, JAX's ``fit`` keeps the variables' values in the trainer's own state,
 ``model._jax_state``: lists of arrays in the order of ``model.trainable_variables``,
-``model.non_trainable_variables``, ``model.optimizer.variables`` and ``model.metrics_variables``, the
-very lists the next step is given; the variables themselves are purged (a purged variable's ``value``
+``model.non_trainable_variables``, ``model.optimizer.variables`` and ``model.metrics_variables``, with
+the arrays the next step is given; the variables themselves are purged (a purged variable's ``value``
 is its initializer's, not its last one). ``model.jax_state_sync()`` assigns every one of them back
 (milliseconds on a small model, more on a large one: an ``assign`` each) and makes the next step
 gather them all again.
 
 A reader that needs some of them **lends** the live values to those variables instead
-(:meth:`LiveVariables.lent`): each gets the state's array as its value (no copy, no device op); what
-the reader assigns to one is put back into the state, which the next step uses; then the variables
-are purged again, as ``fit`` keeps them (a lent array is donated to the next step: a variable that
-kept it would hold a deleted array). Where the state is not live (another backend, outside ``fit``,
-after somebody synced) the variables hold their values and nothing is lent. Read from Keras 3.15's
-``keras/src/backend/jax/trainer.py`` (``fit``, ``jax_state_sync``, ``_purge_model_variables``) and
+(:meth:`LiveVariables.lent`): each gets the state's array as its value (no copy, no device op). A reader
+that only reads leaves the state as it was: the variables are purged again, as ``fit`` keeps them (a
+lent array is donated to the next step: a variable that kept it would hold a deleted array). A reader
+that assigned one cannot put it back into the state: ``model._jax_state`` is a tracked **copy** of the
+lists ``fit`` hands the next step (a Keras model wraps the dicts and lists set on it), so a write there
+is lost. Then every variable gets its live array the same way, and the state is marked synced: the next
+step gathers the variables again, the assigned one with its new value, exactly as after
+``jax_state_sync()`` (which stores the same arrays, an ``assign`` each: 20 to 80 µs a variable). Where
+the state is not live (another backend, outside ``fit``, after somebody synced) the variables hold their
+values and nothing is lent. Read from Keras 3.15's ``keras/src/backend/jax/trainer.py`` (``fit``,
+``jax_state_sync``, ``_get_jax_state``, ``_purge_model_variables``) and
 ``keras/src/backend/common/variables.py`` (``value``); a trainer that keeps its state otherwise falls
 back to the sync.
 
@@ -68,6 +73,7 @@ class LiveVariables:
         # Per group of the state: the model's variables (as indexed) and their index by identity.
         self._indexed: dict[str, tuple[list[Any], dict[int, int]]] = {}
         self._zeros: dict[tuple[tuple[int, ...], str], Any] = {}
+        self._groups: list[tuple[list[Any], tuple[list[Any], dict[int, int]]]] = []
 
     def forget(self) -> None:
         """The model's variables may have changed (a new ``fit``): index them again at the next read."""
@@ -79,7 +85,7 @@ class LiveVariables:
         values, and what is assigned to them lasts; yields whether the live state was lent.
 
         Raises:
-            Whatever the block raises (the state is made whole again first).
+            Whatever the block raises (the state is made whole first).
         """
         slots = self._slots(model, variables)
         if slots is None:
@@ -93,19 +99,33 @@ class LiveVariables:
         try:
             yield True
         finally:
-            for (values, at, variable), array in zip(slots, lent, strict=True):
-                if variable._value is not array:  # assigned in the block: the next step starts from it
-                    values[at] = variable._value
-                variable._value = None  # purged again, as fit keeps it
+            assigned = {id(variable) for (_, _, variable), array in zip(slots, lent, strict=True)
+                        if variable._value is not array}
+            if assigned:
+                self._hand_back(model, assigned)  # the next step must gather the variables again
+            else:
+                for _, _, variable in slots:
+                    variable._value = None  # purged again, as fit keeps it
+
+    def _hand_back(self, model: Any, assigned: set[int]) -> None:
+        """Every variable but those ``assigned`` gets its live array, and the state counts as synced (see
+        the module)."""
+        for values, (own, _) in self._groups:
+            for variable, array in zip(own, values, strict=True):
+                if id(variable) not in assigned:
+                    variable._value = array
+        model._jax_state_synced = True
 
     def _slots(self, model: Any, variables: Sequence[Any] | None) -> list[tuple[list[Any], int, Any]] | None:
         """``(state list, index, variable)`` of each variable to lend, or ``None`` where nothing is lent
         (the model was synced first where its state is live but not as this module reads it)."""
         if model is None or keras.backend.backend() != "jax":
             return None
-        state = getattr(model, "_jax_state", None)
-        if getattr(model, "_jax_state_synced", None) is not False or not isinstance(state, dict):
-            return self._sync(model)  # a no-op where it is synced (outside fit, or by somebody)
+        state, synced = getattr(model, "_jax_state", None), getattr(model, "_jax_state_synced", None)
+        if synced is True:  # outside fit, or synced by somebody: the variables hold their values
+            return None
+        if synced is not False or not isinstance(state, dict):  # a trainer not as this module reads it
+            return self._sync(model)
         groups = []
         for name, listed in _GROUPS:
             values = state.get(name)
@@ -118,6 +138,7 @@ class LiveVariables:
             if not isinstance(values, list) or len(indexed[0]) != len(values):
                 return self._sync(model)
             groups.append((values, indexed))
+        self._groups = groups
         if variables is None:
             slots = [(values, at, v) for values, (own, _) in groups for at, v in enumerate(own)]
         else:
