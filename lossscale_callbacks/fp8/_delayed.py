@@ -56,7 +56,7 @@ class StepRows(Sequence[tuple[int, float, float]]):
         ([(5, 1.0, 448.0), (6, 2.0, 224.0)], (6, 2.0, 224.0), True)
     """
 
-    __slots__ = ("first", "amaxes", "scales")
+    __slots__ = ("amaxes", "first", "scales")
 
     def __init__(self, first: int, amaxes: np.ndarray, scales: np.ndarray) -> None:
         self.first, self.amaxes, self.scales = int(first), amaxes, scales

@@ -87,7 +87,7 @@ def poked(how: str) -> list[np.ndarray]:
 
 
 def bitwise_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+    return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
 
 
 if __name__ == "__main__":
