@@ -19,14 +19,16 @@ writes the summary, are left out: a run of thousands of steps amortizes them). T
 Two arms made alike differ by a few % on this machine (the ``A/A`` column), more than the target allows, so
 each Keras backend's cost is also measured by its parts, each with a tighter measure:
 
+* ``graph``: what the model's steps cost with the callback's train functions against the step without its
+  identities, timed in **one** ``fit`` of **one** watched model that switches between them in blocks of
+  ``COUNT_EVERY`` steps, a ``bare`` block (traced with the layers unwatched) and a ``monitored`` block (the
+  callback's sequence: its ordinary function, one counted step), in a shuffled order per cycle: the same
+  buffers, the same moment, so the layout noise between arms drops out; the median of the cycles' ratios.
+  ``carried`` and ``counted`` are the ordinary and the counted step alone against the bare one (medians);
 * ``hooks``: the callback's own host work (its batch hooks, the reads at ``log_every`` among them), timed on
   the main thread (``time.thread_time``: the step's own threads are not counted) in the ``monitor`` arm, over
   the ``bare`` arm's step;
-* ``carried`` and ``counted``: what the model's ordinary and counted steps cost against the step without the
-  callback's identities, timed in **one** ``fit`` of **one** model that switches between the three train
-  functions in blocks of ``BLOCK`` steps (in a shuffled order per cycle, the first step of each block left
-  out): the same buffers, the same moment, so the layout noise between arms drops out;
-* ``parts``: ``1 + hooks + (carried - 1) + (counted - 1) / count_every``, the cost these add up to.
+* ``parts``: ``graph + hooks``, the cost these add up to.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 _CLOCK = time.perf_counter
 
 ARMS = {"bare": None, "monitor": 100, "every": 1, "bare_again": None}
-BLOCK = 10  # steps per train function in the interleaved fit (``split_keras``)
 COUNT_EVERY = 100  # the monitor arm's count_every (ARMS["monitor"])
 
 
@@ -182,9 +183,13 @@ def _time_hooks(callback: Any) -> list[float]:
 
 
 def split_keras(steps: int, width: int) -> dict[str, list[float]]:
-    """Seconds per step of the three train functions of one watched model, interleaved in one ``fit`` (see
-    the module): ``bare`` (traced with the layers unwatched: no identity, no count), ``carried`` (the
-    callback's ordinary step) and ``counted`` (its counting step)."""
+    """One watched model's train functions interleaved in one ``fit`` (see the module), in blocks of
+    ``COUNT_EVERY`` steps, a cycle being one block of each kind in a shuffled order: a ``bare`` block
+    (the function traced with the layers unwatched: no identity, no count) and a ``monitored`` block,
+    the callback's sequence (its ordinary function, one counted step in the middle: both switches
+    inside the block). The first step of every block (the switch between blocks, alike for both) is
+    left out. Returns per cycle the seconds per step of each block (``bare``, ``monitored``), and the
+    steps' seconds by function (``bare_steps``, ``carried_steps``, ``counted_steps``)."""
     import random
 
     import keras
@@ -197,6 +202,7 @@ def split_keras(steps: int, width: int) -> dict[str, list[float]]:
     callback = Fp8ScaleCallback(log_every=100, count_every=COUNT_EVERY, health=None, echo=None)
     callback.set_model(model)  # watches the layers; a fresh optimizer knows their tallies
     layers = callback.layers
+    model.make_train_function()  # as fit does at its start (no-op when the callback remade it)
     carried = model.train_function
     counted = callback._counted(_second_train_function(model))
     traced_bare = _second_train_function(model)
@@ -212,33 +218,41 @@ def split_keras(steps: int, width: int) -> dict[str, list[float]]:
                 layers.watch(model)
         return traced_bare(*args, **kwargs)
 
-    functions = {"bare": bare, "carried": carried, "counted": counted}
-    names = list(functions)
+    block = COUNT_EVERY
+    kinds = {"bare": [("bare", bare)] * block,
+             "monitored": [("carried", carried)] * block}
+    kinds["monitored"][block // 2] = ("counted", counted)
     shuffle = random.Random(0).shuffle
-    plan: list[str] = []
-    while len(plan) < steps:
-        cycle = names[:]
-        shuffle(cycle)
-        plan += [name for name in cycle for _ in range(BLOCK)]
-    times: dict[str, list[float]] = {name: [] for name in names}
-    warm = 2 * BLOCK * len(names)  # every function traced and run a few times first
+    plan: list[tuple[int, str, str, Any]] = []  # (cycle, block kind, function name, function)
+    warm = 1  # a first cycle to trace and warm every function, not timed
+    cycles = warm + max(1, steps // (2 * block))
+    for cycle in range(cycles):
+        order = list(kinds)
+        shuffle(order)
+        plan += [(cycle, kind, name, function) for kind in order for name, function in kinds[kind]]
+    per_block: dict[tuple[int, str], list[float]] = {}
+    by_function: dict[str, list[float]] = {"bare_steps": [], "carried_steps": [], "counted_steps": []}
 
     class Interleave(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-            self.name = plan[batch]
-            self._model.train_function = functions[self.name]
+            self.at = plan[batch]
+            if self._model.train_function is not self.at[3]:
+                self._model.train_function = self.at[3]
             self.start = _CLOCK()
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
             elapsed = _CLOCK() - self.start
-            if batch >= warm and batch % BLOCK:
-                times[self.name].append(elapsed)
+            cycle, kind, name, _ = self.at
+            if cycle >= warm and batch % block:
+                per_block.setdefault((cycle, kind), []).append(elapsed)
+                by_function[f"{name}_steps"].append(elapsed)
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(len(plan) * 128, width)).astype("float32")
     y = rng.normal(size=(len(plan) * 128, 1)).astype("float32")
     model.fit(x, y, batch_size=128, epochs=1, shuffle=False, verbose=0, callbacks=[Interleave()])
-    return times
+    timed = range(warm, cycles)
+    return {**{kind: [statistics.fmean(per_block[c, kind]) for c in timed] for kind in kinds}, **by_function}
 
 
 def summarize(times: dict[str, list[float]], split: dict[str, list[float]] | None = None) -> dict[str, float]:
@@ -250,10 +264,12 @@ def summarize(times: dict[str, list[float]], split: dict[str, list[float]] | Non
         out[f"{name}/bare"] = statistics.median(ratios)
     if times.get("hooks") and split is not None:
         out["hooks"] = statistics.median(h / b for h, b in zip(times["hooks"], times["bare"], strict=True))
-        bare = statistics.median(split["bare"])
-        out["carried"] = statistics.median(split["carried"]) / bare
-        out["counted"] = statistics.median(split["counted"]) / bare
-        out["parts"] = 1 + out["hooks"] + (out["carried"] - 1) + (out["counted"] - 1) / COUNT_EVERY
+        bare = statistics.median(split["bare_steps"])
+        out["carried"] = statistics.median(split["carried_steps"]) / bare
+        out["counted"] = statistics.median(split["counted_steps"]) / bare
+        cycles = zip(split["monitored"], split["bare"], strict=True)
+        out["graph"] = statistics.median(m / b for m, b in cycles)
+        out["parts"] = out["graph"] + out["hooks"]
     return out
 
 
@@ -274,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
         global _CLOCK
         _CLOCK = time.process_time
     if args.keras_here:
+        split = split_keras(args.split_steps, args.width)
         times = keras_rounds(args.rounds, args.steps, args.width, args.tensorboard)
-        results = {"here": summarize(times, split_keras(args.split_steps, args.width))}
+        results = {"here": summarize(times, split)}
         with open(args.json, "w") as f:
             json.dump(results, f)
         return
@@ -307,12 +324,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['monitor/bare']:>13.3f} {r['every/bare']:>11.3f} {r['bare_again/bare']:>6.3f}")
     parts = {name: r for name, r in results.items() if "parts" in r}
     if parts:
-        print(f"\nthe Keras callback by its parts (hooks: main-thread time over bare; carried, counted: "
-              f"interleaved in one fit, {BLOCK}-step blocks)\n")
-        print(f"{'setup':<20} {'hooks':>7} {'carried':>8} {'counted':>8} {'parts':>7}")
+        print(f"\nthe Keras callback by its parts (carried, counted, graph: interleaved in one fit, "
+              f"{COUNT_EVERY}-step blocks; hooks: main-thread time over bare)\n")
+        print(f"{'setup':<20} {'carried':>8} {'counted':>8} {'graph':>7} {'hooks':>7} {'parts':>7}")
         for name, r in parts.items():
-            print(f"{name:<20} {r['hooks']:>7.4f} {r['carried']:>8.4f} {r['counted']:>8.4f} "
-                  f"{r['parts']:>7.4f}")
+            print(f"{name:<20} {r['carried']:>8.4f} {r['counted']:>8.4f} {r['graph']:>7.4f} "
+                  f"{r['hooks']:>7.4f} {r['parts']:>7.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -62,6 +62,7 @@ def test_each_read_counts_its_own_interval_with_nothing_else_reading_the_model(r
     """The counts start again from zero after each read. On JAX that write goes into ``fit``'s live state
     (``_variable_reads``), and was lost there before (the state Keras shows is a copy): the next read then
     repeated the clipped values. Nothing else reads the model here, so nothing syncs that state."""
+    assert results(backend)["no_gradient_warnings"] == []  # the tallies' own are filtered out
     series = results(backend)["unwitnessed"]["series"]
     saturated = _points(series, "saturated")
     assert saturated[20] > 500 and saturated[10] == saturated[30] == saturated[40] == 0, saturated
@@ -129,9 +130,10 @@ def test_tensorboard_holds_the_metrics_and_report_says_the_findings(results, bac
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch missing")
 def test_the_ops_a_step_adds_on_the_torch_backend_are_counted(results):
     ops = results("torch")["ops"]
-    # An ordinary step: the identity before each layer's activation and the tally passed on (3 layers).
+    # An ordinary step adds nothing: the layers run as they are and the tally, without a gradient, is left
+    # by the optimizer (on JAX alone an identity passes it on: an unconnected variable's gradient is zero).
     added, counted = ops["ordinary"] - ops["bare"], ops["counted"] - ops["bare"]
-    assert 0 < added <= 15 * 3, ops
-    assert added < counted <= 120 * 3, ops
+    assert added == 0, ops
+    assert 0 < counted <= 120 * 3, ops
     print(f"Keras on torch, 3 fp8 Dense layers: {ops['bare']} aten ops a step, +{added} on an ordinary "
           f"step, +{counted} on a counted one")

@@ -17,8 +17,11 @@ How many values a cast clipped or flushed is counted on the device on the counte
 * the output gradient is counted in the backward pass by a ``custom_gradient`` identity put before the
   layer's activation (where Keras casts that gradient), which returns the new tally as the tally's
   gradient; the tally, like Keras' own fp8 variables, has ``overwrite_with_gradient``, so the optimizer
-  stores it. The same identity, without counting, runs on the other steps: JAX would otherwise give the
-  tally a zero gradient there, and it passes the tally on unchanged (a copy of 10 values).
+  stores it. On JAX the same identity, without counting, runs on the other steps: JAX would otherwise
+  give the tally a zero gradient there, and it passes the tally on unchanged (a copy of 10 values). On
+  TensorFlow and torch the other steps run the layer as it is: the tally gets no gradient, so the
+  optimizer leaves it (measured on TensorFlow, the identity and the tally's store cost 1.1 % of a step
+  of this benchmark's model: ``benchmarks/fp8_overhead.py``).
 
 Which steps count is the host's choice: :class:`~lossscale_callbacks.keras.Fp8ScaleCallback` runs ``fit``
 with one train function for the counted steps (traced while :attr:`Fp8Layers.counting` holds) and the
@@ -30,9 +33,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -43,7 +48,12 @@ from lossscale_callbacks.keras._variable_reads import LiveVariables, host_values
 __all__ = ["LAG", "TALLY", "Fp8Layers", "fp8_layers"]
 
 LAG = 2  # Keras casts with the scale made from the history read one step before (amaxes up to t - 2)
+# Whether an ordinary step must pass the tally on: JAX differentiates every trainable variable, so an
+# unconnected tally gets a zero gradient, which the optimizer would store. TensorFlow and torch give it
+# none: the optimizer leaves it as it is (and warns, once a trace on TensorFlow: the filter below).
+_PASS_ON = keras.backend.backend() == "jax"
 TALLY = "fp8_scale_tally"
+_NO_GRADIENT_TALLIES = rf"Gradients do not exist for variables \[('[^']*/{TALLY}'(, )?)+\] when minimizing"
 # The tally: the counted steps, then per role (input, kernel, output gradient) the saturated values, the
 # sum of the steps' saturated shares and the sum of their underflow shares.
 _ROLES = (("input", "inputs", E4M3), ("weight", "kernel", E4M3), ("grad_output", "outputs_grad", E5M2))
@@ -116,6 +126,10 @@ class Fp8Layers:
         """Give each fp8 layer of ``model`` its tally and wrap its ``quantized_call`` (again: the old
         wrappers are taken off first). Call it before the train function is made."""
         self.unwatch()
+        if not _PASS_ON:
+            # Keras' warning for variables without a gradient, when the tallies are all it names (an
+            # ordinary step's, by design); a user's own variable in the list keeps the warning.
+            warnings.filterwarnings("ignore", message=_NO_GRADIENT_TALLIES, category=UserWarning)
         for path, layer in fp8_layers(model):
             tally = getattr(layer, TALLY, None)
             if tally is None:
@@ -152,9 +166,10 @@ class Fp8Layers:
         self._live.forget()
 
     def _call(self, w: _Watched, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get("training"):
+        counting = self.counting
+        if not kwargs.get("training") or not (counting or _PASS_ON):
             return w.original(inputs, *args, **kwargs)
-        layer, counting = w.layer, self.counting
+        layer = w.layer
         tally = ops.convert_to_tensor(w.tally)
         if counting:
             forward = ops.concatenate([
