@@ -51,7 +51,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "fp8_overhead.py": (["--backends", "jax"], [
         *(rf"^{name}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"
           for name in ("torchao_tensorwise", "keras_fit_jax")),
-        rf"^keras_fit_jax\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$",  # the callback by its parts
+        rf"^keras_fit_jax\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$",  # the callback by its parts
     ]),
     "keras_trace_overhead.py": (["--backends", "torch"], [
         rf"^keras_fit_torch\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$"

@@ -137,3 +137,19 @@ def test_the_ops_a_step_adds_on_the_torch_backend_are_counted(results):
     assert 0 < counted <= 120 * 3, ops
     print(f"Keras on torch, 3 fp8 Dense layers: {ops['bare']} aten ops a step, +{added} on an ordinary "
           f"step, +{counted} on a counted one")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] != "torch"])
+def test_the_ops_a_traced_step_adds_on_tensorflow_and_jax_are_counted(results, backend):
+    ops = results(backend)["ops"]
+    added, counted = ops["ordinary"] - ops["bare"], ops["counted"] - ops["bare"]
+    if backend == "tensorflow":
+        # The ordinary step's graph is the step without the monitor: the tally has no gradient, no op.
+        assert added == 0, ops
+    else:
+        # JAX passes each layer's tally on (its gradient would be zero otherwise): a copy, at most, a layer.
+        assert 0 <= added <= 2 * 3, ops
+    assert counted > 3 * 10, ops
+    print(f"Keras on {backend}, 3 fp8 Dense layers: {ops['bare']} ops a step, +{added} on an ordinary step, "
+          f"+{counted} on a counted one")

@@ -153,6 +153,38 @@ def torch_ops() -> dict:
     return counts
 
 
+def graph_ops() -> dict:
+    """On TensorFlow and JAX, the ops of one traced train step: no monitor, the monitor's ordinary step and
+    a counted one (TensorFlow: the operations of the step's graph; JAX: the instructions of the step as
+    XLA compiled it)."""
+    from lossscale_callbacks.keras._fp8 import Fp8Layers
+
+    (x, f), y = data({})
+    batch = ([x[:BATCH], f[:BATCH]], y[:BATCH])
+    counts = {}
+    for arm in ("bare", "ordinary", "counted"):
+        model = build()
+        layers = Fp8Layers()
+        if arm != "bare":
+            layers.watch(model)
+        model.train_on_batch(*batch)  # builds the optimizer (with the tallies)
+        layers.counting = arm == "counted"
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            step = tf.function(model.train_step).get_concrete_function((batch[0], batch[1]))
+            counts[arm] = len(step.graph.get_operations())
+        else:
+            import jax
+
+            state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                         optimizer_variables=True, metrics_variables=True)
+            compiled = jax.jit(model.train_step).lower(state, (batch[0], batch[1])).compile().as_text()
+            counts[arm] = sum(" = " in line for line in compiled.splitlines())
+        layers.counting = False
+    return counts
+
+
 def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     with warnings.catch_warnings(record=True) as seen:
@@ -166,7 +198,7 @@ def main() -> None:
         # Keras' warning about variables without a gradient: the tallies have none on an ordinary step
         "no_gradient_warnings": [str(w.message) for w in seen if "Gradients do not exist" in str(w.message)],
         "stale": stale_run(),
-        "ops": torch_ops() if keras.backend.backend() == "torch" else None,
+        "ops": torch_ops() if keras.backend.backend() == "torch" else graph_ops(),
     }
     print("RESULT " + json.dumps(result))
 
