@@ -114,7 +114,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
         layer_of,
         sampled_within,
     )
-    from lossscale_callbacks.fp8._delayed import DelayedHistory
+    from lossscale_callbacks.fp8._delayed import DelayedHistory, observe_together
     from lossscale_callbacks.fp8._formats import E4M3, E5M2, Fp8Format
     from lossscale_callbacks.fp8._ranks import Fp8Ranks
     from lossscale_callbacks.fp8._reads import Fp8Read, TensorRead
@@ -285,6 +285,8 @@ _CONTRACT: dict[str, dict[str, tuple[str, str]]] = {
             "Every rank's scales that must agree, gathered at one read (Fp8Read.ranks)."),
         "DelayedHistory": ("fp8._delayed",
             "An amax history followed from read to read: every step's amax and scale, a load, an outlier."),
+        "observe_together": ("fp8._delayed",
+            "DelayedHistory.observe of several histories read at one step, rebuilt at once where alike."),
         "Fp8Format": ("fp8._formats",
             "An fp8 format: its largest value, the saturation and underflow thresholds of a cast."),
         "E4M3": ("fp8._formats", "float8_e4m3fn: inputs and weights (448 at most)."),
@@ -447,6 +449,7 @@ __all__ = [
     "logging_args",
     "matmul_gemm",
     "nonfinite_cause",
+    "observe_together",
     "observed_state",
     "policy_bounds_from_markdown",
     "policy_from_config",

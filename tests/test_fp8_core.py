@@ -240,3 +240,55 @@ def test_the_sliding_maximum_is_every_windows_maximum(values, width):
     expected = ([max(values[i:i + width]) for i in range(len(values) - width + 1)]
                 if len(values) >= width else [])
     assert sliding_max(array, width).tolist() == expected
+
+
+def _same_view(a, b) -> bool:
+    """Two views equal field by field, NaN equal to NaN."""
+    def same(x, y):
+        if isinstance(x, float) and isinstance(y, float):
+            return x == y or (math.isnan(x) and math.isnan(y))
+        return x == y
+    return (tuple(a.rows) == tuple(b.rows) or all(
+                s1 == s2 and same(a1, a2) and same(m1, m2) for (s1, a1, m1), (s2, a2, m2)
+                in zip(a.rows, b.rows, strict=True))) and len(a.rows) == len(b.rows) and all(
+        same(getattr(a, f), getattr(b, f)) for f in ("saturated_steps", "history_ratio", "outlier_step",
+                                                    "coarse_until", "replaced_after", "stale_ratio",
+                                                    "history_max"))
+
+
+_amax = st.one_of(st.floats(0.0, 1e4, allow_subnormal=False),
+                  st.sampled_from([0.0, 50.0, math.inf, math.nan]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), length=st.integers(4, 24), lag=st.sampled_from([1, 2]), tensors=st.integers(1, 4),
+       margin=st.sampled_from([0.0, 1.0]))
+def test_histories_observed_together_give_what_each_observed_alone_gives(data, length, lag, tensors, margin):
+    """``observe_together`` (one rebuild over every row) against ``observe`` a history at a time: the same
+    views and the same state, through reads that continue, reads that skip ahead, a history loaded in one
+    row (a replacement), a scale set from outside and a read at the same step again."""
+    from lossscale_callbacks.fp8._delayed import observe_together
+
+    formats = [E4M3 if i % 3 != 2 else E5M2 for i in range(tensors)]
+    together = [DelayedHistory(length, lag, fmt, margin) for fmt in formats]
+    alone = [DelayedHistory(length, lag, fmt, margin) for fmt in formats]
+    streams = [[] for _ in range(tensors)]
+    step = 0
+    for _ in range(data.draw(st.integers(2, 7), label="reads")):
+        step += data.draw(st.integers(0, length + 3), label="steps")
+        for stream in streams:
+            new = step - len(stream)
+            stream.extend(data.draw(st.lists(_amax, min_size=new, max_size=new)))
+        rows = np.array([([0.0] * length + s)[len(s): len(s) + length] for s in streams])
+        if data.draw(st.integers(0, 4), label="load") == 0:  # one row's history replaced from outside
+            rows[0] = data.draw(st.lists(_amax, min_size=length, max_size=length), label="loaded")
+        scales = [data.draw(st.one_of(st.floats(1e-3, 1e6), st.just(math.nan)), label="scale")
+                  for _ in range(tensors)]
+        got = observe_together(together, step, rows, scales)
+        want = [h.observe(step, row, scale) for h, row, scale in zip(alone, rows, scales, strict=True)]
+        for g, w in zip(got, want, strict=True):
+            assert _same_view(g, w), (g, w)
+        for a, b in zip(together, alone, strict=True):
+            assert (a._first, a._step) == (b._first, b._step)
+            assert np.array_equal(a._known, b._known, equal_nan=True)
+            assert a._next_scale == b._next_scale or (math.isnan(a._next_scale) and math.isnan(b._next_scale))

@@ -77,8 +77,8 @@ EXTENSION: dict[str, list[str]] = {
         "check_number", "check_policy", "check_spike", "decode_records", "einsum_gemm", "ended_inside_record",
         "get_target", "host_number", "interval_args", "is_event_file_name", "is_policy", "is_regular_file",
         "largest_finite_scale", "layer_of", "lazy_attributes", "logging_args", "matmul_gemm",
-        "nonfinite_cause", "observed_state", "policy_bounds_from_markdown", "policy_from_config",
-        "policy_values_from_markdown", "process_rank", "require", "sampled_within", "smallest_keep_set",
+        "nonfinite_cause", "observe_together", "observed_state", "policy_bounds_from_markdown",
+        "policy_from_config", "policy_values_from_markdown", "process_rank", "require", "sampled_within", "smallest_keep_set",
         "step_code", "user_stacklevel", "validate_state", "warn_if_nothing_checked"],
     "lossscale_callbacks.torch.integration": [
         "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "check_replay", "has_deepspeed_scaler",

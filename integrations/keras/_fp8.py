@@ -41,7 +41,15 @@ import keras
 import numpy as np
 from keras import ops
 
-from lossscale_callbacks.integration import E4M3, E5M2, DelayedHistory, Fp8Format, Fp8Read, TensorRead
+from lossscale_callbacks.integration import (
+    E4M3,
+    E5M2,
+    DelayedHistory,
+    Fp8Format,
+    Fp8Read,
+    TensorRead,
+    observe_together,
+)
 from lossscale_callbacks.keras._forward_trace import traced_layers
 from lossscale_callbacks.keras._variable_reads import LiveVariables, host_values
 
@@ -209,17 +217,25 @@ class Fp8Layers:
             values = host_values(variables)
             for w in self._watched:
                 self._live.zero(w.tally)
-        tensors = []
         per_layer = len(names) + 1
+        hosts, tallies, histories, rings, scales = [], [], [], [], []
         for at, w in enumerate(self._watched):
             *read, tally = values[at * per_layer:(at + 1) * per_layer]
             host = dict(zip(names, read, strict=True))
+            hosts.append(host)
+            tallies.append(tally)
+            for role, prefix, _ in _ROLES:
+                ring = host[f"{prefix}_amax_history"]
+                histories.append(w.histories[role])
+                rings.append(np.concatenate([ring[1:], ring[:1]]))  # Keras writes the newest at index 0
+                scales.append(_multiplier(float(host[f"{prefix}_scale"])))
+        views = iter(observe_together(histories, step, rings, scales))  # every layer and role at once
+        tensors = []
+        for w, host, tally in zip(self._watched, hosts, tallies, strict=True):
             calls = int(tally[0])
             for index, (role, prefix, fmt) in enumerate(_ROLES):
                 ring = host[f"{prefix}_amax_history"]
-                oldest_first = np.concatenate([ring[1:], ring[:1]])  # Keras writes the newest at index 0
-                keras_scale = float(host[f"{prefix}_scale"])
-                view = w.histories[role].observe(step, oldest_first, _multiplier(keras_scale))
+                view = next(views)
                 sat, sat_share, und_share = tally[1 + 3 * index: 4 + 3 * index]
                 last = view.rows[-1] if view.rows else None
                 tensors.append(TensorRead(

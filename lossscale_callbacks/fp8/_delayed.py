@@ -37,7 +37,7 @@ import numpy as np
 
 from lossscale_callbacks.fp8._formats import Fp8Format
 
-__all__ = ["DelayedHistory", "DelayedView", "StepRows", "sliding_max"]
+__all__ = ["DelayedHistory", "DelayedView", "StepRows", "observe_together", "sliding_max"]
 
 # A window whose largest amax is matched (within a factor 2) by at most this many steps is dominated by
 # one value: an outlier, not a change of range.
@@ -120,31 +120,35 @@ class DelayedView:
 
 
 def sliding_max(values: np.ndarray, width: int) -> np.ndarray:
-    """The maximum of every ``width`` consecutive values, in O(len(values)) (van Herk and Gil-Werman: within
-    blocks of ``width``, the running maximum from each block's start and from its end; a window spans at
-    most two blocks, so it is the larger of the second block's prefix and the first block's suffix). A
-    read rebuilds ``K`` steps' windows of a 1,024-step history: ``K * 1024`` comparisons the direct way.
+    """The maximum of every ``width`` consecutive values along the last axis, in O(len(values)) (van Herk
+    and Gil-Werman: within blocks of ``width``, the running maximum from each block's start and from its
+    end; a window spans at most two blocks, so it is the larger of the second block's prefix and the first
+    block's suffix). A read rebuilds ``K`` steps' windows of a 1,024-step history: ``K * 1024``
+    comparisons the direct way. Rows (a 2-D ``values``) are independent: several histories at once.
 
     Example:
         >>> sliding_max(np.array([1.0, 3.0, 2.0, 0.0, 5.0]), 2).tolist()
         [3.0, 3.0, 2.0, 5.0]
     """
-    count = len(values) - width + 1
+    values = np.asarray(values)
+    lead, n = values.shape[:-1], values.shape[-1]
+    count = n - width + 1
     if count <= 0:
-        return np.zeros(0)
+        return np.zeros((*lead, 0))
     if count <= width:
         # Fewer windows than a window is long (a read: K steps of an L-step history, K < L): every window
         # holds the middle values[count - 1:width]; window i adds values[i:count - 1] before it and
         # values[width:width + i] after it, so a running maximum of each side, not of whole blocks.
-        sides = np.full((2, count), -np.inf)  # row 0: the values before each window, row 1: after it
+        sides = np.full((2, *lead, count), -np.inf)  # [0]: the values before each window, [1]: after it
         if count > 1:
-            np.maximum.accumulate(values[count - 2::-1], out=sides[0, -2::-1])
-            np.maximum.accumulate(values[width:], out=sides[1, 1:])
-        return np.maximum(sides.max(axis=0), values[count - 1:width].max())
-    blocks = np.concatenate([values, np.full(-len(values) % width, -np.inf)]).reshape(-1, width)
-    prefix = np.maximum.accumulate(blocks, axis=1).ravel()
-    suffix = np.maximum.accumulate(blocks[:, ::-1], axis=1)[:, ::-1].ravel()
-    return np.maximum(suffix[:count], prefix[width - 1: width - 1 + count])
+            np.maximum.accumulate(values[..., count - 2::-1], axis=-1, out=sides[0, ..., -2::-1])
+            np.maximum.accumulate(values[..., width:], axis=-1, out=sides[1, ..., 1:])
+        return np.maximum(sides.max(axis=0), values[..., count - 1:width].max(axis=-1, keepdims=True))
+    padded = np.concatenate([values, np.full((*lead, -n % width), -np.inf)], axis=-1)
+    blocks = padded.reshape(*lead, -1, width)
+    prefix = np.maximum.accumulate(blocks, axis=-1).reshape(*lead, -1)
+    suffix = np.maximum.accumulate(blocks[..., ::-1], axis=-1)[..., ::-1].reshape(*lead, -1)
+    return np.maximum(suffix[..., :count], prefix[..., width - 1: width - 1 + count])
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -299,3 +303,114 @@ class DelayedHistory:
                 until = outlier + self.lag + self.length - 1
         return dataclasses.replace(view, rows=rows, saturated_steps=saturated, history_ratio=ratio,
                                    outlier_step=outlier, coarse_until=until), rebuilt
+
+
+def observe_together(histories: Sequence[DelayedHistory], step: int, amaxes: Sequence[Sequence[float]],
+                     next_scales: Sequence[float]) -> list[DelayedView]:
+    """:meth:`DelayedHistory.observe` of several histories read at the same step: ``amaxes`` holds one
+    history's amaxes (oldest first) per history, ``next_scales`` one scale each. The same views, the same
+    state after, as one call each (a property test holds them equal); but where the histories are alike
+    (the same length, lag and margin, followed from the same steps, continued by this read), the rebuild
+    runs once over all the rows: one read of a model's histories (three a layer) is then a handful of
+    NumPy calls, not a few dozen a history.
+
+    Example:
+        >>> from lossscale_callbacks.fp8._formats import E4M3, E5M2
+        >>> pair = [DelayedHistory(8, 2, E4M3), DelayedHistory(8, 2, E5M2)]
+        >>> _ = observe_together(pair, 0, np.zeros((2, 8)), [1.0, 1.0])
+        >>> views = observe_together(pair, 6, np.array([[0, 0, 1, 1, 1, 1, 1, 50]] * 2), [448.0, 57344.0])
+        >>> [round(v.rows[-1][2]) for v in views], [v.saturated_steps for v in views]
+        ([448, 57344], [((6, 50.0),), ((6, 50.0),)])
+    """
+    step = int(step)
+    rows = [np.asarray(a, dtype=np.float64).ravel() for a in amaxes]
+    scales_next = [float(x) for x in next_scales]
+    if len(rows) != len(histories) or len({len(r) for r in rows}) != 1 or not _alike(
+            histories, step, values := np.stack(rows)):
+        return [h.observe(step, row, scale)
+                for h, row, scale in zip(histories, rows, scales_next, strict=True)]
+    head = histories[0]
+    length, lag, margin = head.length, head.lag, head.margin
+    previous, first_known, known = head._step, head._first, np.stack([h._known for h in histories])
+    first = step - values.shape[1] + 1
+    # The read continues every history (checked in _alike): join the block, rebuild the interval.
+    end = first_known + known.shape[1]
+    if first_known <= first <= end:
+        known = np.concatenate([known[:, : first - first_known], values], axis=1)
+    else:
+        first_known, known = first, values
+
+    def span(lo: int, hi: int) -> np.ndarray:
+        out = np.zeros((len(histories), max(hi - lo + 1, 0)))
+        a, b = max(lo, first_known), min(hi, first_known + known.shape[1] - 1)
+        if a <= b:
+            out[:, a - lo: b - lo + 1] = known[:, a - first_known: b - first_known + 1]
+        return out
+
+    fmt_max = np.array([h.fmt.max for h in histories])[:, None]
+    saturation = np.array([h.fmt.saturation for h in histories])[:, None]
+    windows = span(previous + 2 - lag - length + 1, step + 1 - lag)
+    windows[np.isnan(windows)] = np.inf
+    maxima = sliding_max(windows, length)  # one window per step from previous + 2 on
+    interval = span(previous + 1, step)
+    made = np.empty(interval.shape)
+    made[:, 0] = [h._next_scale for h in histories]
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        before = maxima[:, :-1]
+        made[:, 1:] = np.where(np.isfinite(before) & (before > 0), fmt_max / before / 2.0**margin, np.nan)
+        source = np.where(np.isnan(made), 0, np.arange(made.shape[1]))
+        source[:, 0] = 0
+        scales = np.take_along_axis(made, np.maximum.accumulate(source, axis=1), axis=1)
+        last = maxima[:, -1]
+        rebuilt = np.where(np.isfinite(last) & (last > 0), fmt_max[:, 0] / last / 2.0**margin, scales[:, -1])
+        held = interval * scales
+        hits = np.isfinite(interval) & (held >= saturation)
+    last_step = step
+    lo = last_step - lag - length + 1
+    window = span(lo, last_step - lag)
+    views = []
+    for i, h in enumerate(histories):
+        steps = StepRows(previous + 1, interval[i], scales[i])
+        hit = np.flatnonzero(hits[i])
+        overshoot = held[i, hit] / h.fmt.max
+        saturated = tuple(zip((previous + 1 + hit).tolist(), overshoot.tolist(), strict=True))
+        last_amax, last_scale = float(interval[i, -1]), float(scales[i, -1])
+        used = h.fmt.max / last_scale / 2.0**margin if last_scale > 0 else math.nan
+        ratio = used / last_amax if last_amax > 0 and math.isfinite(used) else None
+        outlier = until = None
+        if ratio is not None and ratio >= 2 and window.shape[1] and np.all(np.isfinite(window[i])):
+            top = float(window[i].max())
+            if top > 0 and np.count_nonzero(window[i] >= top / 2) <= DOMINANT_STEPS:
+                outlier = lo + int(np.argmax(window[i]))
+                until = outlier + lag + length - 1
+        replaced = previous if not math.isclose(float(rebuilt[i]), scales_next[i], rel_tol=1e-5) else None
+        views.append(DelayedView(rows=steps, saturated_steps=saturated, history_ratio=ratio,
+                                 outlier_step=outlier, coarse_until=until, replaced_after=replaced,
+                                 history_max=float(np.max(values[i])) if values.shape[1] else 0.0))
+    keep = step - length - lag - 1  # older amaxes are in no window any more
+    if keep > first_known:
+        known, first_known = known[:, keep - first_known:], keep
+    for i, h in enumerate(histories):
+        h._first, h._known, h._step, h._next_scale = first_known, known[i], step, scales_next[i]
+    return views
+
+
+def _alike(histories: Sequence[DelayedHistory], step: int, values: np.ndarray) -> bool:
+    """Whether :func:`observe_together` may rebuild the histories at once: alike in length, lag, margin and
+    what they know, each read before, at an earlier step, continued by this read (nothing replaced), and
+    the interval rebuildable (:meth:`DelayedHistory._rebuild`'s conditions)."""
+    if not histories or values.shape[1] == 0:
+        return False
+    head = histories[0]
+    if head._step is None or head._next_scale is None or step <= head._step:
+        return False
+    for h in histories:
+        if ((h.length, h.lag, h.margin, h._step, h._first, len(h._known)) !=
+                (head.length, head.lag, head.margin, head._step, head._first, len(head._known))
+                or h._next_scale is None):
+            return False
+    first = step - values.shape[1] + 1
+    joined_first = head._first if head._first <= first <= head._first + len(head._known) else first
+    if joined_first > head._step + 1:  # after the join the steps since the last read are not all known
+        return False
+    return not any(h._replaced(first, row, head._step) for h, row in zip(histories, values, strict=True))
