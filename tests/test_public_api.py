@@ -78,8 +78,8 @@ EXTENSION: dict[str, list[str]] = {
         "get_target", "host_number", "interval_args", "is_event_file_name", "is_policy", "is_regular_file",
         "largest_finite_scale", "layer_of", "lazy_attributes", "logging_args", "matmul_gemm",
         "nonfinite_cause", "observe_together", "observed_state", "policy_bounds_from_markdown",
-        "policy_from_config", "policy_values_from_markdown", "process_rank", "require", "sampled_within", "smallest_keep_set",
-        "step_code", "user_stacklevel", "validate_state", "warn_if_nothing_checked"],
+        "policy_from_config", "policy_values_from_markdown", "process_rank", "require", "sampled_within",
+        "smallest_keep_set", "step_code", "user_stacklevel", "validate_state", "warn_if_nothing_checked"],
     "lossscale_callbacks.torch.integration": [
         "GRAD_SCALER_KEYS", "ScalerStepMonitor", "TorchOps", "check_replay", "has_deepspeed_scaler",
         "ledger_capture", "loss_of_output", "warn_no_scaler"],
