@@ -129,12 +129,10 @@ def stale_run() -> dict:
     return {"verdicts": [[v.rule, v.step, v.message] for v in monitor.loop.verdicts], "stale": stale}
 
 
-def torch_ops() -> dict:
-    """On the torch backend (eager), the aten ops of one train step: no monitor, the monitor's ordinary step
-    and a counted one (torch's dispatcher sees every op a GPU would launch)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from aten_ops import AtenOps
-
+def step_ops() -> dict:
+    """The ops of one train step: no monitor, the monitor's ordinary step and a counted one. torch (eager):
+    the aten ops of a step (its dispatcher sees every op a GPU would launch); TensorFlow: the operations of
+    the step's graph; JAX: the instructions of the step as XLA compiled it."""
     from lossscale_callbacks.keras._fp8 import Fp8Layers
 
     (x, f), y = data({})
@@ -145,44 +143,33 @@ def torch_ops() -> dict:
         layers = Fp8Layers()
         if arm != "bare":
             layers.watch(model)
-            layers.counting = arm == "counted"
-        model.train_on_batch(*batch)  # builds the optimizer (with the tallies) and warms up
-        with AtenOps() as ops:
-            model.train_on_batch(*batch)
-        counts[arm] = len(ops)
-    return counts
-
-
-def graph_ops() -> dict:
-    """On TensorFlow and JAX, the ops of one traced train step: no monitor, the monitor's ordinary step and
-    a counted one (TensorFlow: the operations of the step's graph; JAX: the instructions of the step as
-    XLA compiled it)."""
-    from lossscale_callbacks.keras._fp8 import Fp8Layers
-
-    (x, f), y = data({})
-    batch = ([x[:BATCH], f[:BATCH]], y[:BATCH])
-    counts = {}
-    for arm in ("bare", "ordinary", "counted"):
-        model = build()
-        layers = Fp8Layers()
-        if arm != "bare":
-            layers.watch(model)
-        model.train_on_batch(*batch)  # builds the optimizer (with the tallies)
         layers.counting = arm == "counted"
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            step = tf.function(model.train_step).get_concrete_function((batch[0], batch[1]))
-            counts[arm] = len(step.graph.get_operations())
-        else:
-            import jax
-
-            state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
-                                         optimizer_variables=True, metrics_variables=True)
-            compiled = jax.jit(model.train_step).lower(state, (batch[0], batch[1])).compile().as_text()
-            counts[arm] = sum(" = " in line for line in compiled.splitlines())
+        model.train_on_batch(*batch)  # builds the optimizer (with the tallies) and warms up
+        counts[arm] = _ops_of_a_step(model, batch)
         layers.counting = False
     return counts
+
+
+def _ops_of_a_step(model: keras.Model, batch: tuple) -> int:
+    backend = keras.backend.backend()
+    if backend == "torch":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from aten_ops import AtenOps
+
+        with AtenOps() as ops:
+            model.train_on_batch(*batch)
+        return len(ops)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(model.train_step).get_concrete_function((batch[0], batch[1]))
+        return len(step.graph.get_operations())
+    import jax
+
+    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                 optimizer_variables=True, metrics_variables=True)
+    compiled = jax.jit(model.train_step).lower(state, (batch[0], batch[1])).compile().as_text()
+    return sum(" = " in line for line in compiled.splitlines())
 
 
 def main() -> None:
@@ -198,7 +185,7 @@ def main() -> None:
         # Keras' warning about variables without a gradient: the tallies have none on an ordinary step
         "no_gradient_warnings": [str(w.message) for w in seen if "Gradients do not exist" in str(w.message)],
         "stale": stale_run(),
-        "ops": torch_ops() if keras.backend.backend() == "torch" else graph_ops(),
+        "ops": step_ops(),
     }
     print("RESULT " + json.dumps(result))
 
