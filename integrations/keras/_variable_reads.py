@@ -30,7 +30,8 @@ op first, 108 µs), ``np.asarray`` of the array on JAX, Keras' own conversion on
 parameter that requires grad). :meth:`LiveVariables.zero` assigns one zeros
 tensor per shape, made once, on TensorFlow and torch (the assign copies it: a third of assigning a
 NumPy array on TensorFlow); on JAX a fresh array each time (its train function donates the state's
-buffers, so no two slots may share one).
+buffers, so no two slots may share one), a NumPy array for a lent variable (the next step's call moves
+it to the device with its arguments).
 """
 
 from __future__ import annotations
