@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -347,24 +348,7 @@ def observe_together(histories: Sequence[DelayedHistory], step: int, amaxes: Seq
             out[:, a - lo: b - lo + 1] = known[:, a - first_known: b - first_known + 1]
         return out
 
-    fmt_max = np.array([h.fmt.max for h in histories])[:, None]
-    saturation = np.array([h.fmt.saturation for h in histories])[:, None]
-    windows = span(previous + 2 - lag - length + 1, step + 1 - lag)
-    windows[np.isnan(windows)] = np.inf
-    maxima = sliding_max(windows, length)  # one window per step from previous + 2 on
-    interval = span(previous + 1, step)
-    made = np.empty(interval.shape)
-    made[:, 0] = [h._next_scale for h in histories]
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        before = maxima[:, :-1]
-        made[:, 1:] = np.where(np.isfinite(before) & (before > 0), fmt_max / before / 2.0**margin, np.nan)
-        source = np.where(np.isnan(made), 0, np.arange(made.shape[1]))
-        source[:, 0] = 0
-        scales = np.take_along_axis(made, np.maximum.accumulate(source, axis=1), axis=1)
-        last = maxima[:, -1]
-        rebuilt = np.where(np.isfinite(last) & (last > 0), fmt_max[:, 0] / last / 2.0**margin, scales[:, -1])
-        held = interval * scales
-        hits = np.isfinite(interval) & (held >= saturation)
+    interval, scales, rebuilt, held, hits = _rebuild_together(histories, span, previous, step)
     last_step = step
     lo = last_step - lag - length + 1
     window = span(lo, last_step - lag)
@@ -393,6 +377,34 @@ def observe_together(histories: Sequence[DelayedHistory], step: int, amaxes: Seq
     for i, h in enumerate(histories):
         h._first, h._known, h._step, h._next_scale = first_known, known[i], step, scales_next[i]
     return views
+
+
+def _rebuild_together(histories: Sequence[DelayedHistory], span: Any, previous: int, step: int
+                      ) -> tuple[np.ndarray, ...]:
+    """:func:`observe_together`'s rebuild (``DelayedHistory._rebuild``'s, a row a history): the amaxes and
+    scales of steps ``previous + 1`` to ``step``, the scale each row leads to, what each scale held of its
+    amax, and where that saturated. ``span(lo, hi)``: the known amaxes of those steps, a row a history."""
+    head = histories[0]
+    length, lag, margin = head.length, head.lag, head.margin
+    fmt_max = np.array([h.fmt.max for h in histories])[:, None]
+    saturation = np.array([h.fmt.saturation for h in histories])[:, None]
+    windows = span(previous + 2 - lag - length + 1, step + 1 - lag)
+    windows[np.isnan(windows)] = np.inf
+    maxima = sliding_max(windows, length)  # one window per step from previous + 2 on
+    interval = span(previous + 1, step)
+    made = np.empty(interval.shape)
+    made[:, 0] = [h._next_scale for h in histories]
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        before = maxima[:, :-1]
+        made[:, 1:] = np.where(np.isfinite(before) & (before > 0), fmt_max / before / 2.0**margin, np.nan)
+        source = np.where(np.isnan(made), 0, np.arange(made.shape[1]))
+        source[:, 0] = 0
+        scales = np.take_along_axis(made, np.maximum.accumulate(source, axis=1), axis=1)
+        last = maxima[:, -1]
+        rebuilt = np.where(np.isfinite(last) & (last > 0), fmt_max[:, 0] / last / 2.0**margin, scales[:, -1])
+        held = interval * scales
+        hits = np.isfinite(interval) & (held >= saturation)
+    return interval, scales, rebuilt, held, hits
 
 
 def _alike(histories: Sequence[DelayedHistory], step: int, values: np.ndarray) -> bool:
