@@ -24,6 +24,10 @@ def test_a_lane_runs_the_queue_in_order_and_the_waiting_test_reads_status_and_ou
                     order=order)
     runs.submit("bad", _python("import sys; print('partial'); sys.exit('boom')"), timeout=60, order=3)
     runs.start()
+    # The lane alone runs the queue here: a test that waited for "b" before the lane claimed "a" would run
+    # "b" itself, at once (wait's own rule, tested below), and the order would be the race's.
+    for thread in runs._threads:
+        thread.join(timeout=120)
     assert runs.wait("b").stdout == "out b\n" and runs.wait("a").returncode == 0
     bad = runs.wait("bad")
     assert (bad.returncode, bad.stdout, bad.stderr, bad.timed_out) == (1, "partial\n", "boom\n", False)
