@@ -177,6 +177,9 @@ class DelayedHistory:
         self._known = np.zeros(0)
         self._step: int | None = None
         self._next_scale: float | None = None
+        # Set by observe_together: the 2-D array whose row ``_known`` is, and the row (its next call
+        # takes the array as it is instead of stacking the rows again); None after a read of its own.
+        self._rows: tuple[np.ndarray, int] | None = None
 
     def next_scale(self, window_max: float, previous: float) -> float:
         """The scale made from a window's largest amax (the previous one when it is zero or not finite)."""
@@ -203,6 +206,7 @@ class DelayedHistory:
         """
         step, next_scale = int(step), float(next_scale)
         values = np.asarray(amaxes, dtype=np.float64).ravel()
+        self._rows = None
         first = step - len(values) + 1
         previous, prev_scale = self._step, self._next_scale
         # The step count went back (a checkpoint loaded with its optimizer), or the amaxes read for steps
@@ -324,15 +328,20 @@ def observe_together(histories: Sequence[DelayedHistory], step: int, amaxes: Seq
         ([448, 57344], [((6, 50.0),), ((6, 50.0),)])
     """
     step = int(step)
-    rows = [np.asarray(a, dtype=np.float64).ravel() for a in amaxes]
-    scales_next = [float(x) for x in next_scales]
-    if len(rows) != len(histories) or len({len(r) for r in rows}) != 1 or not _alike(
-            histories, step, values := np.stack(rows)):
-        return [h.observe(step, row, scale)
-                for h, row, scale in zip(histories, rows, scales_next, strict=True)]
+    if isinstance(amaxes, np.ndarray) and amaxes.ndim == 2:
+        values: np.ndarray | None = amaxes.astype(np.float64, copy=False)
+    else:
+        rows = [np.asarray(a, dtype=np.float64).ravel() for a in amaxes]
+        values = np.stack(rows) if rows and len({len(r) for r in rows}) == 1 else None
+    scales_next = np.asarray(next_scales, dtype=np.float64).ravel()
+    known = None if values is None or len(values) != len(histories) else _alike(histories, step, values)
+    if known is None:
+        return [h.observe(step, row, scale) for h, row, scale in
+                zip(histories, [np.asarray(a, dtype=np.float64).ravel() for a in amaxes], scales_next.tolist(),
+                    strict=True)]
     head = histories[0]
     length, lag, margin = head.length, head.lag, head.margin
-    previous, first_known, known = head._step, head._first, np.stack([h._known for h in histories])
+    previous, first_known = head._step, head._first
     first = step - values.shape[1] + 1
     # The read continues every history (checked in _alike): join the block, rebuild the interval.
     end = first_known + known.shape[1]
@@ -349,33 +358,59 @@ def observe_together(histories: Sequence[DelayedHistory], step: int, amaxes: Seq
         return out
 
     interval, scales, rebuilt, held, hits = _rebuild_together(histories, span, previous, step)
-    last_step = step
-    lo = last_step - lag - length + 1
-    window = span(lo, last_step - lag)
-    views = []
-    for i, h in enumerate(histories):
-        steps = StepRows(previous + 1, interval[i], scales[i])
-        hit = np.flatnonzero(hits[i])
-        overshoot = held[i, hit] / h.fmt.max
-        saturated = tuple(zip((previous + 1 + hit).tolist(), overshoot.tolist(), strict=True))
-        last_amax, last_scale = float(interval[i, -1]), float(scales[i, -1])
-        used = h.fmt.max / last_scale / 2.0**margin if last_scale > 0 else math.nan
-        ratio = used / last_amax if last_amax > 0 and math.isfinite(used) else None
-        outlier = until = None
-        if ratio is not None and ratio >= 2 and window.shape[1] and np.all(np.isfinite(window[i])):
-            top = float(window[i].max())
-            if top > 0 and np.count_nonzero(window[i] >= top / 2) <= DOMINANT_STEPS:
-                outlier = lo + int(np.argmax(window[i]))
-                until = outlier + lag + length - 1
-        replaced = previous if not math.isclose(float(rebuilt[i]), scales_next[i], rel_tol=1e-5) else None
-        views.append(DelayedView(rows=steps, saturated_steps=saturated, history_ratio=ratio,
-                                 outlier_step=outlier, coarse_until=until, replaced_after=replaced,
-                                 history_max=float(np.max(values[i])) if values.shape[1] else 0.0))
+    views = _views_together(histories, span, previous, step, interval, scales, rebuilt, held, hits,
+                            scales_next, values)
     keep = step - length - lag - 1  # older amaxes are in no window any more
     if keep > first_known:
         known, first_known = known[:, keep - first_known:], keep
-    for i, h in enumerate(histories):
-        h._first, h._known, h._step, h._next_scale = first_known, known[i], step, scales_next[i]
+    for i, (h, scale) in enumerate(zip(histories, scales_next.tolist(), strict=True)):
+        h._first, h._known, h._step, h._next_scale, h._rows = first_known, known[i], step, scale, (known, i)
+    return views
+
+
+def _views_together(histories: Sequence[DelayedHistory], span: Any, previous: int, step: int,
+                    interval: np.ndarray, scales: np.ndarray, rebuilt: np.ndarray, held: np.ndarray,
+                    hits: np.ndarray, scales_next: np.ndarray, values: np.ndarray) -> list[DelayedView]:
+    """:func:`observe_together`'s views from its rebuild: what ``DelayedHistory._rebuild`` tells of each
+    row, computed for every row at once (only a row that saturated or whose scale is coarse is looked at
+    alone)."""
+    head = histories[0]
+    length, lag, margin = head.length, head.lag, head.margin
+    fmt_max = np.array([h.fmt.max for h in histories])
+    last_amax, last_scale = interval[:, -1], scales[:, -1]
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        used = np.where(last_scale > 0, fmt_max / last_scale / 2.0**margin, math.nan)
+        known_ratio = (last_amax > 0) & np.isfinite(used)
+        ratio = np.where(known_ratio, used / last_amax, math.nan)
+    # math.isclose(rebuilt, next, rel_tol=1e-5), row by row: equal (infinities too), or both finite and near
+    near = np.abs(rebuilt - scales_next) <= 1e-5 * np.maximum(np.abs(rebuilt), np.abs(scales_next))
+    replaced = ~((rebuilt == scales_next) | (np.isfinite(rebuilt) & np.isfinite(scales_next) & near))
+    history_max = values.max(axis=1).tolist() if values.shape[1] else [0.0] * len(histories)
+    saturated: list[tuple[tuple[int, float], ...]] = [()] * len(histories)
+    if hits.any():
+        for i in np.flatnonzero(hits.any(axis=1)).tolist():
+            hit = np.flatnonzero(hits[i])
+            overshoot = held[i, hit] / histories[i].fmt.max
+            saturated[i] = tuple(zip((previous + 1 + hit).tolist(), overshoot.tolist(), strict=True))
+    lo = step - lag - length + 1
+    outliers: dict[int, tuple[int, int]] = {}
+    coarse = np.flatnonzero(known_ratio & (ratio >= 2)).tolist()
+    if coarse:
+        window = span(lo, step - lag)
+        for i in coarse:
+            if window.shape[1] and np.all(np.isfinite(window[i])):
+                top = float(window[i].max())
+                if top > 0 and np.count_nonzero(window[i] >= top / 2) <= DOMINANT_STEPS:
+                    outlier = lo + int(np.argmax(window[i]))
+                    outliers[i] = (outlier, outlier + lag + length - 1)
+    ratios = [r if k else None for r, k in zip(ratio.tolist(), known_ratio.tolist(), strict=True)]
+    views = []
+    for i, (r, gone) in enumerate(zip(ratios, replaced.tolist(), strict=True)):
+        outlier, until = outliers.get(i, (None, None))
+        views.append(DelayedView(rows=StepRows(previous + 1, interval[i], scales[i]),
+                                 saturated_steps=saturated[i], history_ratio=r, outlier_step=outlier,
+                                 coarse_until=until, replaced_after=previous if gone else None,
+                                 history_max=history_max[i]))
     return views
 
 
@@ -397,9 +432,13 @@ def _rebuild_together(histories: Sequence[DelayedHistory], span: Any, previous: 
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         before = maxima[:, :-1]
         made[:, 1:] = np.where(np.isfinite(before) & (before > 0), fmt_max / before / 2.0**margin, np.nan)
-        source = np.where(np.isnan(made), 0, np.arange(made.shape[1]))
-        source[:, 0] = 0
-        scales = np.take_along_axis(made, np.maximum.accumulate(source, axis=1), axis=1)
+        gaps = np.isnan(made[:, 1:])
+        if gaps.any():  # a window that made no scale keeps the one before: a forward fill along the rows
+            source = np.where(np.isnan(made), 0, np.arange(made.shape[1]))
+            source[:, 0] = 0
+            scales = np.take_along_axis(made, np.maximum.accumulate(source, axis=1), axis=1)
+        else:
+            scales = made
         last = maxima[:, -1]
         rebuilt = np.where(np.isfinite(last) & (last > 0), fmt_max[:, 0] / last / 2.0**margin, scales[:, -1])
         held = interval * scales
@@ -407,22 +446,36 @@ def _rebuild_together(histories: Sequence[DelayedHistory], span: Any, previous: 
     return interval, scales, rebuilt, held, hits
 
 
-def _alike(histories: Sequence[DelayedHistory], step: int, values: np.ndarray) -> bool:
+def _alike(histories: Sequence[DelayedHistory], step: int, values: np.ndarray) -> np.ndarray | None:
     """Whether :func:`observe_together` may rebuild the histories at once: alike in length, lag, margin and
     what they know, each read before, at an earlier step, continued by this read (nothing replaced), and
-    the interval rebuildable (:meth:`DelayedHistory._rebuild`'s conditions)."""
+    the interval rebuildable (:meth:`DelayedHistory._rebuild`'s conditions). Returns their known amaxes, a
+    row each, where it may; else ``None``."""
     if not histories or values.shape[1] == 0:
-        return False
+        return None
     head = histories[0]
     if head._step is None or head._next_scale is None or step <= head._step:
-        return False
+        return None
+    mark = (head.length, head.lag, head.margin, head._step, head._first, len(head._known))
     for h in histories:
-        if ((h.length, h.lag, h.margin, h._step, h._first, len(h._known)) !=
-                (head.length, head.lag, head.margin, head._step, head._first, len(head._known))
-                or h._next_scale is None):
-            return False
+        if (h.length, h.lag, h.margin, h._step, h._first, len(h._known)) != mark or h._next_scale is None:
+            return None
     first = step - values.shape[1] + 1
     joined_first = head._first if head._first <= first <= head._first + len(head._known) else first
     if joined_first > head._step + 1:  # after the join the steps since the last read are not all known
-        return False
-    return not any(h._replaced(first, row, head._step) for h, row in zip(histories, values, strict=True))
+        return None
+    rows = head._rows
+    if rows is not None and len(rows[0]) == len(histories) and all(
+            h._rows is not None and h._rows[0] is rows[0] and h._rows[1] == i for i, h in enumerate(histories)):
+        known = rows[0]  # as the last observe_together of these histories left them
+    else:
+        known = np.stack([h._known for h in histories])
+    # DelayedHistory._replaced, every row at once: the amaxes read again for steps read before are those
+    # read then (NaN matching NaN).
+    lo, hi = max(first, head._first), min(head._step, first + values.shape[1] - 1,
+                                          head._first + known.shape[1] - 1)
+    if lo <= hi:
+        now, before = values[:, lo - first: hi - first + 1], known[:, lo - head._first: hi - head._first + 1]
+        if not (np.array_equal(now, before) or np.array_equal(now, before, equal_nan=True)):  # NaN: rarely
+            return None
+    return known
