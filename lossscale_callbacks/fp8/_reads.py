@@ -177,6 +177,10 @@ class Fp8Read:
         for (first, count), (tags, columns) in spans.items():
             count = max(0, min(count, self.step - first))  # the steps before the read's
             table = np.column_stack(columns)[:count].tolist()
+            if not out:  # the first span (as a rule the only one): a dict a step, made at once
+                out = {step: dict(zip(tags, values, strict=True))
+                       for step, values in zip(range(first, first + count), table, strict=True)}
+                continue
             for step, values in zip(range(first, first + count), table, strict=True):
                 out.setdefault(step, {}).update(zip(tags, values, strict=True))
         return out
