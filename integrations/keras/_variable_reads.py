@@ -121,6 +121,9 @@ class LiveVariables:
             else:
                 for _, _, variable in slots:
                     variable._value = None  # purged again, as fit keeps it
+            # Nothing of this step's state is kept: fit frees it when the next step replaces it, as it
+            # does without a reader (kept to the next read, its arrays were freed here, ~50 µs a read).
+            self._groups = []
 
     def _hand_back(self, model: Any, assigned: set[int]) -> None:
         """Every variable but those ``assigned`` gets its live array, and the state counts as synced (see
