@@ -59,13 +59,16 @@ LAG = 2  # Keras casts with the scale made from the history read one step before
 # Whether an ordinary step must pass the tally on: JAX differentiates every trainable variable, so an
 # unconnected tally gets a zero gradient, which the optimizer would store. TensorFlow and torch give it
 # none: the optimizer leaves it as it is (and warns, once a trace on TensorFlow: the filter below).
-_PASS_ON = keras.backend.backend() == "jax"
+_JAX = keras.backend.backend() == "jax"
+_PASS_ON = _JAX
 TALLY = "fp8_scale_tally"
 _NO_GRADIENT_TALLIES = rf"Gradients do not exist for variables \[('[^']*/{TALLY}'(, )?)+\] when minimizing"
 # The tally: the counted steps, then per role (input, kernel, output gradient) the saturated values, the
 # sum of the steps' saturated shares and the sum of their underflow shares.
 _ROLES = (("input", "inputs", E4M3), ("weight", "kernel", E4M3), ("grad_output", "outputs_grad", E5M2))
 TALLY_SIZE = 1 + 3 * len(_ROLES)
+# A read's variables of one layer, before its tally: each role's scale, then its amax history.
+_READ = tuple(name for _, prefix, _ in _ROLES for name in (f"{prefix}_scale", f"{prefix}_amax_history"))
 
 
 def fp8_layers(model: Any) -> list[tuple[str, Any]]:
@@ -76,13 +79,23 @@ def fp8_layers(model: Any) -> list[tuple[str, Any]]:
 
 
 def _counts(x: Any, scale: Any, fmt: Fp8Format) -> Any:
-    """``[saturated values, saturated share, underflow share]`` of ``x`` cast as ``x / scale`` (float32)."""
+    """``[saturated values, saturated share, underflow share]`` of ``x`` cast as ``x / scale`` (float32).
+
+    The counts are float32 sums of 0/1 values: exact while a count stays under 2**24 (the tally that
+    adds them up is float32 either way), and a third of an int32 sum's time in XLA on the CPU. On JAX
+    the operands pass an optimization barrier first: without it XLA fused the two counts of a kernel
+    into the step's own fusions and a counted step of 3 fp8 ``Dense`` of 1,024 took 2.1 times an
+    ordinary one instead of 1.15 (``benchmarks/fp8_overhead.py``)."""
+    if _JAX:
+        import jax
+
+        x, scale = jax.lax.optimization_barrier((x, scale))
     a = ops.abs(ops.cast(x, "float32"))
     scale = ops.cast(scale, "float32")
     total = ops.cast(ops.size(a), "float32")
-    saturated = ops.cast(ops.sum(ops.cast(a >= fmt.saturation * scale, "int32")), "float32")
+    saturated = ops.sum(ops.cast(a >= fmt.saturation * scale, "float32"))
     small = ops.logical_and(a < fmt.min_normal * scale, a > 0)
-    underflow = ops.cast(ops.sum(ops.cast(small, "int32")), "float32")
+    underflow = ops.sum(ops.cast(small, "float32"))
     return ops.stack([saturated, saturated / total, underflow / total])
 
 
@@ -210,41 +223,39 @@ class Fp8Layers:
         tallies start again from zero. The first read only sets the baseline of the histories. During
         JAX's ``fit`` the trainer's live state is lent to these variables (see
         :mod:`lossscale_callbacks.keras._variable_reads`): no sync of every variable."""
-        names = ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
-                 "outputs_grad_scale", "outputs_grad_amax_history")
-        variables = [v for w in self._watched for v in (*(getattr(w.layer, n) for n in names), w.tally)]
+        watched = self._watched
+        variables = [v for w in watched for v in (*(getattr(w.layer, n) for n in _READ), w.tally)]
         with self._live.lent(model, variables):
             values = host_values(variables)
-            for w in self._watched:
+            for w in watched:
                 self._live.zero(w.tally)
-        per_layer = len(names) + 1
-        hosts, tallies, histories, rings, scales = [], [], [], [], []
-        for at, w in enumerate(self._watched):
-            *read, tally = values[at * per_layer:(at + 1) * per_layer]
-            host = dict(zip(names, read, strict=True))
-            hosts.append(host)
-            tallies.append(tally)
-            for role, prefix, _ in _ROLES:
-                ring = host[f"{prefix}_amax_history"]
-                histories.append(w.histories[role])
-                rings.append(np.concatenate([ring[1:], ring[:1]]))  # Keras writes the newest at index 0
-                scales.append(_multiplier(float(host[f"{prefix}_scale"])))
-        views = iter(observe_together(histories, step, rings, scales))  # every layer and role at once
+        per_layer = len(_READ) + 1
+        tallies = values[per_layer - 1::per_layer]
+        # Every layer's three histories and scales in _READ's order (a role's scale, then its history).
+        rings = [values[at * per_layer + 2 * r + 1] for at in range(len(watched)) for r in range(len(_ROLES))]
+        scales = [_multiplier(float(values[at * per_layer + 2 * r]))
+                  for at in range(len(watched)) for r in range(len(_ROLES))]
+        histories = [w.histories[role] for w in watched for role, _, _ in _ROLES]
+        if len({len(ring) for ring in rings}) == 1:
+            amaxes: Any = np.roll(np.stack(rings), -1, axis=1)  # Keras writes the newest at index 0
+        else:
+            amaxes = [np.roll(ring, -1) for ring in rings]
+        views = observe_together(histories, step, amaxes, scales)  # every layer and role at once
         tensors = []
-        for w, host, tally in zip(self._watched, hosts, tallies, strict=True):
+        for at, (w, tally) in enumerate(zip(watched, tallies, strict=True)):
             calls = int(tally[0])
-            for index, (role, prefix, fmt) in enumerate(_ROLES):
-                ring = host[f"{prefix}_amax_history"]
-                view = next(views)
-                sat, sat_share, und_share = tally[1 + 3 * index: 4 + 3 * index]
+            counted = tally[1:].tolist()
+            for index, (role, _, fmt) in enumerate(_ROLES):
+                ring, view = rings[at * len(_ROLES) + index], views[at * len(_ROLES) + index]
+                sat, sat_share, und_share = counted[3 * index: 3 * index + 3]
                 last = view.rows[-1] if view.rows else None
                 tensors.append(TensorRead(
                     w.path, role, fmt.name, "delayed",
                     amax=last[1] if last else float(ring[0]),
                     scale=last[2] if last else None,
                     saturated=int(sat) if calls else None,
-                    saturated_share=float(sat_share / calls) if calls else None,
-                    underflow_share=float(und_share / calls) if calls else None,
+                    saturated_share=sat_share / calls if calls else None,
+                    underflow_share=und_share / calls if calls else None,
                     saturated_steps=len(view.saturated_steps),
                     max_overshoot=max((o for _, o in view.saturated_steps), default=None),
                     first_saturated_step=view.saturated_steps[0][0] if view.saturated_steps else None,
