@@ -71,6 +71,22 @@ def test_each_read_counts_its_own_interval_with_nothing_else_reading_the_model(r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_fit_waits_for_no_step_because_of_the_monitor_unless_a_rule_stops_it_there(results, backend):
+    """Without a ``"stop"`` rule the monitor has no batch-end hook, so on JAX and torch Keras runs those
+    hooks in its worker thread and dispatches the next step without waiting for this one's logs (the read
+    after step 30 runs when step 31 starts, and still finds step 30's clipped values); TensorFlow's Keras
+    waits either way. With ``health="stop"`` the monitor reads at each step's end and ``fit`` stops right
+    after step 30, the step the saturation was found at."""
+    waits = results(backend)["waits"]
+    warn, stop = waits["warn"], waits["stop"]
+    assert warn["on_main"] == ([True] if backend == "tensorflow" else [False])
+    assert warn["steps"] == 40 and ["fp8_saturation", 30] in warn["verdicts"], warn
+    assert stop["on_main"] == [True]
+    assert stop["steps"] == 30 and stop["verdicts"][0][1] == 30, stop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_the_coarse_scale_finding_names_d2_and_the_history_and_a_short_history_ends_it(results, backend):
     run = results(backend)
     coarse = [v for v in run["outlier"]["verdicts"] if v[0] == "fp8_coarse_scale" and "`d2`'s input" in v[2]]

@@ -225,3 +225,20 @@ def test_lightning_monitor_drives_the_loop():
     assert [(s, mt[m.STEPS]) for s, mt in memory.records] == [(2, 3), (5, 6), (7, 7)]
     assert memory.records[-1][1][m.SKIPPED_STEPS] == 1
     assert [tag for tag, _ in memory.texts] == ["loss_scale/policy", "loss_scale/summary"]
+
+
+POLICY = DynamicPolicy()
+
+
+def test_may_stop_says_whether_any_rule_of_the_loop_stops_training():
+    from lossscale_callbacks.fp8._rules import Fp8Saturation
+    from lossscale_callbacks.loop._rank_agreement import RanksDisagree
+
+    assert LoggingLoop(POLICY, log_every=10, health="stop", echo=None).may_stop
+    assert LoggingLoop(None, log_every=10, health="stop", echo=None).may_stop  # the fp8 rules alone
+    for health in ("warn", "raise", None, False):
+        assert not LoggingLoop(POLICY, log_every=10, health=health, echo=None).may_stop, health
+    # One rule of a list is enough, whichever room judges it (the fp8 reads, the gathered ranks).
+    assert LoggingLoop(None, log_every=10, health=[Fp8Saturation(action="stop")], echo=None).may_stop
+    assert LoggingLoop(POLICY, log_every=10, health=[RanksDisagree(action="stop")], echo=None).may_stop
+    assert not LoggingLoop(POLICY, log_every=10, health=[RanksDisagree(action="warn")], echo=None).may_stop

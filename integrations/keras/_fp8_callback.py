@@ -38,9 +38,13 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
     metrics, the fp8 rules (a saturated cast, a zero amax or a non-finite scale, a scale left coarse by an
     outlier, a stale history after a checkpoint load) and the summary. How many values a cast clipped or
     flushed to zero is counted on the device every ``count_every`` steps: ``fit`` runs a train function of
-    its own for those steps, and the others run as without the callback but for one identity per layer.
-    Nothing is read from the device inside a step. The page "FP8: reading the scales" of the documentation
-    explains each number.
+    its own for those steps, and the others run as without the callback (on JAX but for one identity per
+    layer). Nothing is read from the device inside a step, and ``fit`` does not wait for a step to end
+    because of the callback: the read after a step that ends an interval runs when the next step starts
+    (or the epoch ends), before anything else touches the model. Only with a ``"stop"`` rule does it read
+    at the step's end, so that ``fit`` stops after that very step; Keras then waits for every step's logs
+    on JAX and torch, as for any callback with a batch-end hook. The page "FP8: reading the scales" of the
+    documentation explains each number.
 
     The counts live in one more variable per fp8 layer (not saved with its weights), which the optimizer
     stores as Keras stores the fp8 scales: before the first step of the first ``fit`` the optimizer is
@@ -80,6 +84,13 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         self._step = 0
         self._per_execution = 1
         self._read_at: int | None = None
+        self._ran = False  # a step began and was not counted yet (see _after_step)
+        if self.loop.may_stop:
+            # A "stop" rule stops fit at the step its read found the problem: the read at each step's
+            # end. Otherwise the callback has no batch-end hook, so that Keras (JAX, torch) dispatches
+            # the next step without waiting for this one (its CallbackList waits for every step's logs
+            # while a callback overrides on_train_batch_end); the read then runs at the next step's start.
+            self.on_train_batch_end = self._after_step
 
     @property
     def summary(self) -> str | None:
@@ -162,6 +173,7 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         if any(t.replaced_after is not None for t in read.tensors):
             self.loop.observe(None, fp8=read)
         self.loop.restart_interval(self._step)
+        self._ran = False
         current = self._model.train_function
         if current is not self._ordinary and current is not self._counting:
             self._ordinary, self._counting = current, None  # a new train function: the counting one again
@@ -176,6 +188,8 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         return counted
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._after_step()  # the step before this one, when nothing waited for its end
+        self._ran = True
         if not self._counting_ok or not self.layers.counting_enabled:
             return
         model = self._model
@@ -190,12 +204,22 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         if current is not want:  # a Keras model's attribute assignment goes through its tracker: only if due
             model.train_function = want
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+    def _after_step(self, batch: int | None = None, logs: dict[str, Any] | None = None) -> None:
+        """A step ran since the last call: count it, and read when an interval ended. Called at the next
+        step's start, at the epoch's end and the fit's; and at the step's end only with a ``"stop"`` rule
+        (see the class)."""
+        if not self._ran:
+            return
+        self._ran = False
         self._step += self._per_execution
         if self.loop.due(self._step):
             self.loop.observe(None, fp8=self._read())
 
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._after_step()
+
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self._after_step()
         if self._ordinary is not None:
             self._model.train_function = self._ordinary
         if self._read_at != self._step:

@@ -250,6 +250,15 @@ class LoggingLoop:
         self.tracker = MetricsTracker(1.0)
         self.health: HealthMonitor | None = judge_by(self._policy, self._health_spec, self.tracker, None)
 
+    @property
+    def may_stop(self) -> bool:
+        """Whether one of the loop's rules stops training when it fires (action ``"stop"``). An
+        integration that can read between steps without waiting for each step waits for every step
+        only then, to stop at the step a read found the problem (Keras' ``Fp8ScaleCallback``)."""
+        rules = [*(self.health.rules if self.health is not None else ()), *(self._fp8_rules or ()),
+                 self._ranks_rule, self._not_held]
+        return any(getattr(rule, "action", None) == "stop" for rule in rules)
+
     def set_policy(self, policy: Any) -> None:
         """Judge against ``policy`` from now on: a restored checkpoint brought its own.
 

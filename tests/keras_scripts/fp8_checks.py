@@ -7,6 +7,8 @@ scripts of a session, one process a backend).
    variables (its input recomputed through ``d1``, its scale read before the step); the same with an amax
    history of 8 steps.
 2. A checkpoint saved at step 20, loaded after step 30 into a run whose inputs grew 8 times since.
+3. Whether ``fit`` waits for each step because of the monitor (where Keras runs the batch-end hooks), with
+   the default rules and with ``health="stop"``, and the step a ``"stop"`` rule stops at.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import warnings
 
 import keras
@@ -129,6 +132,33 @@ def stale_run() -> dict:
     return {"verdicts": [[v.rule, v.step, v.message] for v in monitor.loop.verdicts], "stale": stale}
 
 
+class Threads(keras.callbacks.Callback):
+    """Where Keras runs the batch-end hooks: in a worker thread of its own on JAX and torch, unless a
+    callback that is not ``async_safe`` has a batch-end hook (then it waits for every step's logs)."""
+
+    async_safe = True
+
+    def __init__(self):
+        super().__init__()
+        self.on_main: set[bool] = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.on_main.add(threading.current_thread() is threading.main_thread())
+
+
+def waiting_run(health: str) -> dict:
+    """The outlier at step 30, the monitor's default rules with ``health``'s action, read every 10 steps."""
+    model = build()
+    (x, f), y = data({30: 50.0})
+    threads = Threads()
+    monitor = Fp8ScaleCallback(log_every=10, count_every=1, health=health, echo=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the findings' own warnings
+        model.fit([x, f], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor, threads])
+    return {"on_main": sorted(threads.on_main), "steps": int(ops.convert_to_numpy(model.optimizer.iterations)),
+            "verdicts": sorted({(v.rule, v.step) for v in monitor.loop.verdicts})}
+
+
 def step_ops() -> dict:
     """The ops of one train step: no monitor, the monitor's ordinary step and a counted one. torch (eager):
     the aten ops of a step (its dispatcher sees every op a GPU would launch); TensorFlow: the operations of
@@ -185,6 +215,7 @@ def main() -> None:
         # Keras' warning about variables without a gradient: the tallies have none on an ordinary step
         "no_gradient_warnings": [str(w.message) for w in seen if "Gradients do not exist" in str(w.message)],
         "stale": stale_run(),
+        "waits": {health: waiting_run(health) for health in ("warn", "stop")},
         "ops": step_ops(),
     }
     print("RESULT " + json.dumps(result))
