@@ -87,6 +87,30 @@ def test_fit_waits_for_no_step_because_of_the_monitor_unless_a_rule_stops_it_the
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_begun_on_exhausted_data_is_no_step(results, backend):
+    """With data of unknown length (a generator of 25 batches) Keras begins a 26th batch that runs no step.
+    Counted by its start, it made the last reads one step late: every history looked replaced after step 20
+    and the last interval was not rebuilt. The callback counts the train function's returns instead.
+
+    TensorFlow's Keras half-runs that batch: ``optimizer.iterations`` counts it (26, without any callback)
+    and the kernels' amax histories move once more, the inputs' and gradients' do not; the weights' then
+    read as replaced, and a later ``fit`` starts from Keras' count (left as Keras has them)."""
+    run = results(backend)["generator"]
+    (first, optimizer, ended), second = run["steps"]
+    assert first == ended == 25, run
+    assert run["scale_steps"][:25] == list(range(1, 26))
+    if backend == "tensorflow":
+        assert optimizer == 26 and second == [41, 42, 40]
+        assert run["replaced"][0] and all("/weight/" in name for name in run["replaced"][0])
+    else:
+        assert run["replaced"][0] == []
+        assert optimizer == 25 and second == [40, 40, 40]
+        assert run["replaced"][1] == [] and run["scale_steps"] == list(range(1, 41))
+    assert run["verdicts"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_the_coarse_scale_finding_names_d2_and_the_history_and_a_short_history_ends_it(results, backend):
     run = results(backend)
     coarse = [v for v in run["outlier"]["verdicts"] if v[0] == "fp8_coarse_scale" and "`d2`'s input" in v[2]]

@@ -40,8 +40,9 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
     flushed to zero is counted on the device every ``count_every`` steps: ``fit`` runs a train function of
     its own for those steps, and the others run as without the callback (on JAX but for one identity per
     layer). Nothing is read from the device inside a step, and ``fit`` does not wait for a step to end
-    because of the callback: the read after a step that ends an interval runs when the next step starts
-    (or the epoch ends), before anything else touches the model. Only with a ``"stop"`` rule does it read
+    because of the callback: the read after a step that ends an interval runs when the next step starts,
+    before it (after the epoch's last step: at the epoch's end, after validation and after the epoch-end
+    hooks of the callbacks listed before it). Only with a ``"stop"`` rule does it read
     at the step's end, so that ``fit`` stops after that very step; Keras then waits for every step's logs
     on JAX and torch, as for any callback with a batch-end hook. The page "FP8: reading the scales" of the
     documentation explains each number.
@@ -79,12 +80,13 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         self.log_every: int = self.loop.log_every
         self.layers = Fp8Layers(self.count_every)
         self._counting_ok = False
+        self._made: Any = None  # the train function Keras made; _ordinary runs it (see _stepping)
         self._ordinary: Any = None
         self._counting: Any = None
         self._step = 0
         self._per_execution = 1
         self._read_at: int | None = None
-        self._ran = False  # a step began and was not counted yet (see _after_step)
+        self._ran = False  # a train function returned and its steps were not counted yet (_stepping)
         if self.loop.may_stop:
             # A "stop" rule stops fit at the step its read found the problem: the read at each step's
             # end. Otherwise the callback has no batch-end hook, so that Keras (JAX, torch) dispatches
@@ -176,7 +178,18 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         self._ran = False
         current = self._model.train_function
         if current is not self._ordinary and current is not self._counting:
-            self._ordinary, self._counting = current, None  # a new train function: the counting one again
+            # a new train function: the counting one again
+            self._made, self._ordinary, self._counting = current, self._stepping(current), None
+
+    def _stepping(self, function: Any) -> Any:
+        """``function`` that marks a step as run when it returns. Keras begins a batch before its train
+        function finds data of unknown length exhausted (it then raises, and no step ran): counted by the
+        batch's start, that batch shifted every later read by a step against the histories."""
+        def stepping(*args: Any, **kwargs: Any) -> Any:
+            out = function(*args, **kwargs)
+            self._ran = True
+            return out
+        return stepping
 
     def _counted(self, function: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -189,25 +202,24 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._after_step()  # the step before this one, when nothing waited for its end
-        self._ran = True
-        if not self._counting_ok or not self.layers.counting_enabled:
-            return
         model = self._model
         current = model.train_function
         if current is not self._ordinary and current is not self._counting:
-            self._ordinary, self._counting = current, None  # made afresh (recompiled)
+            # made afresh (recompiled)
+            self._made, self._ordinary, self._counting = current, self._stepping(current), None
         want = self._ordinary
-        if sampled_within(self._step + 1, self._per_execution, self.count_every):
+        if (self._counting_ok and self.layers.counting_enabled
+                and sampled_within(self._step + 1, self._per_execution, self.count_every)):
             if self._counting is None:
-                self._counting = self._counted(_second_train_function(model))
+                self._counting = self._stepping(self._counted(_second_train_function(model)))
             want = self._counting
         if current is not want:  # a Keras model's attribute assignment goes through its tracker: only if due
             model.train_function = want
 
     def _after_step(self, batch: int | None = None, logs: dict[str, Any] | None = None) -> None:
-        """A step ran since the last call: count it, and read when an interval ended. Called at the next
-        step's start, at the epoch's end and the fit's; and at the step's end only with a ``"stop"`` rule
-        (see the class)."""
+        """A train function returned since the last call: count its steps, and read when an interval
+        ended. Called at the next step's start, at the epoch's end and the fit's; and at the step's end
+        only with a ``"stop"`` rule (see the class)."""
         if not self._ran:
             return
         self._ran = False
@@ -220,8 +232,8 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._after_step()
-        if self._ordinary is not None:
-            self._model.train_function = self._ordinary
+        if self._made is not None:
+            self._model.train_function = self._made
         if self._read_at != self._step:
             self.loop.observe(None, fp8=self._read())
         self.loop.finish()

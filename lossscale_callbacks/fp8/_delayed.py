@@ -336,11 +336,11 @@ def observe_together(histories: Sequence[DelayedHistory], step: int, amaxes: Seq
     scales_next = np.asarray(next_scales, dtype=np.float64).ravel()
     known = None if values is None or len(values) != len(histories) else _alike(histories, step, values)
     if known is None:
-        return [h.observe(step, row, scale) for h, row, scale in
-                zip(histories, [np.asarray(a, dtype=np.float64).ravel() for a in amaxes], scales_next.tolist(),
-                    strict=True)]
+        alone = [np.asarray(a, dtype=np.float64).ravel() for a in amaxes]
+        return [h.observe(step, row, scale)
+                for h, row, scale in zip(histories, alone, scales_next.tolist(), strict=True)]
     head = histories[0]
-    length, lag, margin = head.length, head.lag, head.margin
+    length, lag = head.length, head.lag
     previous, first_known = head._step, head._first
     first = step - values.shape[1] + 1
     # The read continues every history (checked in _alike): join the block, rebuild the interval.
@@ -466,7 +466,8 @@ def _alike(histories: Sequence[DelayedHistory], step: int, values: np.ndarray) -
         return None
     rows = head._rows
     if rows is not None and len(rows[0]) == len(histories) and all(
-            h._rows is not None and h._rows[0] is rows[0] and h._rows[1] == i for i, h in enumerate(histories)):
+            h._rows is not None and h._rows[0] is rows[0] and h._rows[1] == i
+            for i, h in enumerate(histories)):
         known = rows[0]  # as the last observe_together of these histories left them
     else:
         known = np.stack([h._known for h in histories])

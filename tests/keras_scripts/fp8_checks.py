@@ -154,8 +154,44 @@ def waiting_run(health: str) -> dict:
     monitor = Fp8ScaleCallback(log_every=10, count_every=1, health=health, echo=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the findings' own warnings
-        model.fit([x, f], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor, threads])
-    return {"on_main": sorted(threads.on_main), "steps": int(ops.convert_to_numpy(model.optimizer.iterations)),
+        model.fit([x, f], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[monitor, threads])
+    return {"on_main": sorted(threads.on_main),
+            "steps": int(ops.convert_to_numpy(model.optimizer.iterations)),
+            "verdicts": sorted({(v.rule, v.step) for v in monitor.loop.verdicts})}
+
+
+def generator_run() -> dict:
+    """A fit from a generator of 25 batches (data of unknown length: Keras begins a 26th batch, which finds
+    the data exhausted and runs no step), read every 10 steps, then a second fit of 15 more. Returns per fit
+    the monitor's count, the optimizer's and the batches that ended."""
+    model = build()
+    (x, f), y = data({})
+    memory = InMemorySink()
+    monitor = Fp8ScaleCallback(log_every=10, count_every=10, sinks=[memory], echo=None)
+
+    def batches(count):
+        for i in range(count):
+            rows = slice(i * BATCH, (i + 1) * BATCH)
+            yield (x[rows], f[rows]), y[rows]
+
+    class Ends(keras.callbacks.Callback):
+        async_safe = True  # counts, and lets Keras run its hooks as without it
+        ended = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Ends.ended += 1
+
+    steps, replaced = [], []
+    for count in (25, 15):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras: "Your input ran out of data", as meant here
+            model.fit(batches(count), epochs=1, verbose=0, callbacks=[monitor, Ends()])
+        steps.append([monitor._step, int(ops.convert_to_numpy(model.optimizer.iterations)), Ends.ended])
+        replaced.append(sorted({name for _, metrics in memory.records for name in metrics
+                                if name.endswith(("/replaced_after", "/stale_ratio"))}))
+    return {"steps": steps, "replaced": replaced,
+            "scale_steps": [s for s, _ in memory.series("fp8/d2/input/scale")],
             "verdicts": sorted({(v.rule, v.step) for v in monitor.loop.verdicts})}
 
 
@@ -216,6 +252,7 @@ def main() -> None:
         "no_gradient_warnings": [str(w.message) for w in seen if "Gradients do not exist" in str(w.message)],
         "stale": stale_run(),
         "waits": {health: waiting_run(health) for health in ("warn", "stop")},
+        "generator": generator_run(),
         "ops": step_ops(),
     }
     print("RESULT " + json.dumps(result))
