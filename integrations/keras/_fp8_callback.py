@@ -176,9 +176,12 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
             self.loop.observe(None, fp8=read)
         self.loop.restart_interval(self._step)
         self._ran = False
-        current = self._model.train_function
-        if current is not self._ordinary and current is not self._counting:
-            # a new train function: the counting one again
+
+    def _follow(self, current: Any) -> None:
+        """``current``, the model's train function, is one Keras made afresh (a first fit, a compile): it
+        runs through :meth:`_stepping`, and the counting function is made again when next due. The one
+        :meth:`on_train_end` put back is not new: a later ``fit`` keeps both (no trace again)."""
+        if all(current is not known for known in (self._made, self._ordinary, self._counting)):
             self._made, self._ordinary, self._counting = current, self._stepping(current), None
 
     def _stepping(self, function: Any) -> Any:
@@ -204,9 +207,7 @@ class Fp8ScaleCallback(keras.callbacks.Callback):
         self._after_step()  # the step before this one, when nothing waited for its end
         model = self._model
         current = model.train_function
-        if current is not self._ordinary and current is not self._counting:
-            # made afresh (recompiled)
-            self._made, self._ordinary, self._counting = current, self._stepping(current), None
+        self._follow(current)
         want = self._ordinary
         if (self._counting_ok and self.layers.counting_enabled
                 and sampled_within(self._step + 1, self._per_execution, self.count_every)):

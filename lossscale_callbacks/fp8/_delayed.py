@@ -330,15 +330,15 @@ def observe_together(histories: Sequence[DelayedHistory], step: int, amaxes: Seq
     step = int(step)
     if isinstance(amaxes, np.ndarray) and amaxes.ndim == 2:
         values: np.ndarray | None = amaxes.astype(np.float64, copy=False)
+        rows = list(values)
     else:
         rows = [np.asarray(a, dtype=np.float64).ravel() for a in amaxes]
         values = np.stack(rows) if rows and len({len(r) for r in rows}) == 1 else None
     scales_next = np.asarray(next_scales, dtype=np.float64).ravel()
     known = None if values is None or len(values) != len(histories) else _alike(histories, step, values)
     if known is None:
-        alone = [np.asarray(a, dtype=np.float64).ravel() for a in amaxes]
         return [h.observe(step, row, scale)
-                for h, row, scale in zip(histories, alone, scales_next.tolist(), strict=True)]
+                for h, row, scale in zip(histories, rows, scales_next.tolist(), strict=True)]
     head = histories[0]
     length, lag = head.length, head.lag
     previous, first_known = head._step, head._first

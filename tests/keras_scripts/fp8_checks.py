@@ -182,7 +182,7 @@ def generator_run() -> dict:
         def on_train_batch_end(self, batch, logs=None):
             Ends.ended += 1
 
-    steps, replaced = [], []
+    steps, replaced, counting = [], [], []
     for count in (25, 15):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras: "Your input ran out of data", as meant here
@@ -190,7 +190,9 @@ def generator_run() -> dict:
         steps.append([monitor._step, int(ops.convert_to_numpy(model.optimizer.iterations)), Ends.ended])
         replaced.append(sorted({name for _, metrics in memory.records for name in metrics
                                 if name.endswith(("/replaced_after", "/stale_ratio"))}))
+        counting.append(monitor._counting)
     return {"steps": steps, "replaced": replaced,
+            "counting_kept": counting[0] is not None and counting[1] is counting[0],
             "scale_steps": [s for s, _ in memory.series("fp8/d2/input/scale")],
             "verdicts": sorted({(v.rule, v.step) for v in monitor.loop.verdicts})}
 
