@@ -209,6 +209,56 @@ def jax_data_parallel() -> dict:
         keras.distribution.set_distribution(None)
 
 
+def jax_eager_loop() -> dict:
+    """A custom loop on JAX calling our ``apply`` eagerly (outside ``jit``), an Inf at step 4 of 12: the
+    weights and slots are bit-identical to Keras' own AdamW applied eagerly to the unscaled gradients, step 4
+    left out by hand; and after the first two steps no step compiles anything (``lax.cond`` called eagerly
+    compiled its branches again at every step)."""
+    import jax
+
+    compiles = []
+
+    def heard(event: str, *_, **__) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    rng = np.random.default_rng(2)
+    batches = [(rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 2)).astype("float32"))
+               for _ in range(12)]
+    batches[3][0][1, 2] = np.inf
+
+    def net():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(2)])
+
+    def grads_of(model, x, y, scale):
+        def loss(values):
+            out, _ = model.stateless_call(values, [v.value for v in model.non_trainable_variables], x)
+            return ops.mean(ops.square(out - y)) * scale
+        return jax.grad(loss)([v.value for v in model.trainable_variables])
+
+    ours, stock = net(), net()
+    opt = LossScaleOptimizer(keras.optimizers.AdamW(1e-2), policy=None)
+    reference = keras.optimizers.AdamW(1e-2)
+    reference.build(stock.trainable_variables)
+    counted = []
+    for step, (x, y) in enumerate(batches, start=1):
+        before = len(compiles)
+        opt.apply(grads_of(ours, x, y, opt.read_state().scale), ours.trainable_variables)
+        counted.append(len(compiles) - before)
+        if step != 4:
+            reference.apply(grads_of(stock, x, y, 1.0), stock.trainable_variables)
+    state = opt.read_state()
+    return {"steps": int(state.steps), "skipped": int(state.skipped_steps),
+            "compiles_after_step_2": sum(counted[2:]),
+            "weights_identical": all(np.array_equal(a, b) for a, b in zip(
+                _values(ours.trainable_variables), _values(stock.trainable_variables), strict=True)),
+            "slots_identical": all(np.array_equal(a, b) for a, b in zip(
+                _values(opt.inner_optimizer.variables), _values(reference.variables), strict=True))}
+
+
 def one_read() -> dict:
     """``read_state()``: one conversion to NumPy (the stacked state), no variable read; values bit-exact."""
     opt = LossScaleOptimizer(keras.optimizers.SGD(0.1))
@@ -271,6 +321,7 @@ def main() -> None:
               "diagnose": diagnose(), "one_read": one_read()}
     if BACKEND == "jax":
         result["data_parallel"] = jax_data_parallel()
+        result["eager_loop"] = jax_eager_loop()
     print("RESULT " + json.dumps(result))
 
 
