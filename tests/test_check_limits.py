@@ -16,6 +16,7 @@ import threading
 import tracemalloc
 import zipfile
 
+import background
 import pytest
 
 from lossscale_callbacks._cli import build_parser
@@ -141,22 +142,45 @@ def test_run_deep_gives_the_frames_or_says_it_ran_out():
         run_deep(lambda: 0, 50)
 
 
+_BUILD_CHAIN = ("import sys, threading, keras\n"
+                "def build():\n"
+                "    x = inp = keras.Input((2,))\n"
+                "    for _ in range(1000): x = keras.layers.Dense(2)(x)\n"
+                "    keras.Model(inp, x).save('chain.keras')\n"
+                "sys.setrecursionlimit(20000); threading.stack_size(512 << 20)\n"
+                "worker = threading.Thread(target=build); worker.start(); worker.join()\n")
+_CHAIN_FOLDER: list = []  # where the chain is built in the background runs
+
+
+def start_in_background(items, tmp_path_factory) -> None:
+    """The chain (10 to 20 s to build) is built beside the other tests (``tests/background.py``)."""
+    index = next((i for i, item in enumerate(items) if item.module.__name__ == __name__
+                  and "chain" in getattr(item, "fixturenames", ())), None)
+    if index is not None and _has_keras_and_tensorflow():
+        folder = tmp_path_factory.mktemp("chain")
+        background.submit("chain", [sys.executable, "-c", _BUILD_CHAIN], timeout=600, cwd=str(folder),
+                          env=dict(os.environ, KERAS_BACKEND="tensorflow"), order=index)
+        _CHAIN_FOLDER.append(folder)
+
+
+def _has_keras_and_tensorflow() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("keras", "tensorflow"))
+
+
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     """The issue's saved chain of 1000 Dense layers (built with a raised recursion limit in a subprocess)."""
     pytest.importorskip("keras")
     pytest.importorskip("tensorflow")
-    folder = tmp_path_factory.mktemp("chain")
-    build = ("import sys, threading, keras\n"
-             "def build():\n"
-             "    x = inp = keras.Input((2,))\n"
-             "    for _ in range(1000): x = keras.layers.Dense(2)(x)\n"
-             "    keras.Model(inp, x).save('chain.keras')\n"
-             "sys.setrecursionlimit(20000); threading.stack_size(512 << 20)\n"
-             "worker = threading.Thread(target=build); worker.start(); worker.join()\n")
-    env = dict(os.environ, KERAS_BACKEND="tensorflow")
-    subprocess.run([sys.executable, "-c", build], cwd=folder, env=env, check=True, timeout=600,
-                   capture_output=True)
+    if background.submitted("chain"):
+        folder, built = _CHAIN_FOLDER[0], background.wait("chain")
+        assert built.returncode == 0 and not built.timed_out, built.failure()
+    else:
+        folder = tmp_path_factory.mktemp("chain")
+        subprocess.run([sys.executable, "-c", _BUILD_CHAIN], cwd=folder, check=True, timeout=600,
+                       capture_output=True, env=dict(os.environ, KERAS_BACKEND="tensorflow"))
     return folder / "chain.keras"
 
 
