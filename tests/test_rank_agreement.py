@@ -13,6 +13,7 @@ import subprocess
 import sys
 import warnings
 
+import background
 import pytest
 
 from lossscale_callbacks import DynamicPolicy, InMemorySink, LoggingLoop
@@ -28,6 +29,35 @@ from lossscale_callbacks.loop._rank_agreement import (
 from lossscale_callbacks.report._run_report import build_report
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_scripts", "rank_agreement.py")
+TEARDOWN = os.path.join(os.path.dirname(__file__), "torch_scripts", "gather_teardown.py")
+NO_CUDA = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+_FOUR_RANKS_OUT: list = []  # the folder of the four ranks' run in the background runs
+
+
+def start_in_background(items, tmp_path_factory) -> None:
+    """The two multi-process runs (the four ranks, 150 gather teardowns: 35 s) beside the other tests
+    (``tests/background.py``), where a test of this module asks for them."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return
+    mine = [(i, item) for i, item in enumerate(items) if item.module.__name__ == __name__]
+    ranks = next((i for i, item in mine if "four_ranks" in getattr(item, "fixturenames", ())), None)
+    if ranks is not None:
+        out = tmp_path_factory.mktemp("ranks")
+        background.submit("four ranks", [sys.executable, SCRIPT, str(out)], env=NO_CUDA, timeout=240,
+                          order=ranks)
+        _FOUR_RANKS_OUT.append(out)
+    teardown = next((i for i, item in mine if item.originalname == TEARDOWN_TEST), None)
+    if teardown is not None:
+        background.submit("gather teardown", _teardown_command(), env=NO_CUDA, timeout=240, order=teardown)
+
+
+TEARDOWN_TEST = "test_freeing_a_ddp_model_after_a_gather_does_not_hang"
+
+
+def _teardown_command() -> list[str]:
+    return [sys.executable, TEARDOWN, "150"]  # it hung within 150 rounds before the gather waited
 
 
 def _state(steps, scale=1024.0, skipped=0, growth=None):
@@ -166,20 +196,24 @@ def test_a_gather_waits_until_its_tensors_are_let_go(monkeypatch):
 @pytest.mark.slow
 def test_freeing_a_ddp_model_after_a_gather_does_not_hang(tmp_path):
     pytest.importorskip("torch")
-    script = os.path.join(os.path.dirname(__file__), "torch_scripts", "gather_teardown.py")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, script, "150"], env=env, capture_output=True, text=True,
-                          timeout=240)  # it hung within 150 rounds before the gather waited
+    if background.submitted("gather teardown"):
+        proc = background.wait("gather teardown")
+        assert not proc.timed_out, proc.failure()
+    else:
+        proc = subprocess.run(_teardown_command(), env=NO_CUDA, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and "done 150" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     pytest.importorskip("torch")
-    out = tmp_path_factory.mktemp("ranks")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, SCRIPT, str(out)], env=env, capture_output=True, text=True,
-                          timeout=240)
+    if background.submitted("four ranks"):
+        out, proc = _FOUR_RANKS_OUT[0], background.wait("four ranks")
+        assert not proc.timed_out, proc.failure()
+    else:
+        out = tmp_path_factory.mktemp("ranks")
+        proc = subprocess.run([sys.executable, SCRIPT, str(out)], env=NO_CUDA, capture_output=True, text=True,
+                              timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     def load(mode):
