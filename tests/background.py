@@ -98,6 +98,15 @@ class Runs:
         run.done.wait()
         return run.finished
 
+    def result(self, key: object, argv: list[str], *, env: dict | None = None, timeout: float,
+               cwd: str | None = None) -> Finished:
+        """The run under ``key``: waited for when it was submitted, else ``argv`` run here and now (its
+        test selected alone, or ``LOSSSCALE_TEST_LANES=0``), with the same timeout and the same kill."""
+        if key not in self._runs:
+            with self._lock:
+                self._runs[key] = _Run(key, list(argv), env, timeout, cwd, 0)
+        return self.wait(key)
+
     def stop(self) -> None:
         """Queued runs dropped, running ones killed with their children (a session stopped early, ``-x``)."""
         with self._lock:
@@ -175,4 +184,4 @@ def _kill(proc: subprocess.Popen) -> None:
 # The session's runs: ``LOSSSCALE_TEST_LANES`` at a time beside pytest (default 1; 0: none, each module runs
 # its own in its tests, as it would without this file).
 SESSION = Runs(int(os.environ.get("LOSSSCALE_TEST_LANES", "1")))
-submit, submitted, wait = SESSION.submit, SESSION.submitted, SESSION.wait
+submit, submitted, wait, result = SESSION.submit, SESSION.submitted, SESSION.wait, SESSION.result

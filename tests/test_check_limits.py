@@ -174,13 +174,10 @@ def chain(tmp_path_factory):
     """The issue's saved chain of 1000 Dense layers (built with a raised recursion limit in a subprocess)."""
     pytest.importorskip("keras")
     pytest.importorskip("tensorflow")
-    if background.submitted("chain"):
-        folder, built = _CHAIN_FOLDER[0], background.wait("chain")
-        assert built.returncode == 0 and not built.timed_out, built.failure()
-    else:
-        folder = tmp_path_factory.mktemp("chain")
-        subprocess.run([sys.executable, "-c", _BUILD_CHAIN], cwd=folder, check=True, timeout=600,
-                       capture_output=True, env=dict(os.environ, KERAS_BACKEND="tensorflow"))
+    folder = _CHAIN_FOLDER[0] if background.submitted("chain") else tmp_path_factory.mktemp("chain")
+    built = background.result("chain", [sys.executable, "-c", _BUILD_CHAIN], timeout=600, cwd=str(folder),
+                              env=dict(os.environ, KERAS_BACKEND="tensorflow"))
+    assert built.returncode == 0 and not built.timed_out, built.failure()
     return folder / "chain.keras"
 
 

@@ -55,13 +55,9 @@ def _python_part(gpu, name: str, code: str, budget_s: int = 60, **kwargs):
 
 @pytest.mark.slow
 def test_without_cuda_dev_py_gpu_says_so_and_exits_0_after_a_dry_run(tmp_path):
-    if background.submitted("gpu dry run"):
-        folder, done = _DRY_RUN_FOLDER[0], background.wait("gpu dry run")
-        assert not done.timed_out, done.failure()
-    else:
-        folder = tmp_path
-        done = subprocess.run(_dry_run(folder), cwd=folder, env=NO_CUDA, capture_output=True, text=True,
-                              timeout=600, stdin=subprocess.DEVNULL)
+    folder = _DRY_RUN_FOLDER[0] if background.submitted("gpu dry run") else tmp_path
+    done = background.result("gpu dry run", _dry_run(folder), env=NO_CUDA, timeout=600, cwd=str(folder))
+    assert not done.timed_out, done.failure()
     out, work = folder / "figures.md", folder / "work"
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
 import sys
 import warnings
 
@@ -32,6 +31,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_scripts", "rank_agre
 TEARDOWN = os.path.join(os.path.dirname(__file__), "torch_scripts", "gather_teardown.py")
 NO_CUDA = dict(os.environ, CUDA_VISIBLE_DEVICES="")
 _FOUR_RANKS_OUT: list = []  # the folder of the four ranks' run in the background runs
+TEARDOWN_TEST = "test_freeing_a_ddp_model_after_a_gather_does_not_hang"
 
 
 def start_in_background(items, tmp_path_factory) -> None:
@@ -51,9 +51,6 @@ def start_in_background(items, tmp_path_factory) -> None:
     teardown = next((i for i, item in mine if item.originalname == TEARDOWN_TEST), None)
     if teardown is not None:
         background.submit("gather teardown", _teardown_command(), env=NO_CUDA, timeout=240, order=teardown)
-
-
-TEARDOWN_TEST = "test_freeing_a_ddp_model_after_a_gather_does_not_hang"
 
 
 def _teardown_command() -> list[str]:
@@ -196,24 +193,17 @@ def test_a_gather_waits_until_its_tensors_are_let_go(monkeypatch):
 @pytest.mark.slow
 def test_freeing_a_ddp_model_after_a_gather_does_not_hang(tmp_path):
     pytest.importorskip("torch")
-    if background.submitted("gather teardown"):
-        proc = background.wait("gather teardown")
-        assert not proc.timed_out, proc.failure()
-    else:
-        proc = subprocess.run(_teardown_command(), env=NO_CUDA, capture_output=True, text=True, timeout=240)
+    proc = background.result("gather teardown", _teardown_command(), env=NO_CUDA, timeout=240)
+    assert not proc.timed_out, proc.failure()
     assert proc.returncode == 0 and "done 150" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     pytest.importorskip("torch")
-    if background.submitted("four ranks"):
-        out, proc = _FOUR_RANKS_OUT[0], background.wait("four ranks")
-        assert not proc.timed_out, proc.failure()
-    else:
-        out = tmp_path_factory.mktemp("ranks")
-        proc = subprocess.run([sys.executable, SCRIPT, str(out)], env=NO_CUDA, capture_output=True, text=True,
-                              timeout=240)
+    out = _FOUR_RANKS_OUT[0] if background.submitted("four ranks") else tmp_path_factory.mktemp("ranks")
+    proc = background.result("four ranks", [sys.executable, SCRIPT, str(out)], env=NO_CUDA, timeout=240)
+    assert not proc.timed_out, proc.failure()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     def load(mode):
